@@ -1,0 +1,50 @@
+"""Copy tested example code into the docs: ``python docs/sync_examples.py [--check]``.
+
+A block between ``<!-- include: PATH -->`` and ``<!-- end include -->`` is replaced
+by the file at PATH, or by one function of it with ``PATH::function``.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "docs" / "writing-plugins.md"]
+BLOCK = re.compile(r"(<!-- include: (?P<ref>\S+) -->\n)(?P<body>.*?)(<!-- end include -->)", re.S)
+
+
+def source_of(ref: str) -> str:
+    path, _, name = ref.partition("::")
+    text = (ROOT / path).read_text()
+    if not name:
+        return text
+    for node in ast.parse(text).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+            return ast.get_source_segment(text, node) + "\n"
+    raise LookupError(f"{ref}: no function {name}")
+
+
+def render(markdown: str) -> str:
+    return BLOCK.sub(lambda m: f"{m.group(1)}```python\n{source_of(m.group('ref'))}```\n{m.group(4)}", markdown)
+
+
+def main(argv: list[str]) -> int:
+    stale = []
+    for doc in DOCS:
+        current = doc.read_text()
+        fresh = render(current)
+        if fresh != current:
+            stale.append(doc)
+            if "--check" not in argv:
+                doc.write_text(fresh)
+    if stale and "--check" in argv:
+        print("out of date:", ", ".join(str(d) for d in stale))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,89 @@
+"""auto-sessions: park a conversation's engine slot on disk around a conversation switch.
+
+On a switch (a request whose conversation key differs from the one the slot holds),
+while holding the service FIFO:
+
+1. save the held conversation to ``auto-<key>.bin`` if it reached ``min_tokens``;
+2. restore the incoming conversation from its file, unless the save failed (the
+   held state is still the better one) or the engine's own RAM cache most likely
+   still holds the incoming conversation (a restore would then cost the outgoing
+   one its RAM copy and gain nothing).
+
+Its numbers are in :class:`AutoSessionsStats`, reported through ``collect_stats``
+and kept at ``service.state["auto_sessions"].stats``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import strata_serve
+from strata_serve.config import ConfigError
+
+from strata_auto_sessions.parking import NAME, AutoSessions, AutoSessionsConfig, AutoSessionsStats
+
+__all__ = ["AutoSessions", "AutoSessionsConfig", "AutoSessionsStats"]
+
+#: The plugin's name when registered by hand (tests); the entry point gives the same.
+strata_name = NAME
+
+
+def _parking(service: Any) -> AutoSessions | None:
+    return service.state.get(NAME)
+
+
+@strata_serve.hookimpl
+def on_config(settings):
+    config = settings.plugin_config(NAME, AutoSessionsConfig)
+    engine_dir = settings.engine.slot_save_path
+    if config.slot_dir is not None:
+        if engine_dir is None:
+            # The engine must write where we look: give it our directory.
+            settings.engine.slot_save_path = config.slot_dir
+        elif engine_dir.resolve() != config.slot_dir.resolve():
+            raise ConfigError(
+                f"plugins.{NAME}.slot_dir ({config.slot_dir}) must be the engine's slot directory "
+                f"(engine.slot_save_path = {engine_dir})"
+            )
+
+
+@strata_serve.hookimpl
+def on_startup(service):
+    config = service.settings.plugin_config(NAME, AutoSessionsConfig)
+    service.state[NAME] = AutoSessions.start(config, service)
+
+
+@strata_serve.hookimpl
+def on_engine_start(service, restarted):
+    parking = _parking(service)
+    if parking is not None:
+        parking.engine_restarted()
+
+
+@strata_serve.hookimpl
+async def pre_request(request, service):
+    parking = _parking(service)
+    if parking is not None and parking.active:
+        await parking.before(request, service)
+
+
+@strata_serve.hookimpl
+def post_request(request, outcome, service):
+    parking = _parking(service)
+    if parking is not None and parking.active:
+        parking.after(request, outcome, service)
+
+
+@strata_serve.hookimpl
+async def on_shutdown(service):
+    parking = _parking(service)
+    if parking is not None and parking.active:
+        await parking.save_held(service, reason="shutdown")
+
+
+@strata_serve.hookimpl
+def collect_stats(service):
+    parking = _parking(service)
+    if parking is None:
+        return None
+    return parking.stats.snapshot(parking.store)

@@ -1,0 +1,375 @@
+"""The parking logic: what the slot holds, and when to save or restore it."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from strata_serve.exchange import EngineError, Outcome, StrataRequest, Verdict
+from strata_serve.engine.base import EngineUnavailable
+
+from strata_auto_sessions.store import SessionStore, Sidecar, fingerprint, same_model
+
+log = logging.getLogger("strata_auto_sessions")
+
+NAME = "auto_sessions"
+#: llama-server's ``--cache-ram`` default, assumed when the engine was started without the flag.
+ENGINE_DEFAULT_CACHE_RAM_MIB = 8192
+GB = 1024**3
+
+
+class AutoSessionsConfig(BaseModel):
+    """``plugins.auto_sessions.*``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    #: Conversations shorter than this are not worth a file (their prefill is cheap).
+    min_tokens: int = Field(16000, ge=0)
+    #: Keep at most this many session files...
+    keep: int = Field(12, ge=1)
+    #: ...and at most this many GB of them.
+    max_gb: float = Field(100, gt=0)
+    #: The slot directory; default: the engine's ``slot_save_path``.
+    slot_dir: Path | None = None
+    #: After a restore, a next request reusing less than this share of the restored
+    #: tokens is reported as "restore not reused".
+    reuse_warn_ratio: float = Field(0.5, ge=0, le=1)
+
+
+@dataclass
+class AutoSessionsStats:
+    """Counters for other plugins (the stats plugin reads them through ``collect_stats``)."""
+
+    saves: int = 0
+    saved_tokens: int = 0
+    saved_bytes: int = 0
+    save_ms: float = 0.0
+    save_failures: int = 0
+    save_skips_below_min: int = 0
+    save_skips_unchanged: int = 0
+    save_skips_verdict: int = 0
+    restores: int = 0
+    restored_tokens: int = 0
+    restored_bytes: int = 0
+    restore_ms: float = 0.0
+    restore_failures: int = 0
+    restores_withheld: int = 0
+    restores_left_to_ram: int = 0
+    restores_refused_other_model: int = 0
+    restores_not_reused: int = 0
+    prunes: int = 0
+    pruned_bytes: int = 0
+
+    def snapshot(self, store: SessionStore | None) -> dict[str, float]:
+        values = asdict(self)
+        if store is not None:
+            files, size = store.usage()
+            values["files_on_disk"] = files
+            values["bytes_on_disk"] = size
+        return values
+
+
+@dataclass
+class RamCacheModel:
+    """What the engine's RAM prompt cache most likely holds, by conversation key.
+
+    llama-server parks the outgoing conversation in its RAM cache when a request
+    for another one arrives, and moves a cached conversation back into the slot
+    when it returns (leaving the cache). It evicts the oldest past its budget. A
+    slot restore bypasses all of this: the outgoing conversation is not parked.
+    """
+
+    budget_bytes: int
+    entries: collections.OrderedDict[str, int] = field(default_factory=collections.OrderedDict)
+
+    def holds(self, key: str) -> bool:
+        return key in self.entries
+
+    def park(self, key: str, size: int) -> None:
+        self.entries.pop(key, None)
+        self.entries[key] = size
+        while self.entries and sum(self.entries.values()) > self.budget_bytes:
+            self.entries.popitem(last=False)
+
+    def take(self, key: str) -> None:
+        self.entries.pop(key, None)
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
+class AutoSessions:
+    """One per service: the held conversation and the decisions around it."""
+
+    def __init__(self, config: AutoSessionsConfig, store: SessionStore | None, fingerprint: dict[str, Any],
+                 ram: RamCacheModel | None):
+        self.config = config
+        self.store = store
+        self.fingerprint = fingerprint
+        self.ram = ram
+        self.stats = AutoSessionsStats()
+        self.active = store is not None
+        self.held_key: str | None = None
+        self.held_tokens = 0
+        self.held_generation: int | None = None
+        #: Bytes per token of the engine's state, measured from our saves.
+        self.bytes_per_token: float | None = None
+
+    @classmethod
+    def start(cls, config: AutoSessionsConfig, service: Any) -> AutoSessions:
+        info = service.engine.info
+        if service.settings.engine.parallel > 1 or info.parallel > 1:
+            log.warning("[strata] auto sessions: off: the engine runs %d slots in parallel; "
+                        "parking needs a single-slot engine (engine.parallel = 1)", max(info.parallel, 2))
+            return cls(config, None, {}, None)
+        directory = config.slot_dir or info.slot_save_path
+        if directory is None:
+            log.warning("[strata] auto sessions: off: no slot directory; set engine.slot_save_path "
+                        "(--slot-save-path) or plugins.auto_sessions.slot_dir")
+            return cls(config, None, {}, None)
+        store = SessionStore(Path(directory))
+        try:
+            removed = store.prepare()
+        except OSError as exc:
+            log.warning("[strata] auto sessions: off: slot directory %s unusable: %s", directory, exc)
+            return cls(config, None, {}, None)
+        if removed:
+            log.info("[strata] auto sessions: removed %d unfinished temporary file(s)", removed)
+        cache_mib = info.cache_ram_mib if info.cache_ram_mib is not None else ENGINE_DEFAULT_CACHE_RAM_MIB
+        ram = RamCacheModel(cache_mib * 1024 * 1024) if cache_mib > 0 else None
+        parking = cls(config, store, fingerprint(info.model_path, info.n_ctx), ram)
+        parking.held_generation = service.engine.generation
+        files, size = store.usage()
+        log.info("[strata] auto sessions: on, files in %s (%d file(s), %s); min_tokens %s; engine RAM cache %s",
+                 directory, files, _size(size), f"{config.min_tokens:,}",
+                 f"{cache_mib:,} MiB" if ram else "off")
+        return parking
+
+    # -- state -------------------------------------------------------------
+
+    def engine_restarted(self) -> None:
+        """Whatever the slot and the RAM cache held is gone."""
+        if self.held_key is not None:
+            log.info("[strata] auto sessions: the engine restarted; %s is no longer held", self.held_key)
+        self.held_key, self.held_tokens = None, 0
+        if self.ram is not None:
+            self.ram.clear()
+
+    def _check_generation(self, service: Any) -> None:
+        if self.held_generation != service.engine.generation:
+            self.engine_restarted()
+            self.held_generation = service.engine.generation
+
+    # -- around each request -------------------------------------------------
+
+    async def before(self, request: StrataRequest, service: Any) -> None:
+        self._check_generation(service)
+        key = request.conversation_key
+        if request.route == "slots" or key is None or key == self.held_key:
+            return
+        outgoing, outgoing_tokens = self.held_key, self.held_tokens
+        saved = await self.save_held(service, reason="switch")
+        if saved is False:
+            log.info("[strata] auto sessions: not restoring %s: the held conversation could not be saved "
+                     "and is still in the engine", key)
+            self.stats.restores_withheld += 1
+            return
+        restored = await self._restore(key, request, service)
+        if self.ram is not None:
+            if restored:
+                pass  # a restore overwrote the slot: the outgoing one was not parked in RAM
+            elif outgoing is not None and outgoing_tokens > 0:
+                self.ram.park(outgoing, int(outgoing_tokens * (self.bytes_per_token or 0)))
+            self.ram.take(key)  # now in the slot, whichever way it came
+        self.held_key = key
+        if not restored:
+            self.held_tokens = 0
+
+    def after(self, request: StrataRequest, outcome: Outcome, service: Any) -> None:
+        if request.route == "slots":
+            if request.body.get("action") in ("restore", "erase"):
+                # Someone changed the slot by hand: we no longer know what it holds.
+                self.held_key, self.held_tokens = None, 0
+            return
+        if request.conversation_key is None:
+            # A keyless request took the slot: nothing we can name is held now.
+            if outcome.status != "error":
+                self.held_key, self.held_tokens = None, 0
+            return
+        if outcome.status == "ok" and outcome.context_tokens is not None:
+            self.held_tokens = outcome.context_tokens
+        restored = request.state.get(NAME, {}).get("restored_tokens")
+        if restored and outcome.timings:
+            self._check_reuse(request, restored, outcome, service)
+
+    def _check_reuse(self, request: StrataRequest, restored: int, outcome: Outcome, service: Any) -> None:
+        reused = int(outcome.timings.get("cache_n", 0))  # type: ignore[union-attr]
+        expected = min(restored, outcome.prompt_tokens or restored)
+        if reused >= self.config.reuse_warn_ratio * expected:
+            return
+        self.stats.restores_not_reused += 1
+        log.warning("[strata] auto sessions: restore not reused: restored %s tokens for %s, the next "
+                    "request reused only %s", f"{restored:,}", request.conversation_key, f"{reused:,}")
+        error = EngineError(op="restore_reuse", message=f"restored {restored} tokens, reused {reused}")
+        if service.verdict("restore_reuse", error, restored) == Verdict.UNSUPPORTED:
+            self._give_up("the engine does not reuse restored state for this model")
+
+    def _give_up(self, why: str) -> None:
+        if self.active:
+            log.warning("[strata] auto sessions: parking stopped: %s", why)
+        self.active = False
+
+    # -- the engine calls ----------------------------------------------------
+
+    async def save_held(self, service: Any, *, reason: str) -> bool | None:
+        """Save the held conversation if it is worth it.
+
+        :returns: True saved, None nothing to do (skipped), False the save failed.
+        """
+        assert self.store is not None
+        self._check_generation(service)
+        key, tokens = self.held_key, self.held_tokens
+        if key is None or tokens <= 0:
+            return None
+        if tokens < self.config.min_tokens:
+            self.stats.save_skips_below_min += 1
+            log.info("[strata] auto sessions: not saving %s: %s tokens is below min_tokens (%s)",
+                     key, f"{tokens:,}", f"{self.config.min_tokens:,}")
+            return None
+        sidecar = self.store.sidecar(key)
+        if (sidecar is not None and sidecar.tokens == tokens and self.store.bin_path(key).exists()
+                and same_model(sidecar.fingerprint, self.fingerprint)):
+            self.stats.save_skips_unchanged += 1
+            return True
+        verdict = service.verdict("save", None, tokens)
+        if verdict in (Verdict.SKIP, Verdict.UNSUPPORTED):
+            self.stats.save_skips_verdict += 1
+            log.info("[strata] auto sessions: not saving %s: the engine quirk check says %s", key, verdict.value)
+            if verdict == Verdict.UNSUPPORTED:
+                self._give_up("the engine cannot save slots")
+            return None
+        temp = self.store.temp_name(key)
+        began = time.monotonic()
+        try:
+            answer = await service.engine.save(temp)
+            n_saved = int(answer.get("n_saved", tokens))
+            n_written = int(answer.get("n_written", 0))
+            now = time.time()
+            self.store.commit(temp, key, Sidecar(
+                key=key, fingerprint=self.fingerprint, tokens=n_saved, bytes=n_written,
+                created=sidecar.created if sidecar else now, last_used=now,
+            ))
+        except (EngineError, EngineUnavailable, OSError) as exc:
+            self._discard(temp)
+            return self._save_failed(key, exc, service)
+        ms = (time.monotonic() - began) * 1000
+        self.held_tokens = n_saved
+        if n_saved:
+            self.bytes_per_token = n_written / n_saved
+        self.stats.saves += 1
+        self.stats.saved_tokens += n_saved
+        self.stats.saved_bytes += n_written
+        self.stats.save_ms += ms
+        log.info("[strata] auto sessions: saved %s tokens (%s) to %s in %.0f ms%s",
+                 f"{n_saved:,}", _size(n_written), self.store.bin_name(key), ms,
+                 " (shutdown)" if reason == "shutdown" else "")
+        self._prune()
+        return True
+
+    def _discard(self, temp: str) -> None:
+        try:
+            self.store.discard(temp)  # type: ignore[union-attr]
+        except OSError as exc:  # e.g. the directory itself is gone
+            log.warning("[strata] auto sessions: could not remove %s: %s", temp, exc)
+
+    def _save_failed(self, key: str, exc: Exception, service: Any) -> bool | None:
+        self.stats.save_failures += 1
+        error = exc if isinstance(exc, EngineError) else EngineError(op="save", message=str(exc))
+        verdict = service.verdict("save", error, self.held_tokens)
+        if verdict == Verdict.PROVISIONAL:
+            log.info("[strata] auto sessions: %s held only provisional state (%s); "
+                     "restoring over it is safe", key, error.message)
+            self.held_key, self.held_tokens = None, 0
+            return None
+        if verdict == Verdict.UNSUPPORTED:
+            self._give_up(f"the engine cannot save slots ({error.message})")
+        log.warning("[strata] auto sessions: saving %s failed: %s", key, exc)
+        return False
+
+    async def _restore(self, key: str, request: StrataRequest, service: Any) -> bool:
+        assert self.store is not None
+        path = self.store.bin_path(key)
+        if not path.is_file():
+            return False
+        sidecar = self.store.sidecar(key)
+        if sidecar is None or not same_model(sidecar.fingerprint, self.fingerprint):
+            self.stats.restores_refused_other_model += 1
+            log.warning("[strata] auto sessions: not restoring %s: it was saved %s", path.name,
+                        "without a readable sidecar" if sidecar is None else "for another model or context size")
+            return False
+        if self.ram is not None and self.ram.holds(key):
+            self.stats.restores_left_to_ram += 1
+            log.info("[strata] auto sessions: %s is most likely in the engine's RAM cache; "
+                     "leaving it to the engine", key)
+            return False
+        verdict = service.verdict("restore", None, self.held_tokens)
+        if verdict in (Verdict.SKIP, Verdict.UNSUPPORTED):
+            if verdict == Verdict.UNSUPPORTED:
+                self._give_up("the engine cannot restore slots")
+            return False
+        began = time.monotonic()
+        try:
+            answer = await service.engine.restore(path.name)
+        except (EngineError, EngineUnavailable) as exc:
+            return self._restore_failed(key, exc, service)
+        ms = (time.monotonic() - began) * 1000
+        n_restored = int(answer.get("n_restored", 0))
+        n_read = int(answer.get("n_read", 0))
+        self.stats.restores += 1
+        self.stats.restored_tokens += n_restored
+        self.stats.restored_bytes += n_read
+        self.stats.restore_ms += ms
+        self.held_tokens = n_restored
+        request.state[NAME] = {"restored_tokens": n_restored, "restore_ms": ms}
+        try:
+            self.store.touch(key)
+        except OSError as exc:
+            log.warning("[strata] auto sessions: could not update %s's sidecar: %s", key, exc)
+        log.info("[strata] auto sessions: restored %s tokens from %s in %.0f ms",
+                 f"{n_restored:,}", path.name, ms)
+        return True
+
+    def _restore_failed(self, key: str, exc: Exception, service: Any) -> bool:
+        self.stats.restore_failures += 1
+        # A failed restore may have cleared the slot: assume it holds nothing.
+        self.held_key, self.held_tokens = None, 0
+        error = exc if isinstance(exc, EngineError) else EngineError(op="restore", message=str(exc))
+        verdict = service.verdict("restore", error, None)
+        if verdict == Verdict.UNSUPPORTED:
+            self._give_up(f"the engine cannot restore slots ({error.message})")
+        # The file stays: it is pruned like any other, and never deleted on a guess.
+        log.warning("[strata] auto sessions: restoring %s failed: %s; the request is answered by a full "
+                    "prefill", self.store.bin_name(key), exc)  # type: ignore[union-attr]
+        return False
+
+    def _prune(self) -> None:
+        assert self.store is not None
+        try:
+            removed = self.store.prune(self.config.keep, int(self.config.max_gb * GB))
+        except OSError as exc:
+            log.warning("[strata] auto sessions: pruning failed: %s", exc)
+            return
+        for key, size in removed:
+            self.stats.prunes += 1
+            self.stats.pruned_bytes += size
+            log.info("[strata] auto sessions: pruned %s%s%s (%s)", "auto-", key, ".bin", _size(size))
+
+
+def _size(n: int) -> str:
+    return f"{n / GB:.2f} GB" if n >= GB / 100 else f"{n / 1024**2:.2f} MB"

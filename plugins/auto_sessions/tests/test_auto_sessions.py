@@ -1,0 +1,320 @@
+"""auto-sessions against the real engine (tiny model, RAM cache off unless a test turns it on)."""
+
+from __future__ import annotations
+
+import logging
+import pytest
+
+import strata_auto_sessions
+import strata_serve
+from strata_serve.api import SERVICE
+from strata_serve.exchange import Verdict
+
+MIN_TOKENS = 100
+
+
+def conversation(name: str, turns: int = 1) -> list[dict]:
+    """A conversation whose first user message is long enough to be parked."""
+    opening = f"Conversation {name}: " + " ".join(f"{name}{n} ship sea wind" for n in range(40))
+    messages = [{"role": "user", "content": opening}]
+    for n in range(1, turns):
+        messages += [{"role": "assistant", "content": f"reply {n}"},
+                     {"role": "user", "content": f"and then {name} {n}?"}]
+    return messages
+
+
+def body(messages: list[dict], **extra) -> dict:
+    return {"messages": messages, "max_tokens": 8, "temperature": 0, **extra}
+
+
+def parking(client):
+    return client.app[SERVICE].state["auto_sessions"]
+
+
+def slot_dir(client):
+    return client.app[SERVICE].engine.info.slot_save_path
+
+
+async def ask(client, messages, **extra) -> dict:
+    resp = await client.post("/v1/chat/completions", json=body(messages, **extra))
+    assert resp.status == 200, await resp.text()
+    return await resp.json()
+
+
+def key_of(client, messages) -> str:
+    from strata_serve.exchange import StrataRequest
+
+    return client.app[SERVICE].conversation_key(StrataRequest(route="chat", body={"messages": messages}))
+
+
+def log_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name.startswith("strata_auto_sessions")]
+
+
+@pytest.fixture(autouse=True)
+def plugin_logs(caplog):
+    caplog.set_level(logging.INFO, logger="strata_auto_sessions")
+
+
+async def test_switch_saves_and_switching_back_restores_exactly(auto_client, llama_server_factory, caplog):
+    client = await auto_client()
+    a, b = conversation("alpha"), conversation("beta")
+    first_a = await ask(client, a)
+    await ask(client, b)
+    key_a = key_of(client, a)
+    bin_a = slot_dir(client) / f"auto-{key_a}.bin"
+    assert bin_a.stat().st_size > 10_000
+    assert oct(bin_a.stat().st_mode & 0o777) == "0o600"
+    assert any(f"saved" in l and f"auto-{key_a}.bin in" in l and "tokens (" in l for l in log_lines(caplog))
+
+    a2 = a + [{"role": "assistant", "content": first_a["choices"][0]["message"]["content"]},
+              {"role": "user", "content": "Tell me more."}]
+    after_switch = await ask(client, a2)
+    assert any(l.startswith("[strata] auto sessions: restored") and f"auto-{key_a}.bin" in l
+               for l in log_lines(caplog))
+    stats = parking(client).stats
+    assert stats.saves >= 1 and stats.restores == 1
+    timings = after_switch["timings"]
+    assert timings["cache_n"] >= 0.9 * (timings["cache_n"] + timings["prompt_n"]) - 20
+
+    fresh = await llama_server_factory()
+    status, reference = await fresh.request("POST", "/v1/chat/completions", json=body(a2))
+    assert status == 200
+    assert after_switch["choices"][0]["message"]["content"] == reference["choices"][0]["message"]["content"]
+    assert reference["timings"]["cache_n"] == 0
+
+
+async def test_same_key_neither_saves_nor_restores(auto_client):
+    client = await auto_client()
+    a = conversation("same", turns=1)
+    for turns in (1, 2, 3):
+        await ask(client, conversation("same", turns=turns))
+    stats = parking(client).stats
+    assert stats.saves == 0 and stats.restores == 0 and stats.save_skips_below_min == 0
+    assert not list(slot_dir(client).glob("auto-*.bin"))
+    assert parking(client).held_key == key_of(client, a)
+    assert parking(client).held_tokens > MIN_TOKENS
+
+
+async def test_below_min_tokens_is_skipped_and_logged(auto_client, caplog):
+    client = await auto_client()
+    short = [{"role": "user", "content": "hi"}]
+    await ask(client, short)
+    await ask(client, conversation("long"))
+    assert parking(client).stats.save_skips_below_min == 1
+    assert not list(slot_dir(client).glob("auto-*.bin"))
+    assert any("not saving" in l and "below min_tokens" in l for l in log_lines(caplog))
+
+
+async def test_no_key_does_nothing(auto_client):
+    client = await auto_client()
+    await ask(client, conversation("keyed"))
+    system_only = [{"role": "system", "content": "no user text here"}]
+    await ask(client, system_only)
+    stats = parking(client).stats
+    assert stats.saves == 0 and stats.save_skips_below_min == 0
+    assert parking(client).held_key is None, "a keyless request took the slot"
+
+
+@pytest.mark.parametrize("cache_ram_mib", [0, 256])
+async def test_shutdown_saves_and_next_start_restores(auto_client, caplog, cache_ram_mib):
+    client = await auto_client(engine={"cache_ram_mib": cache_ram_mib})
+    a = conversation("restart")
+    await ask(client, a)
+    directory = slot_dir(client)
+    await client.close()  # a normal stop: drain, on_shutdown, engine stopped
+    key = key_of(client, a)
+    assert (directory / f"auto-{key}.bin").exists()
+    assert any("(shutdown)" in l for l in log_lines(caplog))
+
+    again = await auto_client(engine={"cache_ram_mib": cache_ram_mib})
+    reply = await ask(again, a)  # a new engine: its RAM cache is empty, the disk has A
+    assert parking(again).stats.restores == 1
+    timings = reply["timings"]
+    assert timings["cache_n"] >= timings["prompt_n"] + timings["cache_n"] - 2
+
+
+async def test_failed_save_does_not_restore_over_the_held_state(auto_client, caplog, monkeypatch):
+    client = await auto_client()
+    a, b = conversation("keep"), conversation("other")
+    await ask(client, b)
+    await ask(client, a)  # B is saved here, A is held
+    key_a = key_of(client, a)
+    # Make the engine's own save fail for real: its target name is taken by a directory.
+    store = parking(client).store
+    monkeypatch.setattr(store, "temp_name", lambda key: "tmp-auto-blocked.bin")
+    (store.directory / "tmp-auto-blocked.bin").mkdir()
+    reply = await ask(client, b)
+    stats = parking(client).stats
+    assert stats.save_failures == 1
+    assert stats.restores == 0 and stats.restores_withheld == 1
+    assert reply["choices"], "the request itself is answered"
+    assert not (store.directory / f"auto-{key_a}.bin").exists()
+    assert any("saving" in l and "failed" in l for l in log_lines(caplog))
+
+
+class ProvisionalQuirk:
+    """A quirk plugin saying every failed save held only provisional state."""
+
+    strata_name = "provisional_quirk"
+
+    @strata_serve.hookimpl
+    def engine_verdict(self, op, error):
+        if op == "save" and error is not None:
+            return Verdict.PROVISIONAL
+        return None
+
+
+async def test_provisional_verdict_lets_the_restore_happen(auto_client, monkeypatch):
+    client = await auto_client(ProvisionalQuirk())
+    a, b = conversation("prov-a"), conversation("prov-b")
+    await ask(client, b)
+    await ask(client, a)
+    store = parking(client).store
+    monkeypatch.setattr(store, "temp_name", lambda key: "tmp-auto-blocked.bin")
+    (store.directory / "tmp-auto-blocked.bin").mkdir()
+    reply = await ask(client, b)
+    stats = parking(client).stats
+    assert stats.save_failures == 1 and stats.restores == 1
+    assert reply["timings"]["cache_n"] > MIN_TOKENS
+
+
+async def test_pruning_by_count_leaves_manual_files(auto_client):
+    client = await auto_client(keep=2)
+    await ask(client, conversation("p0"))
+    saved = await client.post("/slots/0?action=save", json={"filename": "manual.bin"})
+    assert saved.status == 200
+    for name in ("p1", "p2", "p3", "p4"):
+        await ask(client, conversation(name))
+    names = sorted(p.name for p in slot_dir(client).glob("*.bin"))
+    assert "manual.bin" in names
+    assert len([n for n in names if n.startswith("auto-")]) == 2
+    assert parking(client).stats.prunes == 2
+
+
+async def test_pruning_by_size(auto_client):
+    client = await auto_client(max_gb=1e-9)  # about one byte: every file is over
+    await ask(client, conversation("s0"))
+    await ask(client, conversation("s1"))
+    assert parking(client).stats.saves == 1 and parking(client).stats.prunes == 1
+    assert not list(slot_dir(client).glob("auto-*"))
+
+
+async def test_file_from_another_model_is_refused(auto_client, auto_settings, strata_client_factory,
+                                                  tmp_path, caplog):
+    from strata_serve.demo_model import write_demo_model
+
+    other = write_demo_model(tmp_path / "other.gguf", size="tiny", seed=7)
+    a = conversation("model")
+    first = await strata_client_factory(strata_auto_sessions, settings=auto_settings({"model": str(other)}))
+    await ask(first, a)
+    await first.close()  # saves A's state, made by the other model
+    key = key_of(first, a)
+    assert (slot_dir(first) / f"auto-{key}.bin").exists()
+
+    client = await auto_client()
+    reply = await ask(client, a)
+    assert parking(client).stats.restores == 0
+    assert parking(client).stats.restores_refused_other_model == 1
+    assert reply["timings"]["cache_n"] == 0
+    assert any("another model" in l for l in log_lines(caplog))
+
+
+async def test_truncated_file_fails_cleanly_and_is_answered_by_prefill(auto_client, llama_server_factory):
+    client = await auto_client()
+    a, b = conversation("trunc-a"), conversation("trunc-b")
+    await ask(client, a)
+    await ask(client, b)
+    path = slot_dir(client) / f"auto-{key_of(client, a)}.bin"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    reply = await ask(client, a)
+    assert parking(client).stats.restore_failures == 1
+    assert reply["timings"]["cache_n"] < 20
+    fresh = await llama_server_factory()
+    _, reference = await fresh.request("POST", "/v1/chat/completions", json=body(a))
+    assert reply["choices"][0]["message"]["content"] == reference["choices"][0]["message"]["content"]
+    assert (await client.get("/health")).status == 200
+
+
+async def test_restore_not_reused_is_noticed(auto_client, caplog):
+    client = await auto_client()
+    a, b = conversation("reuse-a"), conversation("reuse-b")
+    await ask(client, a)
+    await ask(client, b)
+    # Same first user message (same key), but a new system prompt in front: the
+    # restored state matches almost none of the new prompt.
+    changed = [{"role": "system", "content": "A brand new system prompt " * 3}] + a
+    await ask(client, changed)
+    assert parking(client).stats.restores == 1
+    assert parking(client).stats.restores_not_reused == 1
+    assert any("restore not reused" in l for l in log_lines(caplog))
+
+
+async def test_refused_with_parallel_slots_or_no_directory(strata_client_factory, auto_settings, caplog):
+    client = await strata_client_factory(strata_auto_sessions, settings=auto_settings({"parallel": 2}))
+    await ask(client, conversation("par-a"))
+    await ask(client, conversation("par-b"))
+    assert not parking(client).active
+    assert any("off" in l and "parallel" in l for l in log_lines(caplog))
+
+    client = await strata_client_factory(strata_auto_sessions, settings=auto_settings({"slot_save_path": None}))
+    await ask(client, conversation("nodir"))
+    assert not parking(client).active
+    assert any("no slot directory" in l for l in log_lines(caplog))
+
+
+async def test_temporaries_from_a_crash_are_cleaned_at_start(auto_settings, strata_client_factory):
+    settings = auto_settings()
+    directory = settings.engine.slot_save_path
+    directory.mkdir(parents=True)
+    (directory / "tmp-auto-dead-0000.bin").write_bytes(b"half a file")
+    client = await strata_client_factory(strata_auto_sessions, settings=settings)
+    assert not (directory / "tmp-auto-dead-0000.bin").exists()
+    assert parking(client).active
+
+
+async def test_collect_stats_reports_the_numbers(auto_client):
+    client = await auto_client()
+    await ask(client, conversation("st-a"))
+    await ask(client, conversation("st-b"))
+    await ask(client, conversation("st-a"))
+    from strata_serve.plugins import call_each_sync
+
+    reported = dict(call_each_sync(client.app[SERVICE].pm, "collect_stats", service=client.app[SERVICE]))
+    numbers = reported["auto_sessions"]
+    assert numbers["saves"] == 2 and numbers["restores"] == 1
+    assert numbers["files_on_disk"] == 2 and numbers["bytes_on_disk"] > 20_000
+    assert numbers["save_ms"] > 0 and numbers["restored_tokens"] > MIN_TOKENS
+
+
+async def test_disabled_in_config_does_nothing(strata_client_factory, strata_settings_factory):
+    settings = strata_settings_factory(plugins={"auto_sessions": {"enabled": False, "min_tokens": 1}})
+    client = await strata_client_factory(strata_auto_sessions, settings=settings)
+    await ask(client, conversation("off-a"))
+    await ask(client, conversation("off-b"))
+    assert "auto_sessions" not in client.app[SERVICE].state
+    assert not list(slot_dir(client).glob("auto-*"))
+
+
+async def test_ram_cache_on_abab_never_worse_than_the_bare_engine(
+    auto_client, strata_client_factory, strata_settings_factory
+):
+    """A -> B -> A -> B -> A with the engine's RAM cache on, with and without the plugin.
+
+    Reuse (``cache_n``) is the deterministic measure of speed here: a step with the
+    plugin must reuse as much as the same step on the bare engine.
+    """
+    engine = {"cache_ram_mib": 256}
+    bare = await strata_client_factory(settings=strata_settings_factory(engine=engine))
+    parked = await auto_client(engine=engine)
+    a, b = conversation("ram-a"), conversation("ram-b")
+    for step, messages in enumerate((a, b, a, b, a)):
+        without = (await ask(bare, messages))["timings"]
+        with_it = (await ask(parked, messages))["timings"]
+        assert with_it["cache_n"] >= without["cache_n"] - 1, (step, with_it, without)
+        if step >= 2:
+            assert without["cache_n"] > MIN_TOKENS, "the bare engine's RAM cache brings it back"
+    stats = parking(parked).stats
+    assert stats.restores == 0, "the RAM cache had them: no disk restore"
+    assert stats.restores_left_to_ram == 3

@@ -1,0 +1,70 @@
+"""SessionStore on its own: names, temporaries, sidecars, pruning."""
+
+import os
+import time
+
+from strata_auto_sessions.store import SessionStore, Sidecar, fingerprint, same_model
+
+
+def make_file(store, key, size, age):
+    path = store.bin_path(key)
+    path.write_bytes(b"x" * size)
+    then = time.time() - age
+    os.utime(path, (then, then))
+    store.write_sidecar(Sidecar(key=key, fingerprint={}, tokens=1, bytes=size, created=then, last_used=then))
+
+
+def test_prepare_removes_only_temporaries(tmp_path):
+    store = SessionStore(tmp_path / "slots")
+    store.prepare()
+    (store.directory / "tmp-auto-a-1234.bin").write_bytes(b"half")
+    (store.directory / "tmp-auto-a-1234.json").write_text("{")
+    (store.directory / "manual.bin").write_bytes(b"mine")
+    make_file(store, "kept", 10, 0)
+    assert store.prepare() == 2
+    assert sorted(p.name for p in store.directory.iterdir()) == ["auto-kept.bin", "auto-kept.json", "manual.bin"]
+
+
+def test_prune_by_count_newest_first_and_manual_files_untouched(tmp_path):
+    store = SessionStore(tmp_path)
+    for n, age in enumerate([50, 10, 30, 40]):
+        make_file(store, f"k{n}", 100, age)
+    (tmp_path / "manual.bin").write_bytes(b"m" * 1000)
+    (tmp_path / "auto-notes.txt").write_text("not ours either")
+    removed = store.prune(keep=2, max_bytes=10**9)
+    assert sorted(k for k, _ in removed) == ["k0", "k3"]
+    assert [k for k, *_ in store.files()] == ["k1", "k2"]
+    assert (tmp_path / "manual.bin").exists() and (tmp_path / "auto-notes.txt").exists()
+    assert not (tmp_path / "auto-k0.json").exists(), "sidecars go with their files"
+
+
+def test_prune_by_size(tmp_path):
+    store = SessionStore(tmp_path)
+    make_file(store, "new", 600, 1)
+    make_file(store, "mid", 600, 2)
+    make_file(store, "old", 300, 3)
+    removed = store.prune(keep=10, max_bytes=1000)
+    assert [k for k, _ in removed] == ["mid"]
+    assert store.usage() == (2, 900)
+
+
+def test_sidecar_round_trip_and_unreadable(tmp_path):
+    store = SessionStore(tmp_path)
+    car = Sidecar(key="a", fingerprint={"n_ctx": 1}, tokens=5, bytes=9, created=1.0, last_used=2.0)
+    store.write_sidecar(car)
+    assert store.sidecar("a") == car
+    assert oct(store.sidecar_path("a").stat().st_mode & 0o777) == "0o600"
+    store.sidecar_path("a").write_text("{broken")
+    assert store.sidecar("a") is None
+
+
+def test_fingerprint_tells_models_apart(tmp_path):
+    one, two = tmp_path / "one.gguf", tmp_path / "two.gguf"
+    one.write_bytes(b"GGUF" + b"\x01" * 100)
+    two.write_bytes(b"GGUF" + b"\x02" * 100)
+    assert same_model(fingerprint(str(one), 4096), fingerprint(str(one), 4096))
+    assert not same_model(fingerprint(str(one), 4096), fingerprint(str(two), 4096))
+    assert not same_model(fingerprint(str(one), 4096), fingerprint(str(one), 2048))
+    moved = tmp_path / "moved.gguf"
+    moved.write_bytes(one.read_bytes())
+    assert same_model(fingerprint(str(one), 4096), fingerprint(str(moved), 4096))

@@ -1,0 +1,10 @@
+"""Typed storage keys for the app and its requests."""
+
+from aiohttp import web
+
+from strata_serve.service import Service
+
+#: The app's :class:`~strata_serve.service.Service`: ``request.app[SERVICE]``.
+SERVICE = web.AppKey("service", Service)
+#: Name of the API-key holder that sent a request, when named keys are configured.
+TENANT = web.RequestKey("tenant", str)

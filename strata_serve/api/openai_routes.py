@@ -1,0 +1,220 @@
+"""``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models``, relayed to the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from typing import Any, Iterator
+
+from aiohttp import web
+from pydantic import BaseModel
+
+from strata_serve.api.errors import APIError
+from strata_serve.api.keys import SERVICE, TENANT
+from strata_serve.engine.base import EngineUnavailable
+from strata_serve.exchange import Outcome, StrataRequest
+from strata_serve.service import QueueFull, Service, ShuttingDown
+
+log = logging.getLogger("strata_serve.api")
+routes = web.RouteTableDef()
+
+#: How long a client told "queue full" should wait before trying again.
+RETRY_AFTER_S = 5
+
+
+def service_of(request: web.Request) -> Service:
+    return request.app[SERVICE]
+
+
+async def read_json(request: web.Request, model: type[BaseModel]) -> dict[str, Any]:
+    """The body as a dict, checked against ``model`` (raises errors the middleware shapes)."""
+    timeout = service_of(request).settings.server.read_timeout_s
+    try:
+        raw = await asyncio.wait_for(request.read(), timeout)  # 413 past server.max_body_mib
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="read_timeout") from None
+    if not raw:
+        raise APIError(400, "the request body is empty; a JSON object is expected")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    model.model_validate(body)
+    return body
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    from strata_serve.api.schemas import ChatCompletionRequest
+
+    body = await read_json(request, ChatCompletionRequest)
+    return await relay(request, "chat", "/v1/chat/completions", body)
+
+
+@routes.post("/v1/completions")
+async def completions(request: web.Request) -> web.StreamResponse:
+    from strata_serve.api.schemas import CompletionRequest
+
+    body = await read_json(request, CompletionRequest)
+    return await relay(request, "completion", "/v1/completions", body)
+
+
+@routes.get("/v1/models")
+async def models(request: web.Request) -> web.Response:
+    service = service_of(request)
+    try:
+        await service.engine.wait_ready()
+        status, body = await service.engine.request("GET", "/v1/models", op="models")
+    except EngineUnavailable as exc:
+        raise APIError(exc.status, str(exc)) from None
+    return engine_answer(status, body)
+
+
+@contextlib.contextmanager
+def service_errors(service: Service) -> Iterator[None]:
+    """Turn the service's refusals into OpenAI-shaped errors."""
+    try:
+        yield
+    except QueueFull:
+        raise APIError(
+            503,
+            f"the server is busy: {service.settings.server.queue_limit} requests are already waiting",
+            code="queue_full",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        ) from None
+    except ShuttingDown:
+        raise APIError(503, "the server is shutting down", code="shutting_down") from None
+    except EngineUnavailable as exc:
+        raise APIError(exc.status, str(exc), code="engine_unavailable") from None
+
+
+def engine_answer(status: int, body: Any) -> web.Response:
+    """The engine's answer as ours; a non-JSON or odd error body is put in the OpenAI shape."""
+    if status >= 400 and not (isinstance(body, dict) and isinstance(body.get("error"), dict)):
+        raise APIError(status if status < 500 else 502, f"the engine answered HTTP {status}: {str(body)[:300]}")
+    if status >= 500:
+        message = body["error"].get("message") or f"HTTP {status}"
+        raise APIError(502, f"the engine failed: {message}")
+    if status >= 400:
+        # The engine's own error object, completed to the OpenAI shape.
+        body = {"error": {"param": None, "code": None, **body["error"]}}
+        body["error"].setdefault("type", "invalid_request_error")
+    return web.json_response(body, status=status)
+
+
+async def relay(request: web.Request, route: str, path: str, body: dict[str, Any]) -> web.StreamResponse:
+    """Send one request through the FIFO to the engine and hand back its answer."""
+    service = service_of(request)
+    sreq = StrataRequest(
+        route=route,  # type: ignore[arg-type]
+        body=body,
+        headers=request.headers,
+        stream=bool(body.get("stream")),
+        tenant=request.get(TENANT),
+    )
+    sreq.conversation_key = service.conversation_key(sreq)
+    answer: web.StreamResponse | None = None
+
+    async def send(outcome: Outcome) -> None:
+        nonlocal answer
+        if sreq.stream:
+            answer = await _relay_stream(request, service, path, sreq.body, outcome)
+        else:
+            answer = await _relay_json(service, path, sreq.body, outcome)
+
+    with service_errors(service):
+        await service.process(sreq, send)
+    assert answer is not None
+    return answer
+
+
+async def _relay_json(service: Service, path: str, body: dict[str, Any], outcome: Outcome) -> web.StreamResponse:
+    status, answer = await service.engine.request("POST", path, json=body, op="completion")
+    outcome.http_status = status
+    if isinstance(answer, dict):
+        outcome.timings = answer.get("timings")
+        outcome.usage = answer.get("usage")
+    if 200 <= status < 300:
+        outcome.status = "ok"
+        outcome.error = None
+    else:
+        outcome.status = "error"
+        outcome.error = f"engine answered HTTP {status}"
+    return engine_answer(status, answer)
+
+
+class _SSEWatcher:
+    """Reads the engine's SSE bytes as they pass, for ``timings``, ``usage`` and the end."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self.timings: dict[str, Any] | None = None
+        self.usage: dict[str, Any] | None = None
+        self.finished = False
+        self.error: str | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        self._buffer += chunk
+        *lines, self._buffer = self._buffer.split(b"\n")
+        for line in lines:
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                self.finished = True
+                continue
+            try:
+                event = json.loads(data)
+            except ValueError:
+                continue
+            if not isinstance(event, dict):
+                continue
+            if isinstance(event.get("timings"), dict):
+                self.timings = event["timings"]
+            if isinstance(event.get("usage"), dict):
+                self.usage = event["usage"]
+            if "error" in event:
+                self.error = str(event["error"])
+            for choice in event.get("choices") or []:
+                if isinstance(choice, dict) and choice.get("finish_reason"):
+                    self.finished = True
+
+
+async def _relay_stream(
+    request: web.Request, service: Service, path: str, body: dict[str, Any], outcome: Outcome
+) -> web.StreamResponse:
+    async with service.engine.stream(path, body) as upstream:
+        outcome.http_status = upstream.status
+        if upstream.status != 200:
+            answer = await upstream.body()
+            outcome.error = f"engine answered HTTP {upstream.status}"
+            return engine_answer(upstream.status, answer)
+        response = web.StreamResponse(
+            status=200,
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
+        )
+        await response.prepare(request)
+        watcher = _SSEWatcher()
+        try:
+            async for chunk in upstream.chunks():
+                watcher.feed(chunk)
+                await response.write(chunk)
+        except EngineUnavailable as exc:
+            # Headers are gone already: tell the client in the stream itself.
+            outcome.error = str(exc)
+            event = {"error": {"message": str(exc), "type": "engine_error", "param": None, "code": None}}
+            await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            await response.write_eof()
+            return response
+        outcome.timings, outcome.usage = watcher.timings, watcher.usage
+        if watcher.finished and watcher.error is None:
+            outcome.status, outcome.error = "ok", None
+        else:
+            outcome.error = watcher.error or "the engine ended the stream early"
+        await response.write_eof()
+        return response

@@ -1,0 +1,55 @@
+"""Request bodies, validated before anything reaches the engine.
+
+Only the fields strata-serve relies on are typed; anything else a client sends is
+passed through to the engine untouched (``extra="allow"``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
+
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ContentPart(_Open):
+    type: StrictStr
+
+
+class Message(_Open):
+    role: Role
+    content: StrictStr | list[ContentPart] | None = None
+    name: StrictStr | None = None
+
+
+class _Sampling(_Open):
+    model: StrictStr | None = None
+    stream: StrictBool = False
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    n: int | None = Field(None, ge=1, le=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    user: StrictStr | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+
+
+class CompletionRequest(_Sampling):
+    prompt: StrictStr | list[StrictStr] | list[int]
+
+
+class SlotFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    filename: StrictStr = Field(min_length=1, max_length=255)

@@ -1,0 +1,167 @@
+"""``strata-serve run | plugins | demo-model``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+from aiohttp import web
+
+from strata_serve.config import ConfigError, Settings, load_settings
+
+log = logging.getLogger("strata_serve")
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
+    # aiohttp's access log is one line per request; ours already says what matters.
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+@click.group()
+@click.version_option(package_name="strata-serve")
+def cli() -> None:
+    """strata-serve: an OpenAI-compatible server in front of llama.cpp's llama-server."""
+
+
+def _overrides(**flags: Any) -> dict[str, Any]:
+    """CLI flags as nested settings, leaving out the ones not given."""
+    sections: dict[str, dict[str, Any]] = {"server": {}, "engine": {}}
+    mapping = {
+        "host": ("server", "host"),
+        "port": ("server", "port"),
+        "model": ("engine", "model"),
+        "ctx_size": ("engine", "ctx_size"),
+        "slot_save_path": ("engine", "slot_save_path"),
+        "engine_url": ("engine", "url"),
+        "engine_binary": ("engine", "binary"),
+        "cache_ram": ("engine", "cache_ram_mib"),
+    }
+    for flag, value in flags.items():
+        if value is not None and flag in mapping:
+            section, key = mapping[flag]
+            sections[section][key] = value
+    return {name: values for name, values in sections.items() if values}
+
+
+def _settings_or_exit(config: Path | None, **flags: Any) -> Settings:
+    try:
+        settings = load_settings(config, **_overrides(**flags))
+    except ConfigError as exc:
+        raise click.ClickException(f"configuration: {exc}") from None
+    # --disable-plugin adds to STRATA_DISABLE_PLUGINS and the file's list, never replaces them.
+    settings.disable_plugins = sorted(set(settings.disable_plugins) | set(flags.get("disable_plugin") or ()))
+    return settings
+
+
+config_option = click.option("--config", "config", type=click.Path(path_type=Path, dir_okay=False),
+                             help="A TOML or JSON settings file.")
+disable_option = click.option("--disable-plugin", multiple=True, metavar="NAME",
+                              help="Turn a plugin off for this run (repeatable).")
+
+
+@cli.command()
+@config_option
+@click.option("--model", type=click.Path(path_type=Path), help="GGUF model for the engine.")
+@click.option("--host", help="Address to listen on (default 127.0.0.1).")
+@click.option("--port", type=int, help="Port to listen on (default 8080).")
+@click.option("--ctx-size", type=int, help="Engine context size in tokens.")
+@click.option("--slot-save-path", type=click.Path(path_type=Path), help="Directory for slot files.")
+@click.option("--cache-ram", type=int, help="Engine RAM prompt cache in MiB (0 turns it off).")
+@click.option("--engine-url", help="Attach to a running llama-server instead of starting one.")
+@click.option("--engine-binary", type=click.Path(path_type=Path), help="The llama-server binary to start.")
+@disable_option
+@click.option("--log-level", default="INFO", show_default=True)
+def run(config: Path | None, log_level: str, **flags: Any) -> None:
+    """Start the engine and serve the OpenAI API in front of it."""
+    setup_logging(log_level.upper())
+    settings = _settings_or_exit(config, **flags)
+    from strata_serve.engine import EngineUnavailable
+
+    try:
+        asyncio.run(serve(settings))
+    except ConfigError as exc:
+        raise click.ClickException(f"configuration: {exc}") from None
+    except EngineUnavailable as exc:
+        raise click.ClickException(f"engine: {exc}") from None
+
+
+async def serve(settings: Settings) -> None:
+    """Run until SIGINT/SIGTERM, then stop in order: listeners, drain, on_shutdown, engine."""
+    from strata_serve.api import create_app
+    from strata_serve.plugins import get_plugin_manager
+
+    pm = get_plugin_manager(settings)
+    app = create_app(settings, pm)
+    runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True,
+                           access_log=None, shutdown_timeout=settings.server.shutdown_grace_s + 15)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await runner.setup()  # starts the engine (cleanup_ctx)
+    try:
+        site = web.TCPSite(runner, settings.server.host, settings.server.port)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        log.info("[strata] listening on http://%s:%d (plugins: %s)", host, port,
+                 ", ".join(sorted(name for name, p in pm.list_name_plugin() if p is not None)))
+        log.info(
+            "[strata] try: curl http://%s:%d/v1/chat/completions -H 'Content-Type: application/json' "
+            "-d '{\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}],\"max_tokens\":16}'",
+            host, port,
+        )
+        await stop.wait()
+        log.info("[strata] stopping: finishing the request in flight, then saving and stopping the engine")
+    finally:
+        await runner.cleanup()
+    log.info("[strata] stopped")
+
+
+@cli.command("plugins")
+@config_option
+@disable_option
+def plugins_command(config: Path | None, disable_plugin: tuple[str, ...]) -> None:
+    """List the plugins: name, distribution, version, hooks, enabled."""
+    from strata_serve.plugins import list_plugins
+
+    settings = _settings_or_exit(config, disable_plugin=disable_plugin)
+    try:
+        infos = list_plugins(settings)
+    except ConfigError as exc:
+        raise click.ClickException(f"configuration: {exc}") from None
+    rows = [("NAME", "DISTRIBUTION", "VERSION", "ENABLED", "HOOKS")]
+    rows += [(i.name, i.distribution or "-", i.version or "-", "yes" if i.enabled else "no",
+              ", ".join(i.hooks) or "-") for i in infos]
+    widths = [max(len(row[c]) for row in rows) for c in range(4)]
+    for row in rows:
+        click.echo("  ".join(cell.ljust(widths[c]) for c, cell in enumerate(row[:4])) + "  " + row[4])
+
+
+@cli.command("demo-model")
+@click.argument("path", type=click.Path(path_type=Path, dir_okay=False))
+@click.option("--size", type=click.Choice(["tiny", "bench"]), default="tiny", show_default=True)
+@click.option("--force", is_flag=True, help="Write even if the file exists.")
+def demo_model(path: Path, size: str, force: bool) -> None:
+    """Write a small random-weight GGUF model (meaningless text; for tests and demos)."""
+    from strata_serve.demo_model import write_demo_model
+
+    if path.exists() and not force:
+        click.echo(f"{path} exists; keeping it (--force to rewrite)")
+        return
+    written = write_demo_model(path, size=size)
+    click.echo(f"wrote {written} ({written.stat().st_size:,} bytes, {size}). "
+               "Its weights are random: the text it writes is meaningless. Use a real GGUF for real work.")
+
+
+def main() -> None:
+    cli()
+
+
+if __name__ == "__main__":
+    main()

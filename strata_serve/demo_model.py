@@ -1,0 +1,171 @@
+"""Write a tiny random-weight GGUF model for tests and demos.
+
+The weights are random: the text this model produces is meaningless. It
+exists so that tests and demos can start and exercise the real llama.cpp
+engine (loading, chat templating, sampling, slot save/restore, timings)
+without downloading gigabytes of weights. Real use takes a real model.
+
+The model is a llama-architecture transformer in float16 with a small
+SentencePiece-style ("llama") vocabulary: a few control tokens, 256 byte
+fallback tokens and the printable ASCII characters, so text tokenizes to
+roughly one token per character. The chat template is standard ChatML and
+``<|im_end|>`` is the end-of-sequence token, so chat replies stop cleanly
+whenever the random weights happen to pick it.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+
+__all__ = ["CHAT_TEMPLATE", "SIZES", "ModelShape", "write_demo_model"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Hyperparameters of a demo model."""
+
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+    n_ctx: int
+
+
+SIZES: dict[str, ModelShape] = {
+    # Loads in well under a second; for unit and integration tests.
+    "tiny": ModelShape(n_embd=64, n_layer=2, n_head=4, n_head_kv=4, n_ff=128, n_ctx=4096),
+    # Big enough that prompt processing takes measurable time, for benchmarks.
+    "bench": ModelShape(n_embd=512, n_layer=8, n_head=16, n_head_kv=16, n_ff=1024, n_ctx=16384),
+}
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    r"{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}"
+    r"{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+
+# Small enough that activations stay far from float16 overflow.
+_WEIGHT_SCALE = 0.02
+
+
+def _vocab() -> tuple[list[str], list[int]]:
+    """Return the token strings and their gguf.TokenType values."""
+    tokens = list(_SPECIAL_TOKENS)
+    # A real SentencePiece vocab marks <unk> UNKNOWN rather than CONTROL:
+    # llama.cpp renders an UNKNOWN token as a visible placeholder, where a
+    # CONTROL token would silently vanish from the output.
+    types = [gguf.TokenType.UNKNOWN] + [gguf.TokenType.CONTROL] * (len(_SPECIAL_TOKENS) - 1)
+    # llama.cpp's SPM tokenizer falls back to these exact "<0xXX>" spellings
+    # for any character that is not in the vocabulary (e.g. "\n", non-ASCII).
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [gguf.TokenType.BYTE] * 256
+    # SentencePiece spells a space as U+2581, so a literal " " would be
+    # unreachable; "▁" takes its place.
+    tokens += [chr(c) for c in range(0x21, 0x7F)] + ["\u2581"]
+    types += [gguf.TokenType.NORMAL] * (0x7F - 0x21 + 1)
+    return tokens, [int(t) for t in types]
+
+
+def _tensor_name(tensor: gguf.MODEL_TENSOR, bid: int | None = None) -> str:
+    return gguf.TENSOR_NAMES[tensor].format(bid=bid) + ".weight"
+
+
+def write_demo_model(
+    path: str | os.PathLike[str], size: str = "tiny", seed: int = 0
+) -> pathlib.Path:
+    """Write a random-weight llama GGUF model to ``path`` and return its path.
+
+    The output is byte-for-byte deterministic for a given ``size`` and
+    ``seed``. The file appears atomically: a reader never sees a partial model.
+    """
+    try:
+        shape = SIZES[size]
+    except KeyError:
+        raise ValueError(
+            f"unknown demo model size {size!r}; expected one of {sorted(SIZES)}"
+        ) from None
+
+    out = pathlib.Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+
+    tokens, token_types = _vocab()
+    head_dim = shape.n_embd // shape.n_head
+    rng = np.random.default_rng(seed)
+
+    def weight(*dims: int) -> np.ndarray:
+        # numpy shapes are the reverse of ggml's: (rows=out, cols=in).
+        return (rng.standard_normal(dims, dtype=np.float32) * _WEIGHT_SCALE).astype(np.float16)
+
+    def norm() -> np.ndarray:
+        return np.ones(shape.n_embd, dtype=np.float32)
+
+    arch = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA]
+    writer = gguf.GGUFWriter(tmp, arch)
+    writer.add_name(f"strata-serve demo ({size}, random weights)")
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_vocab_size(len(tokens))
+    writer.add_context_length(shape.n_ctx)
+    writer.add_embedding_length(shape.n_embd)
+    writer.add_block_count(shape.n_layer)
+    writer.add_feed_forward_length(shape.n_ff)
+    writer.add_head_count(shape.n_head)
+    writer.add_head_count_kv(shape.n_head_kv)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(1e-5)
+
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_types(token_types)
+    # Every piece is a single character, so there is nothing for the
+    # SentencePiece merge scores to rank.
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_unk_token_id(tokens.index("<unk>"))
+    writer.add_bos_token_id(tokens.index("<s>"))
+    # ChatML turns end with <|im_end|>, so it (not </s>) is what must stop
+    # generation at the end of a chat reply.
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    # The ChatML prompt carries its own markers, and without an implicit
+    # leading space the token count of a prompt is exactly predictable.
+    writer.add_add_bos_token(False)
+    writer.add_add_eos_token(False)
+    writer.add_add_space_prefix(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+    q_dim = shape.n_head * head_dim
+    kv_dim = shape.n_head_kv * head_dim
+    T = gguf.MODEL_TENSOR
+    writer.add_tensor(_tensor_name(T.TOKEN_EMBD), weight(len(tokens), shape.n_embd))
+    for bid in range(shape.n_layer):
+        writer.add_tensor(_tensor_name(T.ATTN_NORM, bid), norm())
+        writer.add_tensor(_tensor_name(T.ATTN_Q, bid), weight(q_dim, shape.n_embd))
+        writer.add_tensor(_tensor_name(T.ATTN_K, bid), weight(kv_dim, shape.n_embd))
+        writer.add_tensor(_tensor_name(T.ATTN_V, bid), weight(kv_dim, shape.n_embd))
+        writer.add_tensor(_tensor_name(T.ATTN_OUT, bid), weight(shape.n_embd, q_dim))
+        writer.add_tensor(_tensor_name(T.FFN_NORM, bid), norm())
+        writer.add_tensor(_tensor_name(T.FFN_GATE, bid), weight(shape.n_ff, shape.n_embd))
+        writer.add_tensor(_tensor_name(T.FFN_UP, bid), weight(shape.n_ff, shape.n_embd))
+        writer.add_tensor(_tensor_name(T.FFN_DOWN, bid), weight(shape.n_embd, shape.n_ff))
+    writer.add_tensor(_tensor_name(T.OUTPUT_NORM), norm())
+    writer.add_tensor(_tensor_name(T.OUTPUT), weight(len(tokens), shape.n_embd))
+
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, out)
+    except BaseException:
+        writer.close()  # idempotent; the file must be closed before unlinking
+        tmp.unlink(missing_ok=True)
+        raise
+    return out

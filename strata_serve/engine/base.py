@@ -1,0 +1,65 @@
+"""What the core and plugins may ask of an engine backend."""
+
+from __future__ import annotations
+
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class EngineUnavailable(Exception):
+    """The engine cannot answer now (starting, restarting, or gone); maps to 502/503."""
+
+    def __init__(self, message: str, status: int = 503):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class EngineInfo:
+    """What a backend knows of the engine it talks to."""
+
+    url: str
+    model_path: str | None = None
+    model_size: int | None = None
+    model_mtime: float | None = None
+    n_ctx: int | None = None
+    parallel: int = 1
+    build: str | None = None
+    slot_save_path: Path | None = None
+    #: ``--cache-ram`` budget in MiB as started (None: the engine's default, unknown when attached).
+    cache_ram_mib: int | None = None
+    multimodal: bool = False
+    #: True when strata-serve started (and supervises) the engine process.
+    managed: bool = False
+
+
+class Engine(Protocol):
+    info: EngineInfo
+    #: Increases by one at every (re)start: state held by an older generation is gone.
+    generation: int
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def wait_ready(self) -> None: ...
+
+    async def request(
+        self, method: str, path: str, json: Any = None, *, op: str = "request"
+    ) -> tuple[int, Any]: ...
+
+    def stream(self, path: str, json: Any) -> AbstractAsyncContextManager[Any]:
+        """Yields a reply with ``status``, ``await body()`` and ``async for chunk in chunks()``."""
+        ...
+
+    async def save(self, filename: str, slot: int = 0) -> dict[str, Any]: ...
+
+    async def restore(self, filename: str, slot: int = 0) -> dict[str, Any]: ...
+
+    async def erase(self, slot: int = 0) -> dict[str, Any]: ...
+
+    async def slots(self) -> list[dict[str, Any]]: ...
+
+    async def health(self) -> bool: ...

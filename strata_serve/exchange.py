@@ -1,0 +1,97 @@
+"""The objects hooks receive: one request, its outcome, and an engine error.
+
+These are plain dataclasses so plugin authors can build them in their own tests.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class StrataRequest:
+    """One client request as the hooks see it.
+
+    ``body`` is the validated JSON body exactly as it will be sent to the engine;
+    ``state`` is a scratch dict for plugins to pass data from ``pre_request`` to
+    ``post_request`` (key it by your plugin's name).
+    """
+
+    route: Literal["chat", "completion", "slots"]
+    body: dict[str, Any]
+    headers: Mapping[str, str] = field(default_factory=dict)
+    stream: bool = False
+    #: The conversation key chosen by the ``conversation_key`` hook, or None.
+    conversation_key: str | None = None
+    #: Name of the API-key holder that sent the request, when keys are configured.
+    tenant: str | None = None
+    id: int = field(default_factory=lambda: next(_ids))
+    received_at: float = field(default_factory=time.monotonic)
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Outcome:
+    """How a request ended, handed to ``post_request``.
+
+    ``status`` is ``"ok"`` when the engine answered with a 2xx, ``"error"`` when it
+    answered otherwise or could not be reached, and ``"cancelled"`` when the client
+    went away before the answer was complete.
+    """
+
+    status: Literal["ok", "error", "cancelled"]
+    http_status: int | None = None
+    #: The engine's ``timings`` object (``prompt_n``, ``cache_n``, ``predicted_n``, ...).
+    timings: dict[str, Any] | None = None
+    usage: dict[str, Any] | None = None
+    error: str | None = None
+    duration_ms: float = 0.0
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        """Prompt tokens of the request: reused (``cache_n``) plus prefilled (``prompt_n``)."""
+        if not self.timings:
+            return None
+        return int(self.timings.get("cache_n", 0)) + int(self.timings.get("prompt_n", 0))
+
+    @property
+    def context_tokens(self) -> int | None:
+        """Tokens the slot holds after this request: prompt plus generated."""
+        prompt = self.prompt_tokens
+        if prompt is None:
+            return None
+        return prompt + int(self.timings.get("predicted_n", 0))  # type: ignore[union-attr]
+
+
+class Verdict(str, enum.Enum):
+    """What an engine error means, as decided by a backend quirk plugin."""
+
+    #: The held state had nothing durable (e.g. a cancelled request's provisional
+    #: state the engine refuses to save): it is safe to restore over it.
+    PROVISIONAL = "provisional"
+    #: This engine cannot do the operation at all: stop trying and say so once.
+    UNSUPPORTED = "unsupported"
+    #: A passing failure: the same call may work if tried again.
+    RETRY = "retry"
+    #: The operation must not be attempted (e.g. saving an empty slot): skip it.
+    SKIP = "skip"
+
+
+@dataclass
+class EngineError(Exception):
+    """An engine call that failed: which operation, the HTTP status, and the message."""
+
+    op: str
+    message: str
+    status: int | None = None
+    body: Any = None
+
+    def __str__(self) -> str:
+        where = f"HTTP {self.status}" if self.status is not None else "no answer"
+        return f"engine {self.op} failed ({where}): {self.message}"

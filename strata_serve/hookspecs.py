@@ -1,0 +1,161 @@
+"""The hooks: the whole contract between strata-serve and its plugins.
+
+A plugin is any object (usually a module) with functions named after these hooks
+and decorated with ``@strata_serve.hookimpl``. An implementation may accept any
+subset of a hook's arguments; arguments may be added to a hook later, never renamed
+or removed. Unless a hook says otherwise, an implementation may be ``def`` or
+``async def`` (or return an awaitable): the core awaits what it returns.
+
+An implementation that raises is logged with its plugin's name and skipped; the
+user's request goes on. The exceptions are ``on_config`` (a plugin may refuse to
+start) and the ``firstresult`` hooks, which must stay synchronous.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable
+
+import pluggy
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from strata_serve.config import Settings
+    from strata_serve.engine.base import Engine
+    from strata_serve.exchange import EngineError, Outcome, StrataRequest, Verdict
+    from strata_serve.service import Service
+
+PROJECT = "strata_serve"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec(historic=True)
+def on_config(settings: Settings) -> None:
+    """Validate this plugin's configuration before the server starts.
+
+    Read your section with ``settings.plugin_config("<name>", YourModel)``, which
+    validates ``plugins.<name>`` (minus ``enabled``) into your pydantic model and
+    raises an error naming any unknown or wrong-typed key. Raise
+    :class:`strata_serve.config.ConfigError` (or let that validation error
+    propagate) to refuse to start. Must be synchronous. Historic: a plugin
+    registered after the call still receives it.
+
+    :param settings: The complete, validated server settings.
+    """
+
+
+@hookspec
+def on_startup(service: Service) -> Any:
+    """Prepare once the engine is up, before the first request is admitted.
+
+    :param service: The running service (engine, settings, plugin manager).
+    """
+
+
+@hookspec
+def on_engine_start(service: Service, restarted: bool) -> Any:
+    """The engine (re)started: whatever it held in its slots and RAM is gone.
+
+    Called after the first start too, with ``restarted=False``.
+
+    :param service: The running service.
+    :param restarted: True when this start follows a crash of the engine.
+    """
+
+
+@hookspec(firstresult=True)
+def conversation_key(request: StrataRequest) -> str | None:
+    """Name the conversation a request belongs to.
+
+    Requests with the same key continue the same conversation; plugins such as
+    auto-sessions park and restore engine state per key. The built-in default
+    (registered ``trylast``) is the first 16 hex digits of the sha1 of the first
+    ``role: user`` message's text. Must be synchronous.
+
+    Stops at the first non-None result; return None to defer.
+
+    :param request: The incoming request (``route``, ``body``, ``headers``, ``tenant``).
+    :returns: A key of letters, digits, ``-`` and ``_`` (at most 64), or None.
+    """
+
+
+@hookspec
+def pre_request(request: StrataRequest, service: Service) -> Any:
+    """Act before the request reaches the engine, while holding the service FIFO.
+
+    No other request reaches the engine until every ``pre_request`` and
+    ``post_request`` implementation has finished, so slot operations done here
+    cannot interleave with another conversation.
+
+    :param request: The request about to be sent; ``request.conversation_key`` is set.
+    :param service: The running service.
+    """
+
+
+@hookspec
+def post_request(request: StrataRequest, outcome: Outcome, service: Service) -> Any:
+    """Act after the engine answered (or failed), still holding the service FIFO.
+
+    Always called once per request that reached ``pre_request``, including when
+    the client disconnected mid-stream (``outcome.status == "cancelled"``).
+
+    :param request: The request that was sent.
+    :param outcome: How it ended, with the engine's ``timings`` when it answered.
+    :param service: The running service.
+    """
+
+
+@hookspec
+def on_shutdown(service: Service) -> Any:
+    """The server is stopping normally: the FIFO is drained and held, the engine is still up.
+
+    :param service: The running service.
+    """
+
+
+@hookspec(firstresult=True)
+def engine_verdict(
+    op: str, error: EngineError | None, engine: Engine, held_tokens: int | None
+) -> Verdict | None:
+    """Turn an engine's behaviour into a verdict others act on, without string matching.
+
+    Called in two ways for slot operations (``op`` is ``"save"``, ``"restore"`` or
+    ``"erase"``): before the call with ``error=None`` (return ``Verdict.SKIP`` or
+    ``Verdict.UNSUPPORTED`` to prevent it), and after a failure with the error
+    (return what the failure means). Backend quirk plugins implement this hook;
+    must be synchronous.
+
+    Stops at the first non-None result; return None to defer.
+
+    :param op: The engine operation.
+    :param error: The failure, or None when asked before the call.
+    :param engine: The engine backend (its ``info`` tells model, build, flags).
+    :param held_tokens: Tokens the slot holds, when known.
+    :returns: A :class:`strata_serve.Verdict`, or None when this plugin has no opinion.
+    """
+
+
+@hookspec
+def register_routes(service: Service) -> Iterable[web.RouteDef] | None:
+    """Add HTTP routes to the server (stats, admin pages, ...).
+
+    Return route definitions made with ``aiohttp.web.get(path, handler)`` and
+    friends. They sit behind the same API-key check and error handling as the
+    built-in routes. Must be synchronous (routes are added while the app is built).
+
+    :param service: The service the routes will serve.
+    :returns: An iterable of ``aiohttp.web.RouteDef``, or None.
+    """
+
+
+@hookspec
+def collect_stats(service: Service) -> dict[str, Any] | None:
+    """Report this plugin's numbers for others to read (e.g. the stats plugin).
+
+    Must be synchronous and cheap. Return a flat mapping of names to numbers,
+    or None.
+
+    :param service: The running service.
+    :returns: A dict of counters and gauges, or None.
+    """

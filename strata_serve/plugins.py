@@ -1,0 +1,210 @@
+"""Building the plugin manager, and calling hooks so one plugin's failure stays its own."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import pluggy
+
+from strata_serve import hookspecs
+from strata_serve.config import ConfigError, Settings
+
+log = logging.getLogger("strata_serve.plugins")
+
+ENTRY_POINT_GROUP = "strata_serve"
+
+DEFAULT_PLUGINS = ("strata_serve.default_plugins.conversation_key",)
+
+
+def get_plugin_manager(
+    settings: Settings,
+    *,
+    entrypoints: bool = True,
+    plugins: Iterable[object] = (),
+    defaults: bool = True,
+) -> pluggy.PluginManager:
+    """Build the plugin manager for one server.
+
+    Disabled plugins are blocked before anything loads, so a broken plugin can be
+    turned off without uninstalling it. Tests pass ``entrypoints=False`` and the
+    exact ``plugins`` they want.
+
+    :raises ConfigError: when a plugin refuses the configuration (``on_config``).
+    """
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    for name in settings.disable_plugins:
+        pm.set_blocked(name)
+    for name, section in settings.plugins.items():
+        if not settings.plugin_enabled(name):
+            pm.set_blocked(name)
+    if entrypoints:
+        pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+    if defaults:
+        for module_name in DEFAULT_PLUGINS:
+            short = module_name.rsplit(".", 1)[-1]
+            if not pm.is_blocked(short):
+                pm.register(importlib.import_module(module_name), name=short)
+    for plugin in plugins:
+        name = getattr(plugin, "__name__", None) or type(plugin).__name__
+        name = getattr(plugin, "strata_name", name)
+        if not pm.is_blocked(name):
+            pm.register(plugin, name=name)
+    pm.check_pending()
+    _check_sections(settings, pm)
+    if os.environ.get("STRATA_TRACE_PLUGINS"):
+        pm.trace.root.setwriter(lambda text: log.info("[trace] %s", text.rstrip()))
+        pm.enable_tracing()
+        _traced.add(id(pm))
+    try:
+        pm.hook.on_config.call_historic(kwargs={"settings": settings})
+    except ConfigError:
+        raise
+    except Exception as exc:  # a plugin refusing to start with its own exception type
+        raise ConfigError(f"plugin configuration refused: {exc}") from exc
+    return pm
+
+
+def _check_sections(settings: Settings, pm: pluggy.PluginManager) -> None:
+    """A ``plugins.<name>`` section must name a known plugin (typos would pass silently)."""
+    known = {name for name, _ in pm.list_name_plugin()}
+    known |= {ep.name for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    known |= {m.rsplit(".", 1)[-1] for m in DEFAULT_PLUGINS}
+    for name in settings.plugins:
+        if name not in known and settings.plugin_enabled(name):
+            raise ConfigError(f"plugins.{name}: no plugin named {name!r} is installed")
+
+
+#: Plugin managers with STRATA_TRACE_PLUGINS on; our own dispatch logs for them too.
+_traced: set[int] = set()
+
+
+def _trace(pm: pluggy.PluginManager, hook_name: str, plugin: str, result: Any) -> None:
+    if id(pm) in _traced:
+        log.info("[trace] %s -> %s returned %r", hook_name, plugin, result)
+
+
+def impl_plugin_name(pm: pluggy.PluginManager, impl: pluggy.HookImpl) -> str:
+    return pm.get_name(impl.plugin) or impl.plugin_name
+
+
+def call_impl(impl: pluggy.HookImpl, kwargs: dict[str, Any]) -> Any:
+    return impl.function(*[kwargs[name] for name in impl.argnames])
+
+
+async def await_me_maybe(value: Any) -> Any:
+    if inspect.isawaitable(value):
+        return await value
+    return value
+
+
+async def broadcast(pm: pluggy.PluginManager, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
+    """Call every implementation of a hook in pluggy's order, awaiting async ones.
+
+    Unlike ``pm.hook.<name>(...)``, an implementation that raises is logged with its
+    plugin's name and the others still run. Returns ``(plugin name, result)`` for
+    each implementation that succeeded.
+    """
+    results = []
+    hook = getattr(pm.hook, hook_name)
+    # pluggy calls the last registered first (tryfirst/trylast already sorted in).
+    for impl in reversed(hook.get_hookimpls()):
+        name = impl_plugin_name(pm, impl)
+        try:
+            result = await await_me_maybe(call_impl(impl, kwargs))
+            _trace(pm, hook_name, name, result)
+            results.append((name, result))
+        except Exception:
+            log.exception("plugin %s failed in %s; carrying on without it", name, hook_name)
+    return results
+
+
+def call_each_sync(pm: pluggy.PluginManager, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
+    """Synchronous :func:`broadcast`, for hooks that must not be async."""
+    return list(_iter_sync(pm, hook_name, kwargs))
+
+
+def first_result(pm: pluggy.PluginManager, hook_name: str, **kwargs: Any) -> Any:
+    """A firstresult hook, called so that a raising plugin is logged and skipped."""
+    for _name, result in _iter_sync(pm, hook_name, kwargs):
+        if result is not None:
+            return result
+    return None
+
+
+def _iter_sync(pm: pluggy.PluginManager, hook_name: str, kwargs: dict[str, Any]):
+    hook = getattr(pm.hook, hook_name)
+    for impl in reversed(hook.get_hookimpls()):
+        name = impl_plugin_name(pm, impl)
+        try:
+            result = call_impl(impl, kwargs)
+        except Exception:
+            log.exception("plugin %s failed in %s; carrying on without it", name, hook_name)
+            continue
+        if inspect.isawaitable(result):
+            _close_awaitable(result)
+            log.error("plugin %s: %s must be synchronous; its result is ignored", name, hook_name)
+            continue
+        _trace(pm, hook_name, name, result)
+        yield name, result
+
+
+def _close_awaitable(value: Any) -> None:
+    close = getattr(value, "close", None)
+    if close is not None:
+        close()
+
+
+@dataclass
+class PluginInfo:
+    name: str
+    distribution: str | None
+    version: str | None
+    hooks: list[str]
+    enabled: bool
+
+
+def list_plugins(settings: Settings) -> list[PluginInfo]:
+    """Every plugin that would load, and every installed one that is turned off."""
+    pm = get_plugin_manager(settings)
+    dists = {
+        ep.name: ep.dist for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+    }
+    infos = []
+    for name, plugin in pm.list_name_plugin():
+        if plugin is None:
+            continue
+        dist = dists.get(name)
+        hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or [])
+        infos.append(
+            PluginInfo(
+                name=name,
+                distribution=dist.metadata["Name"] if dist else "strata-serve (built in)",
+                version=dist.version if dist else _own_version(),
+                hooks=hooks,
+                enabled=True,
+            )
+        )
+    loaded = {info.name for info in infos}
+    for name, dist in dists.items():
+        if name not in loaded:
+            infos.append(
+                PluginInfo(name, dist.metadata["Name"] if dist else None,
+                           dist.version if dist else None, [], False)
+            )
+    for module_name in DEFAULT_PLUGINS:
+        short = module_name.rsplit(".", 1)[-1]
+        if short not in loaded:
+            infos.append(PluginInfo(short, "strata-serve (built in)", _own_version(), [], False))
+    return sorted(infos, key=lambda info: info.name)
+
+
+def _own_version() -> str:
+    from strata_serve import __version__
+
+    return __version__

@@ -1,0 +1,141 @@
+"""Fixtures for testing strata-serve and its plugins against the real engine.
+
+Installed as a pytest plugin (``pytest11``), so any project with strata-serve
+installed gets them:
+
+- ``strata_demo_model``: a tiny random-weight GGUF, written once per test session.
+- ``strata_settings_factory``: ``make(**sections)`` -> :class:`~strata_serve.config.Settings`
+  for the tiny model, a fresh slot directory and ``--cache-ram 0``.
+- ``strata_client_factory``: ``await make(*plugins, settings=..., entrypoints=False)`` -> an
+  aiohttp ``TestClient`` for a real server that starts (and stops) its own llama-server.
+- ``chat_body()`` and ``assert_openai_error()``: helpers to build requests and check errors.
+- ``llama_server_factory``: ``await make(**engine_settings)`` -> a started bare
+  :class:`~strata_serve.engine.LlamaServer`, for comparing against the engine alone.
+
+Async tests need pytest-asyncio (``asyncio_mode = "auto"`` or ``@pytest.mark.asyncio``).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import pytest
+import pytest_asyncio
+
+from strata_serve.config import Settings
+from strata_serve.engine import LlamaServer
+from strata_serve.plugins import get_plugin_manager
+
+
+
+def chat_body(text: str = "Hello there", *, max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
+    """A greedy chat request with one user message (same text, same answer)."""
+    return {
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        **extra,
+    }
+
+
+def assert_openai_error(body: Any, status: int | None = None, actual_status: int | None = None) -> None:
+    """Fail unless ``body`` is an error in the OpenAI shape (and, if given, the status matches)."""
+    if status is not None:
+        assert actual_status == status, f"expected HTTP {status}, got {actual_status}: {body}"
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    error = body["error"]
+    assert isinstance(error.get("message"), str) and error["message"], body
+    assert isinstance(error.get("type"), str), body
+    assert "param" in error and "code" in error, body
+
+
+def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+@pytest.fixture(scope="session")
+def strata_demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from strata_serve.demo_model import write_demo_model
+
+    return write_demo_model(tmp_path_factory.mktemp("models") / "tiny.gguf", size="tiny")
+
+
+@pytest.fixture
+def strata_settings_factory(tmp_path: Path, strata_demo_model: Path) -> Callable[..., Settings]:
+    """``make(engine={...}, server={...}, plugins={...})``: settings for a test server."""
+
+    def make(**sections: Any) -> Settings:
+        defaults: dict[str, Any] = {
+            "server": {"port": 0, "shutdown_grace_s": 10},
+            "engine": {
+                "model": str(strata_demo_model),
+                "ctx_size": 4096,
+                "slot_save_path": str(tmp_path / "slots"),
+                "cache_ram_mib": 0,
+                "start_timeout_s": 60,
+                "log_level": "DEBUG",
+            },
+        }
+        return Settings(**deep_merge(defaults, sections))
+
+    return make
+
+
+@pytest.fixture
+def strata_client_factory(aiohttp_client: Any, strata_settings_factory: Callable[..., Settings]):
+    """``await make(*plugins, settings=None, entrypoints=False, engine=None)``: a test client.
+
+    Only the plugins passed (plus the built-in defaults) are registered unless
+    ``entrypoints=True``, so a test controls exactly what runs.
+    """
+    from strata_serve.api import create_app
+
+    async def make(
+        *plugins: object,
+        settings: Settings | None = None,
+        entrypoints: bool = False,
+        engine: Any = None,
+    ):
+        settings = settings or strata_settings_factory()
+        pm = get_plugin_manager(settings, entrypoints=entrypoints, plugins=plugins)
+        app = create_app(settings, pm, engine=engine)
+        return await aiohttp_client(app)
+
+    return make
+
+
+@pytest_asyncio.fixture
+async def llama_server_factory(
+    tmp_path: Path, strata_demo_model: Path
+) -> AsyncIterator[Callable[..., Awaitable[LlamaServer]]]:
+    """``await make(cache_ram_mib=0, ...)``: a bare llama-server on the tiny model."""
+    from strata_serve.config import EngineSettings
+
+    started: list[LlamaServer] = []
+
+    async def make(**engine: Any) -> LlamaServer:
+        values = {
+            "model": strata_demo_model,
+            "ctx_size": 4096,
+            "slot_save_path": tmp_path / f"bare-slots-{len(started)}",
+            "cache_ram_mib": 0,
+            "start_timeout_s": 60,
+            "log_level": "DEBUG",
+        }
+        values.update(engine)
+        server = LlamaServer(EngineSettings(**values))
+        started.append(server)
+        await server.start()
+        return server
+
+    yield make
+    for server in started:
+        await server.stop()

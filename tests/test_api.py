@@ -1,0 +1,152 @@
+"""The HTTP API against the real engine: OpenAI SDK, streaming, errors in the OpenAI shape."""
+
+import json
+
+import openai
+import pytest
+
+from strata_serve.testing import assert_openai_error, chat_body
+
+
+@pytest.fixture
+async def client(strata_client_factory, recorder):
+    return await strata_client_factory(recorder)
+
+
+@pytest.fixture
+async def sdk(client):
+    """The official OpenAI SDK pointed at the test server."""
+    async with openai.AsyncOpenAI(
+        base_url=str(client.make_url("/v1")), api_key="unused", max_retries=0
+    ) as sdk_client:
+        yield sdk_client
+
+
+async def test_chat_completion_through_the_openai_sdk(sdk, recorder):
+    reply = await sdk.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "Hello there"}], max_tokens=8, temperature=0
+    )
+    assert reply.choices[0].message.role == "assistant"
+    assert isinstance(reply.choices[0].message.content, str) and reply.choices[0].message.content
+    timings = reply.model_extra["timings"]  # passed through from the engine
+    assert timings["prompt_n"] + timings["cache_n"] > 5
+    assert recorder.outcomes[-1].status == "ok"
+    assert recorder.outcomes[-1].timings["predicted_n"] == timings["predicted_n"]
+
+
+async def test_streaming_through_the_openai_sdk_matches_the_plain_answer(sdk, recorder):
+    plain = await sdk.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "Stream me"}], max_tokens=12, temperature=0
+    )
+    stream = await sdk.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "Stream me"}], max_tokens=12, temperature=0,
+        stream=True,
+    )
+    pieces, finish = [], None
+    async for chunk in stream:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+    assert "".join(pieces) == plain.choices[0].message.content
+    assert finish in {"length", "stop"}
+    streamed = recorder.outcomes[-1]
+    assert streamed.status == "ok"
+    assert streamed.timings is not None and streamed.timings["cache_n"] > 0  # same prompt, reused
+
+
+async def test_completions_models_and_health(client):
+    resp = await client.post("/v1/completions", json={"prompt": "Once upon", "max_tokens": 4, "temperature": 0})
+    assert resp.status == 200, await resp.text()
+    body = await resp.json()
+    assert isinstance(body["choices"][0]["text"], str)
+    assert "timings" in body
+
+    models = await (await client.get("/v1/models")).json()
+    assert models["data"] and models["data"][0]["id"]
+
+    health = await client.get("/health")
+    assert health.status == 200
+    assert (await health.json())["status"] == "ok"
+
+
+async def test_default_conversation_key_is_sha1_of_first_user_message(client, recorder):
+    import hashlib
+
+    body = chat_body("Key me")
+    body["messages"].insert(0, {"role": "system", "content": "be terse"})
+    assert (await client.post("/v1/chat/completions", json=body)).status == 200
+    expected = hashlib.sha1(b"Key me").hexdigest()[:16]
+    assert recorder.keys == [expected]
+
+    no_user = {"messages": [{"role": "system", "content": "only a system prompt"}], "max_tokens": 2}
+    assert (await client.post("/v1/chat/completions", json=no_user)).status == 200
+    assert recorder.keys[-1] is None
+
+
+@pytest.mark.parametrize(
+    "raw, param",
+    [
+        (b"{not json", None),
+        (b"[1, 2]", None),
+        (b"", None),
+        (json.dumps({"messages": []}).encode(), "messages"),
+        (json.dumps({"max_tokens": 3}).encode(), "messages"),
+        (json.dumps({"messages": "hi"}).encode(), "messages"),
+        (json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode(), "messages.0.role"),
+        (json.dumps({"messages": [{"role": "user", "content": 5}]}).encode(), "messages.0.content.str"),
+        (json.dumps({**chat_body(), "stream": "yes"}).encode(), "stream"),
+        (json.dumps({**chat_body(), "max_tokens": -1}).encode(), "max_tokens"),
+        (json.dumps({**chat_body(), "temperature": "hot"}).encode(), "temperature"),
+    ],
+)
+async def test_bad_chat_bodies_get_400_in_openai_shape(client, recorder, raw, param):
+    resp = await client.post("/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"})
+    body = await resp.json()
+    assert_openai_error(body, 400, resp.status)
+    if param is not None:
+        assert body["error"]["param"] == param
+    assert recorder.outcomes == [] and recorder.keys == [], "a bad request must never reach the engine"
+
+
+async def test_bad_completion_body(client):
+    resp = await client.post("/v1/completions", json={"prompt": {"x": 1}})
+    assert_openai_error(await resp.json(), 400, resp.status)
+
+
+async def test_unknown_route_wrong_method_and_oversize_body(strata_client_factory, strata_settings_factory):
+    client = await strata_client_factory(settings=strata_settings_factory(server={"max_body_mib": 0.01}))
+    resp = await client.get("/v1/nothing-here")
+    assert_openai_error(await resp.json(), 404, resp.status)
+
+    resp = await client.get("/v1/chat/completions")
+    assert_openai_error(await resp.json(), 405, resp.status)
+    assert "POST" in resp.headers["Allow"]
+
+    big = chat_body("x" * 20_000)
+    resp = await client.post("/v1/chat/completions", json=big)
+    assert_openai_error(await resp.json(), 413, resp.status)
+
+
+async def test_engine_errors_pass_through_in_openai_shape(client):
+    # Far longer than the context: the engine refuses it, we relay its 400.
+    resp = await client.post("/v1/chat/completions", json=chat_body("word " * 5000))
+    assert 400 <= resp.status < 500
+    assert_openai_error(await resp.json())
+
+
+async def test_api_key_guards_everything_but_health(strata_client_factory, strata_settings_factory):
+    settings = strata_settings_factory(server={"api_key": "s3cret"})
+    client = await strata_client_factory(settings=settings)
+    assert (await client.get("/health")).status == 200
+    for method, path in [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("GET", "/slots"),
+                         ("POST", "/slots/0?action=erase"), ("GET", "/no-such-route")]:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            resp = await client.request(method, path, headers=headers, json=chat_body())
+            assert_openai_error(await resp.json(), 401, resp.status)
+    ok = await client.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
+    assert ok.status == 200
+    async with openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="s3cret", max_retries=0) as sdk:
+        reply = await sdk.chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+    assert reply.choices

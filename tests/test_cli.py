@@ -1,0 +1,72 @@
+"""The command line as a user runs it: a real process, a real signal."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from strata_serve.cli import cli
+from strata_serve.engine.llama_server import free_port
+
+
+def test_demo_model_command_writes_a_model(tmp_path):
+    target = tmp_path / "m" / "demo.gguf"
+    result = CliRunner().invoke(cli, ["demo-model", str(target)])
+    assert result.exit_code == 0, result.output
+    assert target.stat().st_size > 100_000
+    assert "meaningless" in result.output
+    again = CliRunner().invoke(cli, ["demo-model", str(target)])
+    assert "keeping it" in again.output
+
+
+def wait_for(log_file: Path, pattern: str, timeout: float = 60) -> re.Match:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = re.search(pattern, log_file.read_text())
+        if found:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"never saw {pattern!r}; output:\n{log_file.read_text()[-3000:]}")
+
+
+def test_run_serves_then_stops_cleanly_on_sigterm(tmp_path, strata_demo_model):
+    port = free_port("127.0.0.1")
+    log_file = tmp_path / "server.log"
+    with open(log_file, "w") as log, subprocess.Popen(
+        [sys.executable, "-m", "strata_serve.cli", "run", "--model", str(strata_demo_model),
+         "--port", str(port), "--slot-save-path", str(tmp_path / "slots"), "--cache-ram", "0",
+         "--ctx-size", "2048"],
+        stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    ) as proc:
+        try:
+            engine_pid = int(wait_for(log_file, r"engine ready at .* \(pid (\d+)\)").group(1))
+            wait_for(log_file, r"listening on http://127\.0\.0\.1:%d" % port)
+            wait_for(log_file, r"try: curl")
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/chat/completions",
+                data=json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=30) as resp:
+                assert json.load(resp)["choices"]
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+            assert "[strata] stopped" in log_file.read_text()
+            assert not Path(f"/proc/{engine_pid}").exists(), "the engine must be stopped with the server"
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def test_run_explains_a_missing_model(tmp_path):
+    result = CliRunner().invoke(cli, ["run", "--port", "0"])
+    assert result.exit_code != 0
+    assert "engine.model" in result.output

@@ -1,0 +1,123 @@
+"""Plugin discovery, toggles, listing, configuration refusal and added routes."""
+
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+import strata_serve
+from strata_serve.cli import cli
+from strata_serve.config import ConfigError, Settings
+from strata_serve.plugins import first_result, get_plugin_manager
+from strata_serve.testing import assert_openai_error
+
+
+@pytest.fixture(scope="module")
+def probe_site(tmp_path_factory):
+    """The test distribution, installed by pip into a directory of its own."""
+    from pathlib import Path
+
+    target = tmp_path_factory.mktemp("site")
+    source = Path(__file__).parent / "plugin_dist"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+         "--target", str(target), str(source)],
+        check=True,
+    )
+    return target
+
+
+@pytest.fixture
+def probe_installed(probe_site, monkeypatch):
+    monkeypatch.syspath_prepend(str(probe_site))
+    yield
+    sys.modules.pop("strata_entrypoint_probe", None)
+
+
+def names(pm):
+    return {name for name, plugin in pm.list_name_plugin() if plugin is not None}
+
+
+def test_entry_point_plugins_load_and_can_be_turned_off(probe_installed):
+    assert "entrypoint_probe" in names(get_plugin_manager(Settings()))
+    off_in_config = Settings(plugins={"entrypoint_probe": {"enabled": False}})
+    assert "entrypoint_probe" not in names(get_plugin_manager(off_in_config))
+    off_for_a_run = Settings(disable_plugins=["entrypoint_probe"])
+    assert "entrypoint_probe" not in names(get_plugin_manager(off_for_a_run))
+
+
+def test_the_default_key_plugin_is_an_ordinary_plugin():
+    assert "conversation_key" in names(get_plugin_manager(Settings(), entrypoints=False))
+    off = Settings(disable_plugins=["conversation_key"])
+    assert "conversation_key" not in names(get_plugin_manager(off, entrypoints=False))
+
+
+def test_plugin_refuses_unknown_and_wrong_typed_keys(probe_installed):
+    with pytest.raises(ConfigError, match=r"plugins\.entrypoint_probe\.greting: unknown key"):
+        get_plugin_manager(Settings(plugins={"entrypoint_probe": {"greting": "hi"}}))
+    with pytest.raises(ConfigError, match=r"plugins\.entrypoint_probe\.greeting"):
+        get_plugin_manager(Settings(plugins={"entrypoint_probe": {"greeting": ["not", "a", "str"]}}))
+
+
+def test_a_section_for_no_installed_plugin_is_refused():
+    with pytest.raises(ConfigError, match=r"plugins\.nope: no plugin named 'nope'"):
+        get_plugin_manager(Settings(plugins={"nope": {"x": 1}}), entrypoints=False)
+    # ...unless it only turns that plugin off.
+    get_plugin_manager(Settings(plugins={"nope": {"enabled": False}}), entrypoints=False)
+
+
+def test_plugins_command_lists_name_distribution_version_hooks_enabled(probe_installed, monkeypatch):
+    runner = CliRunner()
+    result = runner.invoke(cli, ["plugins"])
+    assert result.exit_code == 0, result.output
+    line = next(l for l in result.output.splitlines() if l.startswith("entrypoint_probe"))
+    assert "strata-entrypoint-probe" in line and "0.3.0" in line and "yes" in line
+    assert "on_config" in line and "register_routes" in line
+
+    result = runner.invoke(cli, ["plugins", "--disable-plugin", "entrypoint_probe"])
+    line = next(l for l in result.output.splitlines() if l.startswith("entrypoint_probe"))
+    assert " no " in line
+
+    monkeypatch.setenv("STRATA_DISABLE_PLUGINS", "entrypoint_probe")
+    result = runner.invoke(cli, ["plugins"])
+    line = next(l for l in result.output.splitlines() if l.startswith("entrypoint_probe"))
+    assert " no " in line
+
+
+def test_run_refuses_a_bad_plugin_key_with_a_message(probe_installed, tmp_path):
+    config = tmp_path / "strata.toml"
+    config.write_text("[plugins.entrypoint_probe]\ngreting = 'hi'\n")
+    result = CliRunner().invoke(cli, ["run", "--config", str(config)])
+    assert result.exit_code != 0
+    assert "plugins.entrypoint_probe.greting: unknown key" in result.output
+
+
+async def test_routes_added_by_a_plugin_are_served_and_guarded(
+    probe_installed, strata_client_factory, strata_settings_factory
+):
+    settings = strata_settings_factory(plugins={"entrypoint_probe": {"greeting": "ahoy"}},
+                                       server={"api_key": "k"})
+    client = await strata_client_factory(settings=settings, entrypoints=True)
+    resp = await client.get("/probe", headers={"Authorization": "Bearer k"})
+    assert resp.status == 200 and (await resp.json()) == {"greeting": "ahoy"}
+    refused = await client.get("/probe")
+    assert_openai_error(await refused.json(), 401, refused.status)
+
+
+def test_tracing_switch_logs_hook_calls(monkeypatch, caplog):
+    import logging
+
+    monkeypatch.setenv("STRATA_TRACE_PLUGINS", "1")
+
+    class Traced:
+        strata_name = "traced"
+
+        @strata_serve.hookimpl
+        def conversation_key(self, request):
+            return "k"
+
+    pm = get_plugin_manager(Settings(), entrypoints=False, plugins=[Traced()])
+    with caplog.at_level(logging.INFO, logger="strata_serve.plugins"):
+        assert first_result(pm, "conversation_key", request=None) == "k"
+    assert any("conversation_key" in r.getMessage() and "traced" in r.getMessage() for r in caplog.records)

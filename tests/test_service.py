@@ -1,0 +1,230 @@
+"""The service FIFO end to end: one request at a time, bounds, disconnects, normal stop."""
+
+import asyncio
+import logging
+
+import aiohttp
+
+import strata_serve
+from strata_serve.api import SERVICE
+from strata_serve.testing import assert_openai_error, chat_body
+
+
+class Gate:
+    """Holds the FIFO in pre_request until released, so queueing can be observed."""
+
+    strata_name = "gate"
+
+    def __init__(self):
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+        self.keys = []
+
+    @strata_serve.hookimpl
+    async def pre_request(self, request):
+        self.keys.append(request.conversation_key)
+        self.entered.set()
+        await self.release.wait()
+
+
+async def test_ten_concurrent_clients_never_interleave(strata_client_factory, recorder):
+    client = await strata_client_factory(recorder)
+    bodies = [chat_body(f"Client number {n} says hello", max_tokens=6) for n in range(10)]
+    replies = await asyncio.gather(*(client.post("/v1/chat/completions", json=b) for b in bodies))
+    assert [r.status for r in replies] == [200] * 10
+    assert recorder.max_active == 1
+    steps = [e[0] for e in recorder.events if e[0] in ("pre", "post")]
+    assert steps == ["pre", "post"] * 10
+    # Each post belongs to the pre right before it.
+    pairs = [e for e in recorder.events if e[0] in ("pre", "post")]
+    assert all(pairs[i][1] == pairs[i + 1][1] for i in range(0, 20, 2))
+
+
+async def test_fifo_serves_in_arrival_order(strata_client_factory, recorder):
+    gate = Gate()
+    client = await strata_client_factory(gate, recorder)
+    first = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body("first")))
+    await gate.entered.wait()
+    later = []
+    for n in range(4):
+        later.append(asyncio.create_task(client.post("/v1/chat/completions", json=chat_body(f"later {n}"))))
+        await asyncio.sleep(0.05)
+    gate.release.set()
+    await asyncio.gather(first, *later)
+    import hashlib
+
+    expected = [hashlib.sha1(t.encode()).hexdigest()[:16] for t in ["first"] + [f"later {n}" for n in range(4)]]
+    assert gate.keys == expected
+
+
+async def test_queue_limit_answers_503_with_retry_after(strata_client_factory, strata_settings_factory):
+    gate = Gate()
+    client = await strata_client_factory(gate, settings=strata_settings_factory(server={"queue_limit": 1}))
+    holding = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body("one")))
+    await gate.entered.wait()
+    waiting = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body("two")))
+    await asyncio.sleep(0.1)
+    refused = await client.post("/v1/chat/completions", json=chat_body("three"))
+    assert_openai_error(await refused.json(), 503, refused.status)
+    assert int(refused.headers["Retry-After"]) > 0
+    gate.release.set()
+    assert (await holding).status == 200
+    assert (await waiting).status == 200
+
+
+async def test_client_that_leaves_the_queue_never_reaches_the_engine(strata_client_factory, recorder):
+    gate = Gate()
+    client = await strata_client_factory(gate, recorder)
+    service = client.app[SERVICE]
+    holding = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body("holder")))
+    await gate.entered.wait()
+    url = client.make_url("/v1/chat/completions")
+    async with aiohttp.ClientSession() as session:
+        with_timeout = session.post(url, json=chat_body("impatient"), timeout=aiohttp.ClientTimeout(total=0.3))
+        try:
+            await with_timeout
+        except asyncio.TimeoutError:
+            pass
+    for _ in range(50):
+        if service.fifo.waiting == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert service.fifo.waiting == 0
+    gate.release.set()
+    assert (await holding).status == 200
+    await asyncio.sleep(0.1)
+    assert len(gate.keys) == 1, "the impatient request must not have been served"
+    assert [e[0] for e in recorder.events].count("pre") == 1
+
+
+async def test_disconnect_mid_stream_cancels_and_post_request_sees_it(strata_client_factory, recorder):
+    client = await strata_client_factory(recorder)
+    body = chat_body("Talk for a long time", max_tokens=3000, stream=True, ignore_eos=True)
+    url = client.make_url("/v1/chat/completions")
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(url, json=body)
+        assert resp.status == 200
+        await resp.content.readany()  # the answer has started...
+        resp.close()  # ...and the client goes away
+    for _ in range(100):
+        if recorder.outcomes:
+            break
+        await asyncio.sleep(0.05)
+    assert recorder.outcomes[-1].status == "cancelled"
+    # The engine stopped that work and is free for the next request.
+    after = await client.post("/v1/chat/completions", json=chat_body("next"))
+    assert after.status == 200
+    slots = await (await client.get("/slots")).json()
+    assert not slots[0]["is_processing"]
+
+
+class Broken:
+    strata_name = "broken_plugin"
+
+    @strata_serve.hookimpl
+    def pre_request(self, request):
+        raise RuntimeError("boom in pre")
+
+    @strata_serve.hookimpl
+    async def post_request(self, request, outcome):
+        raise ValueError("boom in post")
+
+    @strata_serve.hookimpl
+    def conversation_key(self, request):
+        raise KeyError("boom in key")
+
+
+async def test_a_raising_plugin_is_logged_by_name_and_the_request_goes_on(
+    strata_client_factory, recorder, caplog
+):
+    client = await strata_client_factory(Broken(), recorder)
+    with caplog.at_level(logging.ERROR, logger="strata_serve.plugins"):
+        resp = await client.post("/v1/chat/completions", json=chat_body("still works"))
+    assert resp.status == 200
+    assert recorder.outcomes[-1].status == "ok"
+    assert recorder.keys[0] is not None, "the default key still applies"
+    messages = [r.getMessage() for r in caplog.records]
+    for hook in ("pre_request", "post_request", "conversation_key"):
+        assert any("broken_plugin" in m and hook in m for m in messages), messages
+
+
+class SyncAndAsync:
+    strata_name = "both_kinds"
+
+    def __init__(self):
+        self.calls = []
+
+    @strata_serve.hookimpl
+    def pre_request(self, request):
+        self.calls.append("sync pre")
+
+    @strata_serve.hookimpl
+    async def post_request(self, outcome):  # any subset of the arguments
+        await asyncio.sleep(0)
+        self.calls.append(f"async post {outcome.status}")
+
+    @strata_serve.hookimpl
+    async def conversation_key(self, request):  # wrong: firstresult hooks must be sync
+        return "never-used"
+
+
+async def test_sync_and_async_impls_are_both_awaited(strata_client_factory, recorder):
+    plugin = SyncAndAsync()
+    client = await strata_client_factory(plugin, recorder)
+    assert (await client.post("/v1/chat/completions", json=chat_body())).status == 200
+    assert plugin.calls == ["sync pre", "async post ok"]
+    assert recorder.keys[0] != "never-used"
+
+
+class Keyed:
+    strata_name = "keyed"
+
+    def __init__(self, key):
+        self.key = key
+
+    @strata_serve.hookimpl
+    def conversation_key(self, request):
+        return self.key
+
+
+async def test_a_plugin_key_beats_the_default_and_bad_keys_are_dropped(strata_client_factory, recorder):
+    client = await strata_client_factory(Keyed("my-session_1"), recorder)
+    await client.post("/v1/chat/completions", json=chat_body())
+    assert recorder.keys == ["my-session_1"]
+
+    client = await strata_client_factory(Keyed("../../etc"), recorder)
+    await client.post("/v1/chat/completions", json=chat_body())
+    assert recorder.keys[-1] is None
+
+
+async def test_normal_stop_finishes_the_request_then_runs_on_shutdown(strata_client_factory, recorder):
+    client = await strata_client_factory(recorder)
+    in_flight = asyncio.create_task(
+        client.post("/v1/chat/completions", json=chat_body("finish me", max_tokens=200, ignore_eos=True))
+    )
+    while not recorder.keys:
+        await asyncio.sleep(0.01)
+    service = client.app[SERVICE]
+    shutdown = asyncio.create_task(service.shutdown())
+    await asyncio.sleep(0.05)
+    refused = await client.post("/v1/chat/completions", json=chat_body("too late"))
+    assert_openai_error(await refused.json(), 503, refused.status)
+    reply = await in_flight
+    assert reply.status == 200
+    assert len((await reply.json())["choices"][0]["message"]["content"]) > 0
+    await shutdown
+    kinds = [e[0] for e in recorder.events]
+    assert kinds.index("shutdown") > kinds.index("post")
+    shutdown_event = recorder.events[kinds.index("shutdown")]
+    assert shutdown_event == ("shutdown", True, 1), "engine up and the FIFO held during on_shutdown"
+
+
+async def test_request_running_past_the_grace_is_cut(strata_client_factory, strata_settings_factory, recorder):
+    settings = strata_settings_factory(server={"shutdown_grace_s": 0.3})
+    client = await strata_client_factory(recorder, settings=settings)
+    body = chat_body("never ending", max_tokens=3500, ignore_eos=True, stream=True)
+    resp = await client.post("/v1/chat/completions", json=body)
+    await resp.content.readany()
+    await asyncio.wait_for(client.app[SERVICE].shutdown(), 15)
+    assert recorder.outcomes[-1].status == "cancelled"
+    assert recorder.events[-1][0] == "shutdown"
