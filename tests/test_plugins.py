@@ -18,8 +18,11 @@ def probe_site(tmp_path_factory):
     """The test distribution, installed by pip into a directory of its own."""
     from pathlib import Path
 
+    import shutil
+
     target = tmp_path_factory.mktemp("site")
-    source = Path(__file__).parent / "plugin_dist"
+    # Build from a copy: a build leaves files behind in its source directory.
+    source = shutil.copytree(Path(__file__).parent / "plugin_dist", tmp_path_factory.mktemp("src") / "dist")
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
          "--target", str(target), str(source)],
