@@ -52,7 +52,6 @@ class AutoSessionsStats:
     save_ms: float = 0.0
     save_failures: int = 0
     save_skips_below_min: int = 0
-    save_skips_unchanged: int = 0
     save_skips_verdict: int = 0
     restores: int = 0
     restored_tokens: int = 0
@@ -242,11 +241,6 @@ class AutoSessions:
             log.info("[strata] auto sessions: not saving %s: %s tokens is below min_tokens (%s)",
                      key, f"{tokens:,}", f"{self.config.min_tokens:,}")
             return None
-        sidecar = self.store.sidecar(key)
-        if (sidecar is not None and sidecar.tokens == tokens and self.store.bin_path(key).exists()
-                and same_model(sidecar.fingerprint, self.fingerprint)):
-            self.stats.save_skips_unchanged += 1
-            return True
         verdict = service.verdict("save", None, tokens)
         if verdict in (Verdict.SKIP, Verdict.UNSUPPORTED):
             self.stats.save_skips_verdict += 1
@@ -254,6 +248,7 @@ class AutoSessions:
             if verdict == Verdict.UNSUPPORTED:
                 self._give_up("the engine cannot save slots")
             return None
+        sidecar = self.store.sidecar(key)
         temp = self.store.temp_name(key)
         began = time.monotonic()
         try:
