@@ -8,9 +8,10 @@ without downloading gigabytes of weights. Real use takes a real model.
 The model is a llama-architecture transformer in float16 with a small
 SentencePiece-style ("llama") vocabulary: a few control tokens, 256 byte
 fallback tokens and the printable ASCII characters, so text tokenizes to
-roughly one token per character. The chat template is standard ChatML and
-``<|im_end|>`` is the end-of-sequence token, so chat replies stop cleanly
-whenever the random weights happen to pick it.
+one token per character. The chat template is standard ChatML and
+``<|im_end|>`` is the end-of-sequence token, as in a real chat model. The
+output layer is shaped so that greedy (temperature 0) replies are printable
+ASCII and never end early: they always run to ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -156,7 +157,13 @@ def write_demo_model(
         writer.add_tensor(_tensor_name(T.FFN_UP, bid), weight(shape.n_ff, shape.n_embd))
         writer.add_tensor(_tensor_name(T.FFN_DOWN, bid), weight(shape.n_embd, shape.n_ff))
     writer.add_tensor(_tensor_name(T.OUTPUT_NORM), norm())
-    writer.add_tensor(_tensor_name(T.OUTPUT), weight(len(tokens), shape.n_embd))
+    output = weight(len(tokens), shape.n_embd)
+    # Random logits would mostly pick byte tokens (256 of the ~350), which
+    # decode to control characters and invalid UTF-8. Zero rows pin every
+    # non-NORMAL token's logit at 0, below the best of ~95 random printable
+    # ones, so greedy decoding emits only printable text and never <|im_end|>.
+    output[np.array(token_types) != gguf.TokenType.NORMAL] = 0
+    writer.add_tensor(_tensor_name(T.OUTPUT), output)
 
     try:
         writer.write_header_to_file()

@@ -36,6 +36,14 @@ class Recorder:
         self.active -= 1
 
     @strata_serve.hookimpl
+    async def on_startup(self, service):
+        self.events.append(("startup", await service.engine.health()))
+
+    @strata_serve.hookimpl
+    def collect_stats(self):
+        return {"requests": len(self.outcomes)}
+
+    @strata_serve.hookimpl
     def on_engine_start(self, restarted):
         self.events.append(("engine_start", restarted))
 

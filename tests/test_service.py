@@ -228,3 +228,33 @@ async def test_request_running_past_the_grace_is_cut(strata_client_factory, stra
     await asyncio.wait_for(client.app[SERVICE].shutdown(), 15)
     assert recorder.outcomes[-1].status == "cancelled"
     assert recorder.events[-1][0] == "shutdown"
+
+
+async def test_startup_hooks_run_in_order_before_the_first_request(strata_client_factory, recorder):
+    client = await strata_client_factory(recorder)
+    await client.post("/v1/chat/completions", json=chat_body())
+    kinds = [e[0] for e in recorder.events]
+    assert kinds[:3] == ["engine_start", "startup", "pre"]
+    assert recorder.events[0] == ("engine_start", False)
+    assert recorder.events[1] == ("startup", True), "the engine is up during on_startup"
+
+
+class BrokenStats:
+    strata_name = "broken_stats"
+
+    @strata_serve.hookimpl
+    def collect_stats(self):
+        raise RuntimeError("no numbers today")
+
+
+async def test_collect_stats_gathers_every_plugin_and_skips_a_broken_one(strata_client_factory, recorder,
+                                                                         caplog):
+    from strata_serve.plugins import call_each_sync
+
+    client = await strata_client_factory(BrokenStats(), recorder)
+    await client.post("/v1/chat/completions", json=chat_body())
+    service = client.app[SERVICE]
+    with caplog.at_level(logging.ERROR, logger="strata_serve.plugins"):
+        reported = dict(call_each_sync(service.pm, "collect_stats", service=service))
+    assert reported == {"recorder": {"requests": 1}}
+    assert any("broken_stats" in r.getMessage() and "collect_stats" in r.getMessage() for r in caplog.records)

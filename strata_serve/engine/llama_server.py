@@ -339,16 +339,16 @@ class LlamaServer:
 
     # -- calls -------------------------------------------------------------
 
-    async def _gone(self, exc: BaseException) -> EngineUnavailable:
-        """Describe a lost connection: a managed engine that died is being restarted."""
-        if self.managed and self._proc is not None:
+    async def _gone(self, exc: BaseException, proc: asyncio.subprocess.Process | None) -> EngineUnavailable:
+        """Describe a lost connection; ``proc`` is the engine process the call went to."""
+        if self.managed and proc is not None:
             for _ in range(40):  # give the child watcher a moment to see the exit
-                if self._proc.returncode is not None:
+                if proc.returncode is not None:
                     break
                 await asyncio.sleep(0.025)
-            if self._proc.returncode is not None:
+            if proc.returncode is not None:
                 return EngineUnavailable(
-                    f"the engine stopped while answering (exit code {self._proc.returncode}); "
+                    f"the engine stopped while answering (exit code {proc.returncode}); "
                     "it is being restarted, try again shortly",
                     status=502,
                 )
@@ -368,6 +368,7 @@ class LlamaServer:
         :raises EngineUnavailable: when the engine cannot be reached.
         """
         assert self._session is not None
+        proc = self._proc
         try:
             async with self._session.request(method, self.info.url + path, json=json) as resp:
                 if resp.content_type == "application/json":
@@ -376,18 +377,19 @@ class LlamaServer:
                     body = await resp.text()
                 return resp.status, body
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as exc:
-            raise await self._gone(exc) from exc
+            raise await self._gone(exc, proc) from exc
 
     @contextlib.asynccontextmanager
     async def stream(self, path: str, json: Any) -> AsyncIterator[StreamReply]:
         """A streamed call; leaving it early drops the connection, which stops the engine's work."""
         assert self._session is not None
+        proc = self._proc
         try:
             resp = await self._session.post(self.info.url + path, json=json)
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-            raise await self._gone(exc) from exc
+            raise await self._gone(exc, proc) from exc
         try:
-            yield StreamReply(resp, self._gone)
+            yield StreamReply(resp, lambda exc: self._gone(exc, proc))
         finally:
             resp.close()
 
