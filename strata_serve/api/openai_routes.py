@@ -150,6 +150,8 @@ async def _relay_json(service: Service, path: str, body: dict[str, Any], outcome
 class _SSEWatcher:
     """Reads the engine's SSE bytes as they pass, for ``timings``, ``usage`` and the end."""
 
+    _MARKERS = (b'"timings"', b'"usage"', b'"error"', b'"finish_reason":"', b'"finish_reason": "')
+
     def __init__(self) -> None:
         self._buffer = b""
         self.timings: dict[str, Any] | None = None
@@ -168,6 +170,8 @@ class _SSEWatcher:
             if data == b"[DONE]":
                 self.finished = True
                 continue
+            if not any(marker in data for marker in self._MARKERS):
+                continue  # a plain token: nothing to learn, and parsing each one costs speed
             try:
                 event = json.loads(data)
             except ValueError:

@@ -185,6 +185,9 @@ class LlamaServer:
         if self.settings.api_key is not None:
             headers["Authorization"] = f"Bearer {self.settings.api_key.get_secret_value()}"
         self._session = aiohttp.ClientSession(
+            # llama-server may close a connection after a streamed answer; a pooled
+            # connection could then fail the next request. A local connect is cheap.
+            connector=aiohttp.TCPConnector(force_close=True),
             headers=headers,
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=self.settings.request_timeout_s),
         )

@@ -1,0 +1,143 @@
+"""Start what a user would run (a bare llama-server, or strata-serve in front of one) and time it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+from strata_serve.config import EngineSettings, Settings
+from strata_serve.engine import LlamaServer
+from strata_serve.engine.llama_server import free_port
+
+
+@dataclass
+class Reply:
+    ttft_s: float
+    total_s: float
+    timings: dict[str, Any]
+    text: str
+
+
+@contextlib.asynccontextmanager
+async def bare_engine(model: Path, ctx: int, slot_dir: Path, cache_ram_mib: int | None) -> AsyncIterator[str]:
+    """A llama-server on its own; yields its base URL."""
+    engine = LlamaServer(EngineSettings(model=model, ctx_size=ctx, slot_save_path=slot_dir,
+                                        cache_ram_mib=cache_ram_mib, log_level="DEBUG"))
+    await engine.start()
+    try:
+        yield engine.info.url
+    finally:
+        await engine.stop()
+
+
+@contextlib.asynccontextmanager
+async def strata(model: Path, ctx: int, slot_dir: Path, cache_ram_mib: int | None,
+                 plugins: dict[str, dict[str, Any]] | None = None, entrypoints: bool = True) -> AsyncIterator[str]:
+    """strata-serve with its installed plugins (minus those marked ``enabled: False``); yields its URL."""
+    from strata_serve.api import create_app
+    from strata_serve.plugins import get_plugin_manager
+
+    settings = Settings(
+        server={"port": free_port("127.0.0.1"), "queue_limit": 256},
+        engine={"model": model, "ctx_size": ctx, "slot_save_path": slot_dir,
+                "cache_ram_mib": cache_ram_mib, "log_level": "DEBUG"},
+        plugins=plugins or {},
+    )
+    pm = get_plugin_manager(settings, entrypoints=entrypoints)
+    runner = web.AppRunner(create_app(settings, pm), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", settings.server.port)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{settings.server.port}"
+    finally:
+        await runner.cleanup()
+
+
+def client_session() -> aiohttp.ClientSession:
+    """The benchmark client: a new connection per request, as the engine may close one after a stream."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+
+
+async def chat(session: aiohttp.ClientSession, url: str, messages: list[dict], max_tokens: int = 1,
+               **extra: Any) -> Reply:
+    """One streamed chat request: time to first token, total time, the engine's timings."""
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True, **extra}
+    began = time.perf_counter()
+    first = None
+    timings: dict[str, Any] = {}
+    text = []
+    async with session.post(url + "/v1/chat/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{url}: HTTP {resp.status}: {await resp.text()}")
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            for choice in event.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    text.append(piece)
+                    if first is None:
+                        first = time.perf_counter()
+            timings = event.get("timings") or timings
+    end = time.perf_counter()
+    return Reply(ttft_s=(first or end) - began, total_s=end - began, timings=timings, text="".join(text))
+
+
+def conversation(name: str, tokens: int) -> list[dict]:
+    """A first user message of about ``tokens`` tokens (the demo vocabulary: one per character)."""
+    unit = f" {name} sails the northern sea;"
+    return [{"role": "user", "content": (unit * (tokens // len(unit) + 1))[:tokens]}]
+
+
+def follow_up(messages: list[dict], reply: str, question: str = "And then?") -> list[dict]:
+    return messages + [{"role": "assistant", "content": reply}, {"role": "user", "content": question}]
+
+
+def spread(values: list[float], digits: int = 3) -> str:
+    """Median with the range, e.g. ``0.210 (0.190-0.240)``."""
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def percentile(values: list[float], pct: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(pct / 100 * (len(ordered) - 1))))]
+
+
+async def disk_speed(directory: Path, size_mb: int = 256) -> tuple[float, float]:
+    """Sequential write (with fsync) and read speed of ``directory`` in MB/s."""
+    path = directory / "disk-probe.bin"
+    block = b"\0" * (1 << 20)
+
+    def run() -> tuple[float, float]:
+        began = time.perf_counter()
+        with open(path, "wb") as handle:
+            for _ in range(size_mb):
+                handle.write(block)
+            handle.flush()
+            import os
+
+            os.fsync(handle.fileno())
+        write = size_mb / (time.perf_counter() - began)
+        began = time.perf_counter()
+        with open(path, "rb") as handle:
+            while handle.read(1 << 20):
+                pass
+        read = size_mb / (time.perf_counter() - began)
+        path.unlink()
+        return write, read
+
+    return await asyncio.to_thread(run)

@@ -1,0 +1,256 @@
+"""Run the benchmarks and write ``bench/results/README.md``: ``python -m bench.run [--quick]``.
+
+Every figure is measured in the same run as the thing it is compared with, and
+reported as a ratio next to it: these machines are too noisy for absolute times
+to mean much from one run to the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.harness import bare_engine, chat, client_session, conversation, follow_up, percentile, spread, strata
+from strata_serve.demo_model import write_demo_model
+from strata_serve.engine import LlamaServer
+from strata_serve.config import EngineSettings
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+async def engine_start(models: dict[str, Path], runs: int) -> dict[str, list[float]]:
+    """Seconds from spawning llama-server to a healthy /health, per model."""
+    found: dict[str, list[float]] = {}
+    for size, model in models.items():
+        for _ in range(runs):
+            engine = LlamaServer(EngineSettings(model=model, ctx_size=4096, log_level="DEBUG"))
+            await engine.start()
+            found.setdefault(size, []).append(engine.start_seconds or 0.0)
+            await engine.stop()
+    return found
+
+
+async def overhead(model: Path, work: Path, requests: int) -> dict[str, Any]:
+    """What the layer costs: per-request latency and streaming speed, direct against through strata-serve."""
+    messages = conversation("latency", 64)
+    setups = {
+        "llama-server directly": lambda d: bare_engine(model, 4096, d, 0),
+        "strata-serve (installed plugins)": lambda d: strata(model, 4096, d, 0,
+                                                             plugins={"auto_sessions": {"min_tokens": 100}}),
+    }
+    found: dict[str, Any] = {}
+    for name, make in setups.items():
+        async with make(work / name.split()[0]) as url, client_session() as session:
+            await chat(session, url, messages)  # warm: the prompt is now cached
+            single = [(await chat(session, url, messages)).total_s for _ in range(requests)]
+
+            async def client(n: int) -> list[float]:
+                return [(await chat(session, url, messages)).total_s for _ in range(requests // 8)]
+
+            began = time.perf_counter()
+            eight = [t for batch in await asyncio.gather(*(client(n) for n in range(8))) for t in batch]
+            eight_wall = time.perf_counter() - began
+            streams = []
+            for _ in range(3):
+                reply = await chat(session, url, messages, max_tokens=256)
+                streams.append(reply.timings.get("predicted_n", 0) / (reply.total_s - reply.ttft_s))
+        found[name] = {
+            "p50_ms": percentile(single, 50) * 1000, "p99_ms": percentile(single, 99) * 1000,
+            "p50_8_ms": percentile(eight, 50) * 1000, "p99_8_ms": percentile(eight, 99) * 1000,
+            "rps_8": len(eight) / eight_wall, "stream_tps": statistics.median(streams),
+        }
+    return found
+
+
+SWITCH_SETUPS = {
+    # name: (strata-serve?, auto-sessions?, engine RAM cache MiB: 0 off, None the engine's default)
+    "llama-server, RAM cache off": (False, False, 0),
+    "strata + auto-sessions, RAM cache off": (True, True, 0),
+    "llama-server, RAM cache on": (False, False, None),
+    "strata + auto-sessions, RAM cache on": (True, True, None),
+}
+
+
+async def switch_back(model: Path, work: Path, sizes: list[int], rounds: int) -> dict[str, Any]:
+    """A, B, then back and forth: time to first token on each return, per context size."""
+    found: dict[str, Any] = {}
+    for size in sizes:
+        a, b = conversation("Alice", size), conversation("Bob", size)
+        for index, (name, (through_strata, auto, cache)) in enumerate(SWITCH_SETUPS.items()):
+            slot_dir = work / f"switch-{size}-{index}"  # each setup starts with no files
+            if through_strata:
+                plugins = {"auto_sessions": {"enabled": auto, "min_tokens": 256}}
+                setup = strata(model, size * 2 + 512, slot_dir, cache, plugins=plugins)
+            else:
+                setup = bare_engine(model, size * 2 + 512, slot_dir, cache)
+            async with setup as url, client_session() as session:
+                first_a = await chat(session, url, a)
+                first_b = await chat(session, url, b)
+                returns, reused = [], []
+                for n in range(rounds):
+                    for base, first in ((a, first_a), (b, first_b)):
+                        reply = await chat(session, url, follow_up(base, first.text, f"Question {n}?"))
+                        returns.append(reply.ttft_s)
+                        reused.append(reply.timings.get("cache_n", 0))
+            found.setdefault(str(size), {})[name] = {
+                "first_prefill_s": first_a.ttft_s, "returns_s": returns, "cache_n": reused,
+            }
+            print(f"  switch-back {size} tokens, {name}: {spread(returns)} s, cache_n {reused}", flush=True)
+    return found
+
+
+async def save_restore_speed(model: Path, work: Path, size: int) -> dict[str, Any]:
+    """Slot save/restore MB/s through strata-serve's /slots and the engine's own API, and the disk's."""
+    from bench.harness import disk_speed
+
+    found: dict[str, Any] = {}
+    messages = conversation("Speed", size)
+    for name, make in {
+        "llama-server slot API": lambda d: bare_engine(model, size + 512, d, 0),
+        "through strata-serve /slots": lambda d: strata(model, size + 512, d, 0,
+                                                        plugins={"auto_sessions": {"enabled": False}}),
+    }.items():
+        slot_dir = work / ("speed-" + name.split()[0])
+        async with make(slot_dir) as url, client_session() as session:
+            await chat(session, url, messages)
+            saves, restores, size_mb = [], [], 0.0
+            for n in range(3):
+                began = time.perf_counter()
+                async with session.post(url + "/slots/0?action=save", json={"filename": f"s{n}.bin"}) as r:
+                    assert r.status == 200, await r.text()
+                saves.append(time.perf_counter() - began)
+                size_mb = (slot_dir / f"s{n}.bin").stat().st_size / 1e6
+                began = time.perf_counter()
+                async with session.post(url + "/slots/0?action=restore", json={"filename": f"s{n}.bin"}) as r:
+                    assert r.status == 200, await r.text()
+                restores.append(time.perf_counter() - began)
+        found[name] = {"mb": size_mb, "save_mbps": [size_mb / s for s in saves],
+                       "restore_mbps": [size_mb / s for s in restores]}
+    write, read = await disk_speed(work)
+    found["disk"] = {"write_mbps": write, "read_mbps": read}
+    return found
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, {cpu}"
+
+
+def report(results: dict[str, Any], quick: bool, command: str) -> str:
+    lines = [
+        "# Benchmark results",
+        "",
+        f"Made by `{command}` on {results['date']}; machine: {results['machine']}.",
+        "Models: the project's random-weight demo models (`strata-serve demo-model --size tiny|bench`);",
+        "the text they write is meaningless, the work the engine does for them is real.",
+        "Figures are medians with (min-max) over the repetitions in this one run.",
+        "",
+        "## Engine start (spawn to healthy)",
+        "",
+        "| model | seconds |",
+        "|---|---|",
+    ]
+    for size, values in results["engine_start"].items():
+        lines.append(f"| {size} | {spread(values)} |")
+    lines += [
+        "",
+        "## What the layer costs (tiny model, cached 64-token prompt, 1 new token)",
+        "",
+        "| setup | p50 ms | p99 ms | p50 ms, 8 clients | p99 ms, 8 clients | req/s, 8 clients | stream tokens/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    over = results["overhead"]
+    for name, v in over.items():
+        lines.append(f"| {name} | {v['p50_ms']:.1f} | {v['p99_ms']:.1f} | {v['p50_8_ms']:.1f} | "
+                     f"{v['p99_8_ms']:.1f} | {v['rps_8']:.0f} | {v['stream_tps']:.0f} |")
+    direct, layered = over["llama-server directly"], over["strata-serve (installed plugins)"]
+    lines += ["", f"Added latency per request (p50): {layered['p50_ms'] - direct['p50_ms']:.1f} ms; "
+              f"streaming speed through strata-serve: {layered['stream_tps'] / direct['stream_tps']:.2f}x direct.", ""]
+
+    lines += [
+        "## Switching back: time to first token on returning to a conversation (bench model)",
+        "",
+        "A, then B, then back and forth; each return adds one short question. Ratio: against",
+        "the bare engine with its RAM cache off, which re-reads the whole prompt.",
+        "",
+        "| tokens | setup | first prefill s | return s | ratio | cache_n on return |",
+        "|---|---|---|---|---|---|",
+    ]
+    for size, setups in results["switch_back"].items():
+        full = statistics.median(setups["llama-server, RAM cache off"]["returns_s"])
+        for name, v in setups.items():
+            ratio = full / statistics.median(v["returns_s"])
+            lines.append(f"| {size} | {name} | {v['first_prefill_s']:.2f} | {spread(v['returns_s'])} | "
+                         f"{ratio:.1f}x faster | {min(v['cache_n'])}-{max(v['cache_n'])} |")
+    speed = results["save_restore"]
+    lines += [
+        "",
+        f"## Slot save and restore throughput ({speed['llama-server slot API']['mb']:.0f} MB state, bench model)",
+        "",
+        "| path | save MB/s | restore MB/s |",
+        "|---|---|---|",
+    ]
+    for name in ("llama-server slot API", "through strata-serve /slots"):
+        v = speed[name]
+        lines.append(f"| {name} | {spread(v['save_mbps'], 0)} | {spread(v['restore_mbps'], 0)} |")
+    lines.append(f"| the disk, sequential (write with fsync / read) | {speed['disk']['write_mbps']:.0f} | "
+                 f"{speed['disk']['read_mbps']:.0f} |")
+    lines += ["", "Raw figures: `results.json` beside this file (not committed).", ""]
+    if quick:
+        lines.insert(2, "**Quick mode**: small sizes and few repetitions; run `make bench` for the full table.\n")
+    return "\n".join(lines)
+
+
+async def main(quick: bool, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="strata-bench-") as tmp:
+        work = Path(tmp)
+        tiny = write_demo_model(work / "tiny.gguf", size="tiny")
+        bench_model = write_demo_model(work / "bench.gguf", size="bench")
+        print("engine start...", flush=True)
+        results: dict[str, Any] = {
+            "date": datetime.date.today().isoformat(),
+            "machine": machine(),
+            "engine_start": await engine_start({"tiny": tiny, "bench": bench_model}, 2 if quick else 5),
+        }
+        print("layer overhead...", flush=True)
+        results["overhead"] = await overhead(tiny, work, 40 if quick else 200)
+        print("switching back...", flush=True)
+        sizes = [1024] if quick else [2048, 4096, 8192]
+        results["switch_back"] = await switch_back(bench_model, work, sizes, 1 if quick else 2)
+        print("save/restore throughput...", flush=True)
+        results["save_restore"] = await save_restore_speed(bench_model, work, 1024 if quick else 8192)
+    command = "make bench-quick" if quick else "make bench"
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "README.md").write_text(report(results, quick, command))
+    print((out / "README.md").read_text())
+
+
+def cli() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="small sizes, few repetitions (CI)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    asyncio.run(main(args.quick, args.out))
+
+
+if __name__ == "__main__":
+    cli()
