@@ -133,6 +133,16 @@ def test_weights_are_small_and_finite(tiny: gguf.GGUFReader) -> None:
             assert 0.01 < float(data.std()) < 0.04, t.name
 
 
+def test_only_normal_tokens_can_win_greedy_decoding(tiny: gguf.GGUFReader) -> None:
+    types = np.array(field(tiny, "tokenizer.ggml.token_type"))
+    (output,) = [t for t in tiny.tensors if t.name == "output.weight"]
+    rows = np.asarray(output.data, dtype=np.float32)
+    assert rows.shape == (len(types), SIZES["tiny"].n_embd)
+    normal = types == gguf.TokenType.NORMAL
+    assert not rows[~normal].any()
+    assert np.abs(rows[normal]).sum(axis=1).min() > 0
+
+
 def test_tiny_file_size(tiny_path: pathlib.Path) -> None:
     assert 150_000 <= tiny_path.stat().st_size <= 600_000
 
