@@ -9,6 +9,7 @@ Each plugin owns the section ``plugins.<name>`` and validates it itself through
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -31,12 +32,33 @@ from pydantic_settings import (
 M = TypeVar("M", bound=BaseModel)
 
 
+def split_names(value: Any) -> Any:
+    """``"a, b"`` (from the environment) -> ``["a", "b"]``; lists pass through."""
+    if isinstance(value, str):
+        return [name.strip() for name in value.split(",") if name.strip()]
+    return value
+
+
 class ConfigError(Exception):
     """The configuration cannot be used; the message says which key and why."""
 
 
 class ServerSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("conversation_key_order", mode="before")
+    @classmethod
+    def _split_order(cls, value: Any) -> Any:
+        return split_names(value)
+
+    @field_validator("api_keys")
+    @classmethod
+    def _tenant_names(cls, value: dict[str, SecretStr]) -> dict[str, SecretStr]:
+        # Tenant names prefix conversation keys, which name files: keep them plain.
+        for name in value:
+            if not re.fullmatch(r"[A-Za-z0-9_]{1,32}", name):
+                raise ValueError(f"tenant name {name!r} must be 1-32 of letters, digits and _")
+        return value
 
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
@@ -49,6 +71,9 @@ class ServerSettings(BaseModel):
     api_keys: dict[str, SecretStr] = Field(default_factory=dict)
     #: On a normal stop, how long the request in flight may take to finish.
     shutdown_grace_s: float = Field(30, ge=0)
+    #: Keying plugins asked first for a conversation key, in this order (the first answer wins);
+    #: the others follow in load order, the built-in default last.
+    conversation_key_order: Annotated[list[str], NoDecode] = Field(default_factory=list)
     #: How long a client may take to send its request body.
     read_timeout_s: float = Field(60, gt=0)
 
@@ -98,9 +123,7 @@ class Settings(BaseSettings):
     @field_validator("disable_plugins", mode="before")
     @classmethod
     def _split_names(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return [name.strip() for name in value.split(",") if name.strip()]
-        return value
+        return split_names(value)
 
     def plugin_enabled(self, name: str) -> bool:
         if name in self.disable_plugins:

@@ -129,17 +129,28 @@ def call_each_sync(pm: pluggy.PluginManager, hook_name: str, **kwargs: Any) -> l
     return list(_iter_sync(pm, hook_name, kwargs))
 
 
-def first_result(pm: pluggy.PluginManager, hook_name: str, **kwargs: Any) -> Any:
-    """A firstresult hook, called so that a raising plugin is logged and skipped."""
-    for _name, result in _iter_sync(pm, hook_name, kwargs):
+def first_result(
+    pm: pluggy.PluginManager, hook_name: str, *, order: Iterable[str] = (), **kwargs: Any
+) -> Any:
+    """A firstresult hook, called so that a raising plugin is logged and skipped.
+
+    ``order`` names plugins to ask first, in that order; the others follow in
+    pluggy's order.
+    """
+    for _name, result in _iter_sync(pm, hook_name, kwargs, order):
         if result is not None:
             return result
     return None
 
 
-def _iter_sync(pm: pluggy.PluginManager, hook_name: str, kwargs: dict[str, Any]):
+def _iter_sync(pm: pluggy.PluginManager, hook_name: str, kwargs: dict[str, Any], order: Iterable[str] = ()):
     hook = getattr(pm.hook, hook_name)
-    for impl in reversed(hook.get_hookimpls()):
+    impls = list(reversed(hook.get_hookimpls()))
+    if order:
+        rank = {name: index for index, name in enumerate(order)}
+        # sorted() is stable: plugins not named keep pluggy's order, after the named ones.
+        impls.sort(key=lambda impl: rank.get(impl_plugin_name(pm, impl), len(rank)))
+    for impl in impls:
         name = impl_plugin_name(pm, impl)
         try:
             result = call_impl(impl, kwargs)

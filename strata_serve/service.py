@@ -126,7 +126,9 @@ class Service:
 
     def conversation_key(self, request: StrataRequest) -> str | None:
         """Ask the ``conversation_key`` hook, then namespace the key by tenant."""
-        key = first_result(self.pm, "conversation_key", request=request)
+        key = first_result(
+            self.pm, "conversation_key", order=self.settings.server.conversation_key_order, request=request
+        )
         if key is None:
             return None
         if not isinstance(key, str) or not KEY_PATTERN.match(key):

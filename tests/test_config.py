@@ -88,3 +88,9 @@ def test_plugin_section_from_env_and_its_own_model(monkeypatch):
     wrong_type = Settings(plugins={"mine": {"min_tokens": "lots"}})
     with pytest.raises(ConfigError, match=r"plugins\.mine\.min_tokens"):
         wrong_type.plugin_config("mine", Mine)
+
+
+def test_tenant_names_must_be_plain():
+    with pytest.raises(ConfigError, match="server.api_keys"):
+        load_settings(server={"api_keys": {"../evil": "k"}})
+    assert load_settings(server={"api_keys": {"team_a": "k"}}).server.api_keys["team_a"].get_secret_value() == "k"

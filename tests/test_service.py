@@ -197,6 +197,48 @@ async def test_a_plugin_key_beats_the_default_and_bad_keys_are_dropped(strata_cl
     assert recorder.keys[-1] is None
 
 
+class NamedKey:
+    def __init__(self, name):
+        self.strata_name = name
+
+    @strata_serve.hookimpl
+    def conversation_key(self, request):
+        return f"from-{self.strata_name}"
+
+
+async def test_conversation_key_order_decides_which_plugin_wins(
+    strata_client_factory, strata_settings_factory, recorder
+):
+    first, second = NamedKey("first_keyer"), NamedKey("second_keyer")
+    client = await strata_client_factory(first, second, recorder)
+    await client.post("/v1/chat/completions", json=chat_body())
+    assert recorder.keys[-1] == "from-second_keyer", "unordered: the last registered is asked first"
+
+    settings = strata_settings_factory(server={"conversation_key_order": ["first_keyer"]})
+    client = await strata_client_factory(first, second, recorder, settings=settings)
+    await client.post("/v1/chat/completions", json=chat_body())
+    assert recorder.keys[-1] == "from-first_keyer"
+
+    settings = strata_settings_factory(server={"conversation_key_order": ["conversation_key"]})
+    client = await strata_client_factory(first, second, recorder, settings=settings)
+    await client.post("/v1/chat/completions", json=chat_body("ordered"))
+    assert len(recorder.keys[-1]) == 16, "the built-in default can be put first too"
+
+
+async def test_tenants_never_share_a_key(strata_client_factory, strata_settings_factory, recorder):
+    settings = strata_settings_factory(server={"api_keys": {"alice": "ka", "bob": "kb"}})
+    client = await strata_client_factory(recorder, settings=settings)
+    for key in ("ka", "kb"):
+        resp = await client.post("/v1/chat/completions", json=chat_body("same words"),
+                                 headers={"Authorization": f"Bearer {key}"})
+        assert resp.status == 200
+    alice, bob = recorder.keys
+    assert alice.startswith("alice--") and bob.startswith("bob--")
+    assert alice.split("--", 1)[1] == bob.split("--", 1)[1]
+    refused = await client.post("/v1/chat/completions", json=chat_body())
+    assert refused.status == 401
+
+
 async def test_normal_stop_finishes_the_request_then_runs_on_shutdown(strata_client_factory, recorder):
     client = await strata_client_factory(recorder)
     in_flight = asyncio.create_task(
