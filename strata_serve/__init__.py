@@ -6,7 +6,7 @@ Plugins import this package and decorate their hook implementations with
 """
 
 from strata_serve.hookspecs import hookimpl
-from strata_serve.exchange import EngineError, Outcome, StrataRequest, Verdict
+from strata_serve.exchange import EngineError, KeyRefused, Outcome, StrataRequest, Verdict
 
-__all__ = ["hookimpl", "EngineError", "Outcome", "StrataRequest", "Verdict"]
+__all__ = ["hookimpl", "EngineError", "KeyRefused", "Outcome", "StrataRequest", "Verdict"]
 __version__ = "0.1.0"

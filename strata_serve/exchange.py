@@ -69,6 +69,19 @@ class Outcome:
         return prompt + int(self.timings.get("predicted_n", 0))  # type: ignore[union-attr]
 
 
+class KeyRefused(Exception):
+    """Raised by a ``conversation_key`` implementation to refuse a request outright.
+
+    For input the client controls and got wrong (a malformed session header, say):
+    the core answers 400 in the OpenAI error shape, naming ``param``, and the
+    request is never queued or keyed.
+    """
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
 class Verdict(str, enum.Enum):
     """What an engine error means, as decided by a backend quirk plugin."""
 

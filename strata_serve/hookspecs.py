@@ -73,6 +73,10 @@ def conversation_key(request: StrataRequest) -> str | None:
     (registered ``trylast``) is the first 16 hex digits of the sha1 of the first
     ``role: user`` message's text. Must be synchronous.
 
+    Raise :class:`strata_serve.KeyRefused` to refuse input the client got wrong
+    (a malformed session header): the client gets a 400 naming it and the request
+    is never queued.
+
     Stops at the first non-None result; return None to defer.
 
     :param request: The incoming request (``route``, ``body``, ``headers``, ``tenant``).

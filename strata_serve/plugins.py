@@ -130,20 +130,32 @@ def call_each_sync(pm: pluggy.PluginManager, hook_name: str, **kwargs: Any) -> l
 
 
 def first_result(
-    pm: pluggy.PluginManager, hook_name: str, *, order: Iterable[str] = (), **kwargs: Any
+    pm: pluggy.PluginManager,
+    hook_name: str,
+    *,
+    order: Iterable[str] = (),
+    passthrough: tuple[type[Exception], ...] = (),
+    **kwargs: Any,
 ) -> Any:
     """A firstresult hook, called so that a raising plugin is logged and skipped.
 
     ``order`` names plugins to ask first, in that order; the others follow in
-    pluggy's order.
+    pluggy's order. Exceptions of the ``passthrough`` types are a plugin's answer,
+    not its failure: they propagate.
     """
-    for _name, result in _iter_sync(pm, hook_name, kwargs, order):
+    for _name, result in _iter_sync(pm, hook_name, kwargs, order, passthrough):
         if result is not None:
             return result
     return None
 
 
-def _iter_sync(pm: pluggy.PluginManager, hook_name: str, kwargs: dict[str, Any], order: Iterable[str] = ()):
+def _iter_sync(
+    pm: pluggy.PluginManager,
+    hook_name: str,
+    kwargs: dict[str, Any],
+    order: Iterable[str] = (),
+    passthrough: tuple[type[Exception], ...] = (),
+):
     hook = getattr(pm.hook, hook_name)
     impls = list(reversed(hook.get_hookimpls()))
     if order:
@@ -154,6 +166,8 @@ def _iter_sync(pm: pluggy.PluginManager, hook_name: str, kwargs: dict[str, Any],
         name = impl_plugin_name(pm, impl)
         try:
             result = call_impl(impl, kwargs)
+        except passthrough:
+            raise
         except Exception:
             log.exception("plugin %s failed in %s; carrying on without it", name, hook_name)
             continue

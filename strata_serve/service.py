@@ -14,7 +14,7 @@ import pluggy
 
 from strata_serve.config import Settings
 from strata_serve.engine.base import Engine
-from strata_serve.exchange import EngineError, Outcome, StrataRequest, Verdict
+from strata_serve.exchange import EngineError, KeyRefused, Outcome, StrataRequest, Verdict
 from strata_serve.plugins import broadcast, first_result
 
 log = logging.getLogger("strata_serve.service")
@@ -125,9 +125,16 @@ class Service:
         return self.settings.engine.parallel == 1
 
     def conversation_key(self, request: StrataRequest) -> str | None:
-        """Ask the ``conversation_key`` hook, then namespace the key by tenant."""
+        """Ask the ``conversation_key`` hook, then namespace the key by tenant.
+
+        :raises KeyRefused: when a keying plugin refuses the request's input.
+        """
         key = first_result(
-            self.pm, "conversation_key", order=self.settings.server.conversation_key_order, request=request
+            self.pm,
+            "conversation_key",
+            order=self.settings.server.conversation_key_order,
+            passthrough=(KeyRefused,),
+            request=request,
         )
         if key is None:
             return None

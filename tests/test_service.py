@@ -225,6 +225,26 @@ async def test_conversation_key_order_decides_which_plugin_wins(
     assert len(recorder.keys[-1]) == 16, "the built-in default can be put first too"
 
 
+class Refuser:
+    strata_name = "refuser"
+
+    @strata_serve.hookimpl
+    def conversation_key(self, request):
+        if "X-Bad" in request.headers:
+            raise strata_serve.KeyRefused("X-Bad is not acceptable", param="X-Bad")
+        return None
+
+
+async def test_a_keying_plugin_can_refuse_a_request_with_400(strata_client_factory, recorder):
+    client = await strata_client_factory(Refuser(), recorder)
+    resp = await client.post("/v1/chat/completions", json=chat_body(), headers={"X-Bad": "1"})
+    body = await resp.json()
+    assert_openai_error(body, 400, resp.status)
+    assert body["error"]["param"] == "X-Bad" and body["error"]["code"] == "invalid_conversation_key"
+    assert recorder.keys == [], "refused before the queue: never keyed, never sent"
+    assert (await client.post("/v1/chat/completions", json=chat_body())).status == 200
+
+
 async def test_tenants_never_share_a_key(strata_client_factory, strata_settings_factory, recorder):
     settings = strata_settings_factory(server={"api_keys": {"alice": "ka", "bob": "kb"}})
     client = await strata_client_factory(recorder, settings=settings)

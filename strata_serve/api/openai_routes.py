@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from strata_serve.api.errors import APIError
 from strata_serve.api.keys import SERVICE, TENANT
 from strata_serve.engine.base import EngineUnavailable
-from strata_serve.exchange import Outcome, StrataRequest
+from strata_serve.exchange import KeyRefused, Outcome, StrataRequest
 from strata_serve.service import QueueFull, Service, ShuttingDown
 
 log = logging.getLogger("strata_serve.api")
@@ -116,7 +116,10 @@ async def relay(request: web.Request, route: str, path: str, body: dict[str, Any
         stream=bool(body.get("stream")),
         tenant=request.get(TENANT),
     )
-    sreq.conversation_key = service.conversation_key(sreq)
+    try:
+        sreq.conversation_key = service.conversation_key(sreq)
+    except KeyRefused as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_conversation_key") from None
     answer: web.StreamResponse | None = None
 
     async def send(outcome: Outcome) -> None:
