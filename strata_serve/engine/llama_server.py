@@ -342,6 +342,23 @@ class LlamaServer:
 
     # -- calls -------------------------------------------------------------
 
+    async def _came_back(self, proc: asyncio.subprocess.Process | None) -> bool:
+        """After a refused connection: did the engine die and come back (then send again)?
+
+        A refused connection means nothing was delivered, so sending again is safe.
+        This happens when a slot operation just before crashed the engine.
+        """
+        if not self.managed or proc is None or self._stopping:
+            return False
+        for _ in range(40):
+            if proc.returncode is not None:
+                break
+            await asyncio.sleep(0.025)
+        if proc.returncode is None:
+            return False
+        await self.wait_ready()
+        return self._proc is not proc
+
     async def _gone(self, exc: BaseException, proc: asyncio.subprocess.Process | None) -> EngineUnavailable:
         """Describe a lost connection; ``proc`` is the engine process the call went to."""
         if self.managed and proc is not None:
@@ -379,6 +396,10 @@ class LlamaServer:
                 else:
                     body = await resp.text()
                 return resp.status, body
+        except aiohttp.ClientConnectorError as exc:
+            if await self._came_back(proc):
+                return await self.request(method, path, json, op=op)
+            raise await self._gone(exc, proc) from exc
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as exc:
             raise await self._gone(exc, proc) from exc
 
@@ -388,6 +409,10 @@ class LlamaServer:
         assert self._session is not None
         proc = self._proc
         try:
+            resp = await self._session.post(self.info.url + path, json=json)
+        except aiohttp.ClientConnectorError as exc:
+            if not await self._came_back(proc):
+                raise await self._gone(exc, proc) from exc
             resp = await self._session.post(self.info.url + path, json=json)
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
             raise await self._gone(exc, proc) from exc

@@ -61,6 +61,7 @@ class AutoSessionsStats:
     restores_withheld: int = 0
     restores_left_to_ram: int = 0
     restores_refused_other_model: int = 0
+    restores_refused_damaged: int = 0
     restores_not_reused: int = 0
     prunes: int = 0
     pruned_bytes: int = 0
@@ -258,7 +259,7 @@ class AutoSessions:
             now = time.time()
             self.store.commit(temp, key, Sidecar(
                 key=key, fingerprint=self.fingerprint, tokens=n_saved, bytes=n_written,
-                created=sidecar.created if sidecar else now, last_used=now,
+                created=sidecar.created if sidecar else now, last_used=now, digest="",
             ))
         except (EngineError, EngineUnavailable, OSError) as exc:
             self._discard(temp)
@@ -300,13 +301,20 @@ class AutoSessions:
     async def _restore(self, key: str, request: StrataRequest, service: Any) -> bool:
         assert self.store is not None
         path = self.store.bin_path(key)
-        if not path.is_file():
+        if not self.store.restorable(key):
+            if path.is_symlink():
+                log.warning("[strata] auto sessions: not restoring %s: it is a symlink, never followed", path.name)
             return False
         sidecar = self.store.sidecar(key)
         if sidecar is None or not same_model(sidecar.fingerprint, self.fingerprint):
             self.stats.restores_refused_other_model += 1
             log.warning("[strata] auto sessions: not restoring %s: it was saved %s", path.name,
                         "without a readable sidecar" if sidecar is None else "for another model or context size")
+            return False
+        if not self.store.intact(key, sidecar):
+            self.stats.restores_refused_damaged += 1
+            log.warning("[strata] auto sessions: not restoring %s: it is truncated or damaged "
+                        "(size or digest differs from when it was saved)", path.name)
             return False
         if self.ram is not None and self.ram.holds(key):
             self.stats.restores_left_to_ram += 1

@@ -47,6 +47,32 @@ def same_model(recorded: dict[str, Any], current: dict[str, Any]) -> bool:
     return all(recorded.get(k) == current.get(k) for k in keys)
 
 
+#: How a file is sampled for its digest: this many evenly spaced blocks of this size.
+DIGEST_BLOCKS = 64
+DIGEST_BLOCK_BYTES = 64 * 1024
+
+
+def sample_digest(path: Path) -> str:
+    """A digest of the file's size and 64 evenly spaced 64 KiB blocks (at most 4 MiB read).
+
+    The engine has crashed on a truncated or damaged state file, so a file is
+    checked before it is handed over. Reading a few MiB keeps a restore of a
+    large file in milliseconds; it catches truncation, appended bytes and damage
+    to any sampled block, not a flipped bit between samples.
+    """
+    size = path.stat().st_size
+    digest = hashlib.blake2b(str(size).encode(), digest_size=16)
+    with open(path, "rb") as handle:
+        if size <= DIGEST_BLOCKS * DIGEST_BLOCK_BYTES:
+            digest.update(handle.read())
+        else:
+            step = (size - DIGEST_BLOCK_BYTES) // (DIGEST_BLOCKS - 1)
+            for index in range(DIGEST_BLOCKS):
+                handle.seek(index * step)
+                digest.update(handle.read(DIGEST_BLOCK_BYTES))
+    return digest.hexdigest()
+
+
 @dataclass
 class Sidecar:
     key: str
@@ -55,6 +81,8 @@ class Sidecar:
     bytes: int
     created: float
     last_used: float
+    #: :func:`sample_digest` of the state file when it was saved.
+    digest: str
 
     @classmethod
     def read(cls, path: Path) -> Sidecar | None:
@@ -77,6 +105,16 @@ class SessionStore:
     def bin_path(self, key: str) -> Path:
         return self.directory / self.bin_name(key)
 
+    def restorable(self, key: str) -> bool:
+        """A regular file of ours, not a symlink that could lead outside the directory."""
+        path = self.bin_path(key)
+        return path.is_file() and not path.is_symlink()
+
+    def intact(self, key: str, sidecar: Sidecar) -> bool:
+        """The file is the one that was saved: same size, same sampled digest."""
+        path = self.bin_path(key)
+        return path.stat().st_size == sidecar.bytes and sample_digest(path) == sidecar.digest
+
     def sidecar_path(self, key: str) -> Path:
         return self.directory / f"{PREFIX}{key}.json"
 
@@ -93,9 +131,17 @@ class SessionStore:
         return removed
 
     def commit(self, temp_name: str, key: str, sidecar: Sidecar) -> None:
-        """Move a finished save under its real name, private to this user, with its sidecar."""
+        """Move a finished save under its real name, private to this user, with its sidecar.
+
+        :raises OSError: when the file on disk is not the size the engine reported
+            (a full disk can leave a short file behind a reported success).
+        """
         temp = self.directory / temp_name
+        size = temp.stat().st_size
+        if sidecar.bytes and size != sidecar.bytes:
+            raise OSError(f"{temp_name} holds {size:,} bytes; the engine reported {sidecar.bytes:,}")
         os.chmod(temp, 0o600)
+        sidecar.digest = sample_digest(temp)
         os.replace(temp, self.bin_path(key))
         self.write_sidecar(sidecar)
 
@@ -127,6 +173,8 @@ class SessionStore:
         """``(key, path, bytes, last used)`` of every session file, newest first."""
         found = []
         for path in self.directory.glob(f"{PREFIX}*.bin"):
+            if path.is_symlink():
+                continue  # never made here: not ours to read, count or delete
             key = path.name[len(PREFIX) : -len(".bin")]
             try:
                 stat = path.stat()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+
 import pytest
 
 import strata_auto_sessions
@@ -220,21 +222,27 @@ async def test_file_from_another_model_is_refused(auto_client, auto_settings, st
     assert any("another model" in l for l in log_lines(caplog))
 
 
-async def test_truncated_file_fails_cleanly_and_is_answered_by_prefill(auto_client, llama_server_factory):
+@pytest.mark.parametrize("damage", ["truncated", "overwritten"])
+async def test_damaged_file_is_never_handed_to_the_engine(auto_client, llama_server_factory, caplog, damage):
     client = await auto_client()
     a, b = conversation("trunc-a"), conversation("trunc-b")
     await ask(client, a)
     await ask(client, b)
     path = slot_dir(client) / f"auto-{key_of(client, a)}.bin"
     data = path.read_bytes()
-    path.write_bytes(data[: len(data) // 2])
+    if damage == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    else:
+        path.write_bytes(data[:1000] + os.urandom(len(data) - 2000) + data[-1000:])
     reply = await ask(client, a)
-    assert parking(client).stats.restore_failures == 1
-    assert reply["timings"]["cache_n"] < 20
+    stats = parking(client).stats
+    assert stats.restores_refused_damaged == 1 and stats.restores == 0 and stats.restore_failures == 0
+    assert reply["timings"]["cache_n"] < 40, "only the shared chat-template prefix is reused"
+    assert any("truncated or damaged" in line for line in log_lines(caplog))
     fresh = await llama_server_factory()
     _, reference = await fresh.request("POST", "/v1/chat/completions", json=body(a))
     assert reply["choices"][0]["message"]["content"] == reference["choices"][0]["message"]["content"]
-    assert (await client.get("/health")).status == 200
+    assert client.app[SERVICE].engine.generation == 1, "the engine never restarted"
 
 
 async def test_restore_not_reused_is_noticed(auto_client, caplog):

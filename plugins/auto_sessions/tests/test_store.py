@@ -11,7 +11,8 @@ def make_file(store, key, size, age):
     path.write_bytes(b"x" * size)
     then = time.time() - age
     os.utime(path, (then, then))
-    store.write_sidecar(Sidecar(key=key, fingerprint={}, tokens=1, bytes=size, created=then, last_used=then))
+    store.write_sidecar(Sidecar(key=key, fingerprint={}, tokens=1, bytes=size, created=then, last_used=then,
+                                digest=""))
 
 
 def test_prepare_removes_only_temporaries(tmp_path):
@@ -50,7 +51,7 @@ def test_prune_by_size(tmp_path):
 
 def test_sidecar_round_trip_and_unreadable(tmp_path):
     store = SessionStore(tmp_path)
-    car = Sidecar(key="a", fingerprint={"n_ctx": 1}, tokens=5, bytes=9, created=1.0, last_used=2.0)
+    car = Sidecar(key="a", fingerprint={"n_ctx": 1}, tokens=5, bytes=9, created=1.0, last_used=2.0, digest="d")
     store.write_sidecar(car)
     assert store.sidecar("a") == car
     assert oct(store.sidecar_path("a").stat().st_mode & 0o777) == "0o600"
@@ -68,3 +69,39 @@ def test_fingerprint_tells_models_apart(tmp_path):
     moved = tmp_path / "moved.gguf"
     moved.write_bytes(one.read_bytes())
     assert same_model(fingerprint(str(one), 4096), fingerprint(str(moved), 4096))
+
+
+def test_commit_checks_size_and_intact_detects_damage(tmp_path):
+    import pytest
+
+    store = SessionStore(tmp_path)
+    data = bytes(range(256)) * 40_000  # 10 MB: sampled, not read whole
+    (tmp_path / "tmp-auto-k-1.bin").write_bytes(data)
+    car = Sidecar(key="k", fingerprint={}, tokens=3, bytes=len(data), created=0, last_used=0, digest="")
+    store.commit("tmp-auto-k-1.bin", "k", car)
+    assert store.intact("k", store.sidecar("k"))
+    assert oct(store.bin_path("k").stat().st_mode & 0o777) == "0o600"
+
+    damaged = bytearray(data)
+    damaged[len(data) // 2 : len(data) // 2 + 100_000] = b"\0" * 100_000
+    store.bin_path("k").write_bytes(bytes(damaged))
+    assert not store.intact("k", store.sidecar("k"))
+    store.bin_path("k").write_bytes(data[:-1])
+    assert not store.intact("k", store.sidecar("k"))
+
+    (tmp_path / "tmp-auto-j-1.bin").write_bytes(b"short")
+    with pytest.raises(OSError, match="engine reported"):
+        store.commit("tmp-auto-j-1.bin", "j", Sidecar(key="j", fingerprint={}, tokens=1, bytes=99,
+                                                      created=0, last_used=0, digest=""))
+    assert not store.bin_path("j").exists()
+
+
+def test_symlinks_are_never_listed_or_restorable(tmp_path):
+    store = SessionStore(tmp_path / "slots")
+    store.prepare()
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"secret")
+    store.bin_path("evil").symlink_to(outside)
+    assert store.files() == [] and not store.restorable("evil")
+    store.prune(keep=1, max_bytes=1)
+    assert outside.read_bytes() == b"secret"
