@@ -1,0 +1,90 @@
+"""session_header: the client names its conversation, and the name becomes the key.
+
+Where the name is looked for, in the configured order (``plugins.session_header.sources``):
+
+- ``header``: the ``X-Session-Id`` header (or the one named by ``plugins.session_header.header``);
+- ``metadata``: ``metadata.session_id`` in the body;
+- ``user``: the OpenAI ``user`` field.
+
+A session id is 1 to 64 of letters, digits, ``-`` and ``_`` (a key names a file). A
+header or ``metadata.session_id`` that breaks the rule is refused with a 400: the
+client sent it for us and would otherwise lose its session without knowing. ``user``
+is OpenAI's end-user id, which clients fill for their own reasons (often an email):
+one that is not a usable id is passed over, so installing this plugin never breaks
+such a client. Without a usable name the plugin defers to the next keying plugin.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+import strata_serve
+from strata_serve.exchange import StrataRequest
+
+NAME = "session_header"
+#: The plugin's name when registered by hand (tests); the entry point gives the same.
+strata_name = NAME
+
+MAX_LENGTH = 64
+SESSION_ID = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_LENGTH}}}")
+
+Source = Literal["header", "metadata", "user"]
+
+
+class SessionHeaderConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    #: The header that carries the session id.
+    header: str = Field("X-Session-Id", min_length=1)
+    #: Where to look, first to last. A session is narrower than a user, so ``user`` comes last.
+    sources: list[Source] = Field(default_factory=lambda: ["header", "metadata", "user"])
+
+
+#: The configuration of the server that loaded the plugin (``conversation_key`` is only
+#: handed the request, so ``on_config`` leaves it here; one server per process).
+_config = SessionHeaderConfig()
+
+
+@strata_serve.hookimpl
+def on_config(settings):
+    global _config
+    _config = settings.plugin_config(NAME, SessionHeaderConfig)
+
+
+@strata_serve.hookimpl
+def conversation_key(request: StrataRequest) -> str | None:
+    for source in _config.sources:
+        if source == "header":
+            value = request.headers.get(_config.header)
+            if value is not None:
+                return checked(value, _config.header)
+        elif source == "metadata":
+            metadata = request.body.get("metadata")
+            if isinstance(metadata, dict) and "session_id" in metadata:
+                return checked(metadata["session_id"], "metadata.session_id")
+        else:
+            user = request.body.get("user")
+            if isinstance(user, str) and SESSION_ID.fullmatch(user):
+                return user
+    return None
+
+
+def checked(value: object, param: str) -> str:
+    """``value`` if it is a usable session id.
+
+    :raises strata_serve.KeyRefused: naming ``param`` and what is wrong with it.
+    """
+    if not isinstance(value, str):
+        raise strata_serve.KeyRefused(f"{param} must be a string", param=param)
+    if len(value) > MAX_LENGTH:
+        raise strata_serve.KeyRefused(
+            f"{param} is {len(value)} characters long; a session id has at most {MAX_LENGTH}", param=param
+        )
+    if not SESSION_ID.fullmatch(value):
+        raise strata_serve.KeyRefused(
+            f"{param} must be 1 to {MAX_LENGTH} of letters, digits, '-' and '_'", param=param
+        )
+    return value
