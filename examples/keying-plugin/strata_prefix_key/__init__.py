@@ -1,0 +1,50 @@
+"""prefix_key: the opening characters of the first user message name the conversation.
+
+Some agents re-render their first message every turn: a fixed instruction, then a
+file listing or a date that changes. The built-in key hashes the whole message, so
+each turn looks like a new conversation. This key hashes only its first ``chars``
+characters (``plugins.prefix_key.chars``), so the turns stay one conversation while
+the instruction stays the same. A message no longer than ``chars`` gets the built-in
+key, since the same text is hashed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from pydantic import BaseModel, ConfigDict, Field
+
+import strata_serve
+from strata_serve.default_plugins.conversation_key import first_user_text
+
+NAME = "prefix_key"
+#: The plugin's name when registered by hand (tests); the entry point gives the same.
+strata_name = NAME
+
+
+class PrefixKeyConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt key stops the start, named
+
+    #: How many opening characters of the first user message name the conversation.
+    chars: int = Field(200, ge=1)
+
+
+#: The configuration of the server that loaded the plugin: ``conversation_key`` is only
+#: handed the request, so ``on_config`` keeps it here.
+_config = PrefixKeyConfig()
+
+
+@strata_serve.hookimpl
+def on_config(settings):
+    global _config
+    _config = settings.plugin_config(NAME, PrefixKeyConfig)
+
+
+@strata_serve.hookimpl
+def conversation_key(request):
+    if request.route != "chat":
+        return None
+    text = first_user_text(request.body)
+    if text is None:
+        return None  # defer: another plugin, or in the end the built-in default, decides
+    return hashlib.sha1(text[: _config.chars].encode("utf-8")).hexdigest()[:16]
