@@ -1,0 +1,98 @@
+"""ram-cache-stats: what the engine's RAM cache and the parking are doing, in numbers.
+
+After every request (``post_request``, FIFO held) it records the engine's timings and
+where the conversation's state came from: the slot, the engine's RAM prompt cache, a
+disk restore by auto-sessions, or nowhere (a full prefill). It shows the totals,
+derived figures and auto-sessions' own numbers at ``GET /metrics`` (Prometheus),
+``GET /stats`` (JSON), and in a log line every ``log_every`` requests.
+
+The per-service object is at ``service.state["ram_cache_stats"]``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+import strata_serve
+
+from strata_ram_cache_stats import exposition
+from strata_ram_cache_stats.engine_ram import EngineRamModel, budget_bytes
+from strata_ram_cache_stats.ledger import AUTO_SESSIONS, NAME, Ledger, RamCacheStatsConfig
+from strata_ram_cache_stats.peers import bytes_per_token, plugin_numbers
+
+__all__ = ["Ledger", "RamCacheStats", "RamCacheStatsConfig"]
+
+log = logging.getLogger("strata_ram_cache_stats")
+
+#: The plugin's name when registered by hand (tests); the entry point gives the same.
+strata_name = NAME
+
+
+@dataclass
+class RamCacheStats:
+    """One per service: the settings, the ledger, and a Prometheus registry of its own.
+
+    Never the global registry: one process may run several servers (tests do).
+    """
+
+    config: RamCacheStatsConfig
+    ledger: Ledger
+    registry: CollectorRegistry
+
+    @classmethod
+    def start(cls, config: RamCacheStatsConfig, service: Any) -> RamCacheStats:
+        budget = budget_bytes(service.engine.info.cache_ram_mib)
+        ram = EngineRamModel(budget, config.max_conversations) if budget != 0 else None
+        ledger = Ledger(config, ram, lambda: bytes_per_token(plugin_numbers(service)))
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(exposition.LedgerCollector(ledger, service))
+        shown = "off" if budget == 0 else "no limit" if budget is None else f"{budget // 2**20:,} MiB"
+        log.info("[strata] ram cache stats: on (GET /metrics, GET /stats); engine RAM cache budget %s", shown)
+        return cls(config, ledger, registry)
+
+    def after(self, request: Any, outcome: Any, service: Any) -> None:
+        if self.ledger.after(request, outcome) is None:
+            return
+        every = self.config.log_every
+        if every and self.ledger.measured % every == 0:
+            auto = plugin_numbers(service).get(AUTO_SESSIONS)
+            log.info("%s", exposition.summary_line(self.ledger.snapshot(), auto))
+
+
+def _stats(service: Any) -> RamCacheStats | None:
+    return service.state.get(NAME)
+
+
+@strata_serve.hookimpl
+def on_config(settings):
+    settings.plugin_config(NAME, RamCacheStatsConfig)
+
+
+@strata_serve.hookimpl
+def on_startup(service):
+    config = service.settings.plugin_config(NAME, RamCacheStatsConfig)
+    service.state[NAME] = RamCacheStats.start(config, service)
+
+
+@strata_serve.hookimpl
+def on_engine_start(service, restarted):
+    stats = _stats(service)
+    if stats is not None:  # None at the first start: on_startup comes after it
+        stats.ledger.engine_restarted()
+
+
+@strata_serve.hookimpl
+def post_request(request, outcome, service):
+    stats = _stats(service)
+    if stats is not None:
+        stats.after(request, outcome, service)
+
+
+@strata_serve.hookimpl
+def register_routes(service):
+    return [web.get("/metrics", exposition.metrics), web.get("/stats", exposition.stats)]

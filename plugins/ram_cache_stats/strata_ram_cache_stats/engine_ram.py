@@ -1,0 +1,66 @@
+"""A model of what llama-server's RAM prompt cache (``--cache-ram``) holds, by conversation.
+
+The engine says nothing about this cache through its API, so it is inferred from the
+requests. Its behaviour, read from the engine's verbose log on this project's build:
+when a request for another conversation arrives, the engine first parks the slot's
+state in the cache (dropping the oldest entries while the cache is over its budget),
+then looks there for the incoming prompt and moves the best match into the slot, out
+of the cache. A slot restore from disk bypasses all of this: nothing is parked.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+#: llama-server's ``--cache-ram`` when started without the flag.
+ENGINE_DEFAULT_CACHE_RAM_MIB = 8192
+MIB = 1024 * 1024
+
+
+def budget_bytes(cache_ram_mib: int | None) -> int | None:
+    """The RAM cache's budget in bytes: 0 when off, None when unlimited (``--cache-ram -1``)."""
+    mib = ENGINE_DEFAULT_CACHE_RAM_MIB if cache_ram_mib is None else cache_ram_mib
+    return None if mib < 0 else mib * MIB
+
+
+@dataclass
+class EngineRamModel:
+    """Conversations most likely parked in the engine's RAM cache, oldest first.
+
+    Sizes are kept in tokens; the budget, in bytes, is applied once the engine's
+    bytes per token are known (measured from slot saves).
+    """
+
+    #: The cache's budget in bytes, None when unlimited.
+    budget: int | None
+    #: The most entries kept, so an unlimited cache cannot grow this model without bound.
+    max_entries: int
+    entries: collections.OrderedDict[str, int] = field(default_factory=collections.OrderedDict)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.entries.values())
+
+    def estimated_bytes(self, bytes_per_token: float | None) -> int | None:
+        return None if bytes_per_token is None else int(self.tokens * bytes_per_token)
+
+    def park(self, key: str, tokens: int, bytes_per_token: float | None) -> None:
+        """The engine parks the outgoing conversation, then makes room within its budget."""
+        self.entries.pop(key, None)
+        self.entries[key] = tokens
+        while self.entries and (len(self.entries) > self.max_entries
+                                or self._over_budget(bytes_per_token)):
+            self.entries.popitem(last=False)
+
+    def take(self, key: str) -> bool:
+        """The engine moves a returning conversation into the slot; True if it was held here."""
+        return self.entries.pop(key, None) is not None
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+    def _over_budget(self, bytes_per_token: float | None) -> bool:
+        if self.budget is None or bytes_per_token is None:
+            return False
+        return self.tokens * bytes_per_token > self.budget

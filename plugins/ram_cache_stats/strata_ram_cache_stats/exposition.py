@@ -1,0 +1,180 @@
+"""The numbers shown three ways: Prometheus text at ``/metrics``, JSON at ``/stats``, a log line."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from strata_serve.api import SERVICE, TENANT
+from strata_serve.api.errors import APIError
+
+from strata_ram_cache_stats.ledger import AUTO_SESSIONS, NAME, Ledger
+from strata_ram_cache_stats.peers import plugin_numbers
+
+#: auto-sessions' ``collect_stats`` names -> (metric, labels, help, scale). Milliseconds
+#: become seconds, Prometheus' base unit; counters get ``_total`` from prometheus_client.
+AUTO_SESSIONS_COUNTERS: dict[str, tuple[str, dict[str, str], str, float]] = {
+    "saves": ("saves", {}, "Conversations saved to disk", 1),
+    "saved_tokens": ("saved_tokens", {}, "Tokens saved to disk", 1),
+    "saved_bytes": ("saved_bytes", {}, "Bytes written by saves", 1),
+    "save_ms": ("save_seconds", {}, "Time spent saving", 1e-3),
+    "save_failures": ("save_failures", {}, "Saves that failed", 1),
+    "save_skips_below_min": ("save_skips", {"reason": "below_min_tokens"}, "Saves skipped", 1),
+    "save_skips_verdict": ("save_skips", {"reason": "engine_verdict"}, "Saves skipped", 1),
+    "restores": ("restores", {}, "Conversations restored from disk", 1),
+    "restored_tokens": ("restored_tokens", {}, "Tokens restored from disk", 1),
+    "restored_bytes": ("restored_bytes", {}, "Bytes read by restores", 1),
+    "restore_ms": ("restore_seconds", {}, "Time spent restoring", 1e-3),
+    "restore_failures": ("restore_failures", {}, "Restores that failed", 1),
+    "restores_withheld": ("restore_skips", {"reason": "save_failed"}, "Restores not attempted", 1),
+    "restores_left_to_ram": ("restore_skips", {"reason": "left_to_ram"}, "Restores not attempted", 1),
+    "restores_refused_other_model": ("restore_skips", {"reason": "other_model"}, "Restores not attempted", 1),
+    "restores_not_reused": ("restores_not_reused", {}, "Restores the next request barely reused", 1),
+    "prunes": ("prunes", {}, "Session files pruned", 1),
+    "pruned_bytes": ("pruned_bytes", {}, "Bytes of session files pruned", 1),
+}
+AUTO_SESSIONS_GAUGES: dict[str, tuple[str, str]] = {
+    "files_on_disk": ("files_on_disk", "Session files on disk"),
+    "bytes_on_disk": ("on_disk_bytes", "Bytes of session files on disk"),
+}
+MIB = 1024**2
+GIB = 1024**3
+
+
+class LedgerCollector:
+    """A Prometheus collector reading the ledger (and auto-sessions' numbers) at scrape time."""
+
+    def __init__(self, ledger: Ledger, service: Any):
+        self.ledger = ledger
+        self.service = service
+
+    def collect(self) -> Iterator[Metric]:
+        numbers = self.ledger.snapshot()
+        yield from self._own(numbers)
+        auto = plugin_numbers(self.service).get(AUTO_SESSIONS)
+        if auto is not None:
+            yield from auto_sessions_metrics(auto)
+
+    def _own(self, numbers: dict[str, Any]) -> Iterator[Metric]:
+        by_source = CounterMetricFamily(
+            "strata_requests", "Requests measured, by where their conversation's state came from",
+            labels=["source"])
+        for source, count in numbers["requests_by_source"].items():
+            by_source.add_metric([source], count)
+        yield by_source
+        yield CounterMetricFamily("strata_prompt_tokens", "Prompt tokens of every request",
+                                  value=numbers["prompt_tokens"])
+        yield CounterMetricFamily("strata_reused_tokens", "Prompt tokens the engine reused (cache_n)",
+                                  value=numbers["reused_tokens"])
+        yield CounterMetricFamily("strata_prefilled_tokens", "Prompt tokens the engine prefilled (prompt_n)",
+                                  value=numbers["prefilled_tokens"])
+        yield from self.ledger.prefill_seconds.collect()
+        yield CounterMetricFamily("strata_prefill_avoided_seconds",
+                                  "Prefill time the reused tokens would have cost at this engine's speed",
+                                  value=numbers["prefill_seconds_avoided"])
+        yield GaugeMetricFamily("strata_reuse_ratio", "Reused tokens over prompt tokens, since start",
+                                value=numbers["reuse_ratio"])
+        if numbers["prefill_tokens_per_second"] is not None:
+            yield GaugeMetricFamily("strata_prefill_tokens_per_second", "Prefill speed measured on this engine",
+                                    value=numbers["prefill_tokens_per_second"])
+        yield GaugeMetricFamily("strata_conversations_tracked", "Conversation records kept",
+                                value=numbers["conversations_tracked"])
+        yield CounterMetricFamily("strata_conversation_records_dropped",
+                                  "Conversation records dropped past max_conversations",
+                                  value=numbers["conversation_records_dropped"])
+        ram = numbers["engine_ram_cache"]
+        if ram["budget_bytes"] is not None:
+            yield GaugeMetricFamily("strata_engine_ram_cache_budget_bytes",
+                                    "The engine's RAM prompt cache budget (--cache-ram); 0 when off",
+                                    value=ram["budget_bytes"])
+        yield GaugeMetricFamily("strata_engine_ram_cache_estimated_tokens",
+                                "Tokens most likely parked in the engine's RAM cache",
+                                value=ram["estimated_tokens"])
+        yield GaugeMetricFamily("strata_engine_ram_cache_conversations",
+                                "Conversations most likely parked in the engine's RAM cache",
+                                value=ram["conversations"])
+        yield CounterMetricFamily("strata_engine_ram_cache_misses",
+                                  "Returns of conversations parked in the RAM cache that reused little",
+                                  value=ram["misses"])
+        if ram["bytes_per_token"] is not None:
+            yield GaugeMetricFamily("strata_engine_state_bytes_per_token",
+                                    "Bytes per token of the engine's state, measured from slot saves",
+                                    value=ram["bytes_per_token"])
+            yield GaugeMetricFamily("strata_engine_ram_cache_estimated_bytes",
+                                    "Bytes most likely used in the engine's RAM cache",
+                                    value=ram["estimated_bytes"])
+
+
+def auto_sessions_metrics(auto: dict[str, Any]) -> Iterator[Metric]:
+    """auto-sessions' numbers as ``strata_auto_sessions_*`` families (unknown names left to /stats)."""
+    counters: dict[str, CounterMetricFamily] = {}
+    for stat, (name, labels, doc, scale) in AUTO_SESSIONS_COUNTERS.items():
+        if stat not in auto:
+            continue
+        family = counters.get(name)
+        if family is None:
+            family = counters[name] = CounterMetricFamily(
+                f"strata_auto_sessions_{name}", f"auto-sessions: {doc}", labels=list(labels))
+        family.add_metric(list(labels.values()), auto[stat] * scale)
+    yield from counters.values()
+    for stat, (name, doc) in AUTO_SESSIONS_GAUGES.items():
+        if stat in auto:
+            yield GaugeMetricFamily(f"strata_auto_sessions_{name}", f"auto-sessions: {doc}", value=auto[stat])
+
+
+def summary_line(numbers: dict[str, Any], auto: dict[str, Any] | None) -> str:
+    """One line for the log: what the parking and the engine's RAM cache did so far."""
+    by = numbers["requests_by_source"]
+    ram = numbers["engine_ram_cache"]
+    parts = [
+        f"{numbers['requests']:,} requests, reuse {numbers['reuse_ratio']:.0%}",
+        f"prefill {numbers['prefill_seconds']:,.1f} s spent, ~{numbers['prefill_seconds_avoided']:,.1f} s avoided",
+        f"state from slot {by['slot']:,}, RAM {by['ram']:,}, disk {by['disk']:,}, "
+        f"full prefill {by['none']:,} (new {by['new']:,}, unkeyed {by['unkeyed']:,})",
+    ]
+    if ram["budget_bytes"] != 0:
+        used = (f"~{_size(ram['estimated_bytes'])}" if ram["estimated_bytes"] is not None
+                else f"~{ram['estimated_tokens']:,} tokens")
+        budget = "no limit" if ram["budget_bytes"] is None else _size(ram["budget_bytes"])
+        parts.append(f"engine RAM cache {used} of {budget} ({ram['conversations']:,} parked, "
+                     f"{ram['misses']:,} misses)")
+    if auto is not None:
+        parts.append(f"auto sessions {auto.get('saves', 0):,} saves, {auto.get('restores', 0):,} restores, "
+                     f"{auto.get('files_on_disk', 0):,} files ({_size(auto.get('bytes_on_disk', 0))})")
+    return "[strata] ram cache stats: " + "; ".join(parts)
+
+
+def _size(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.1f} MiB"
+
+
+def _stats_of(request: web.Request) -> Any:
+    stats = request.app[SERVICE].state.get(NAME)
+    if stats is None:
+        raise APIError(503, "ram cache stats are not ready (the server is still starting)")
+    return stats
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """``GET /metrics``: Prometheus text format."""
+    body = generate_latest(_stats_of(request).registry)
+    response = web.Response(body=body)
+    response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+    return response
+
+
+async def stats(request: web.Request) -> web.Response:
+    """``GET /stats``: the figures, the conversation records and every plugin's numbers, as JSON.
+
+    A caller holding a named API key sees only its own conversations.
+    """
+    ledger = _stats_of(request).ledger
+    tenant = request.get(TENANT)
+    return web.json_response({
+        **ledger.snapshot(),
+        "conversations": ledger.recent_conversations(f"{tenant}--" if tenant is not None else ""),
+        "plugins": plugin_numbers(request.app[SERVICE]),
+    })
