@@ -180,7 +180,7 @@ class Service:
                     await send(outcome)
                 except asyncio.CancelledError:
                     outcome.status = "cancelled"
-                    outcome.error = "the client went away"
+                    outcome.error = outcome.error if self.closing else "the client went away"
                     raise
                 except Exception as exc:
                     outcome.status = "error"

@@ -10,7 +10,7 @@ from typing import AsyncIterator
 import pluggy
 from aiohttp import web
 
-from strata_serve.api import openai_routes, slots
+from strata_serve.api import openai_routes, openapi, slots
 from strata_serve.api.errors import error_middleware, error_response
 from strata_serve.api.keys import SERVICE, TENANT
 from strata_serve.config import Settings
@@ -48,6 +48,7 @@ def create_app(settings: Settings, pm: pluggy.PluginManager, engine: Engine | No
     app.add_routes(openai_routes.routes)
     app.add_routes(slots.routes)
     app.router.add_get("/health", health)
+    app.router.add_get("/openapi.json", openapi.openapi)
     for name, routes in call_each_sync(pm, "register_routes", service=service):
         if routes:
             try:

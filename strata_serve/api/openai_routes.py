@@ -150,6 +150,12 @@ async def _relay_json(service: Service, path: str, body: dict[str, Any], outcome
     return engine_answer(status, answer)
 
 
+async def _end_with_error(response: web.StreamResponse, message: str, kind: str) -> None:
+    event = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+    await response.write_eof()
+
+
 class _SSEWatcher:
     """Reads the engine's SSE bytes as they pass, for ``timings``, ``usage`` and the end."""
 
@@ -214,10 +220,15 @@ async def _relay_stream(
         except EngineUnavailable as exc:
             # Headers are gone already: tell the client in the stream itself.
             outcome.error = str(exc)
-            event = {"error": {"message": str(exc), "type": "engine_error", "param": None, "code": None}}
-            await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
-            await response.write_eof()
+            await _end_with_error(response, str(exc), "engine_error")
             return response
+        except asyncio.CancelledError:
+            if service.closing:
+                # Cut at the end of the shutdown grace: end the stream properly, saying why.
+                outcome.error = "cut: the server is shutting down"
+                with contextlib.suppress(ConnectionError, RuntimeError):
+                    await _end_with_error(response, outcome.error, "service_unavailable")
+            raise
         outcome.timings, outcome.usage = watcher.timings, watcher.usage
         if watcher.finished and watcher.error is None:
             outcome.status, outcome.error = "ok", None

@@ -47,7 +47,7 @@ class Engine(Protocol):
     async def wait_ready(self) -> None: ...
 
     async def request(
-        self, method: str, path: str, json: Any = None, *, op: str = "request"
+        self, method: str, path: str, json: Any = None, *, op: str = "request", resend: bool = True
     ) -> tuple[int, Any]: ...
 
     def stream(self, path: str, json: Any) -> AbstractAsyncContextManager[Any]:

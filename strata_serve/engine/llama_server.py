@@ -382,8 +382,14 @@ class LlamaServer:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False
 
-    async def request(self, method: str, path: str, json: Any = None, *, op: str = "request") -> tuple[int, Any]:
+    async def request(
+        self, method: str, path: str, json: Any = None, *, op: str = "request", resend: bool = True
+    ) -> tuple[int, Any]:
         """One call; returns ``(status, body)`` with the body parsed as JSON when it is JSON.
+
+        With ``resend``, a call the engine refused because it had just died is sent
+        again once it is back. Slot operations pass ``resend=False``: the engine that
+        comes back holds nothing, so saving it under the old name would be a lie.
 
         :raises EngineUnavailable: when the engine cannot be reached.
         """
@@ -397,8 +403,8 @@ class LlamaServer:
                     body = await resp.text()
                 return resp.status, body
         except aiohttp.ClientConnectorError as exc:
-            if await self._came_back(proc):
-                return await self.request(method, path, json, op=op)
+            if resend and await self._came_back(proc):
+                return await self.request(method, path, json, op=op, resend=False)
             raise await self._gone(exc, proc) from exc
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as exc:
             raise await self._gone(exc, proc) from exc
@@ -422,7 +428,9 @@ class LlamaServer:
             resp.close()
 
     async def _slot_action(self, op: str, slot: int, body: dict[str, Any] | None) -> dict[str, Any]:
-        status, answer = await self.request("POST", f"/slots/{slot}?action={op}", json=body or {}, op=op)
+        status, answer = await self.request(
+            "POST", f"/slots/{slot}?action={op}", json=body or {}, op=op, resend=False
+        )
         if status != 200 or not isinstance(answer, dict):
             raise EngineError(op=op, message=_error_message(answer), status=status, body=answer)
         return answer

@@ -176,11 +176,14 @@ class AutoSessions:
         outgoing, outgoing_tokens = self.held_key, self.held_tokens
         saved = await self.save_held(service, reason="switch")
         if saved is False:
+            # Restoring now would replace the held state (still in the slot, and in the
+            # engine's RAM cache when it has one) with a weaker one: leave it.
             log.info("[strata] auto sessions: not restoring %s: the held conversation could not be saved "
                      "and is still in the engine", key)
             self.stats.restores_withheld += 1
-            return
-        restored = await self._restore(key, request, service)
+            restored = False
+        else:
+            restored = await self._restore(key, request, service)
         if self.ram is not None:
             if restored:
                 pass  # a restore overwrote the slot: the outgoing one was not parked in RAM

@@ -153,6 +153,7 @@ async def test_failed_save_does_not_restore_over_the_held_state(auto_client, cap
     assert reply["choices"], "the request itself is answered"
     assert not (store.directory / f"auto-{key_a}.bin").exists()
     assert any("saving" in l and "failed" in l for l in log_lines(caplog))
+    assert parking(client).held_key == key_of(client, b), "the incoming request took the slot all the same"
 
 
 class ProvisionalQuirk:

@@ -1,0 +1,91 @@
+"""``GET /openapi.json``: the API described from the same pydantic models that validate it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+from pydantic import BaseModel
+
+from strata_serve import __version__
+from strata_serve.api.schemas import ChatCompletionRequest, CompletionRequest, SlotFile
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | int | None
+
+
+class ErrorResponse(BaseModel):
+    """The OpenAI error shape every failure is answered in."""
+
+    error: ErrorDetail
+
+
+_ERRORS = {"400", "401", "404", "405", "408", "409", "413", "502", "503"}
+
+
+def _json(ref: str) -> dict[str, Any]:
+    return {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{ref}"}}}}
+
+
+def _operation(summary: str, body: str | None = None, ok: str = "the engine's answer",
+               params: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    operation: dict[str, Any] = {
+        "summary": summary,
+        "responses": {"200": {"description": ok}} | {
+            code: {"description": "error", **_json("ErrorResponse")} for code in sorted(_ERRORS)
+        },
+    }
+    if body:
+        operation["requestBody"] = {"required": True, **_json(body)}
+    if params:
+        operation["parameters"] = params
+    return operation
+
+
+def build(extra_paths: list[tuple[str, str]] = ()) -> dict[str, Any]:
+    """The OpenAPI 3.1 document; ``extra_paths`` are plugin routes as ``(method, path)``."""
+    models = [ChatCompletionRequest, CompletionRequest, SlotFile, ErrorResponse]
+    schemas: dict[str, Any] = {}
+    for model in models:
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
+    action = [{"name": "action", "in": "query", "required": True,
+               "schema": {"type": "string", "enum": ["save", "restore", "erase"]}}]
+    slot_id = [{"name": "slot_id", "in": "path", "required": True, "schema": {"type": "string", "enum": ["0"]}}]
+    paths: dict[str, Any] = {
+        "/v1/chat/completions": {"post": _operation("Chat completion (stream with SSE or not)",
+                                                    "ChatCompletionRequest")},
+        "/v1/completions": {"post": _operation("Text completion", "CompletionRequest")},
+        "/v1/models": {"get": _operation("The engine's models")},
+        "/health": {"get": _operation("200 when the engine answers", ok="healthy")},
+        "/slots": {"get": _operation("The engine's slots")},
+        "/slots/{slot_id}": {"post": _operation("Save, restore or erase slot 0 (body for save/restore)",
+                                                "SlotFile", params=action + slot_id)},
+        "/openapi.json": {"get": _operation("This document", ok="the OpenAPI document")},
+    }
+    for method, path in extra_paths:
+        paths.setdefault(path, {})[method.lower()] = _operation("Added by a plugin", ok="the plugin's answer")
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "strata-serve", "version": __version__},
+        "paths": paths,
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }
+
+
+async def openapi(request: web.Request) -> web.Response:
+    built_in = set(build()["paths"])
+    extra = sorted(
+        (route.method, route.resource.canonical)
+        for route in request.app.router.routes()
+        if route.resource is not None and route.resource.canonical not in built_in and route.method != "HEAD"
+    )
+    return web.json_response(build(extra))

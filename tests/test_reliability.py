@@ -1,0 +1,305 @@
+"""Faults survived, bad input refused, nothing lost (run alone: ``pytest -m reliability``).
+
+Real engine, real files. Each test fails if the behaviour it names breaks; the
+table in docs/reliability.md lists them with what happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import strata_auto_sessions
+from strata_serve.api import SERVICE
+from strata_serve.engine.llama_server import free_port
+from strata_serve.testing import assert_openai_error
+
+pytestmark = pytest.mark.reliability
+MIN_TOKENS = 100
+
+
+def conversation(name: str) -> list[dict]:
+    opening = f"Conversation {name}: " + " ".join(f"{name}{n} ship sea wind" for n in range(40))
+    return [{"role": "user", "content": opening}]
+
+
+def body(messages, **extra) -> dict:
+    return {"messages": messages, "max_tokens": 8, "temperature": 0, **extra}
+
+
+async def ask(client, messages, **extra):
+    resp = await client.post("/v1/chat/completions", json=body(messages, **extra))
+    return resp.status, await resp.json()
+
+
+def parking(client):
+    return client.app[SERVICE].state["auto_sessions"]
+
+
+@pytest.fixture
+def auto_client(strata_client_factory, strata_settings_factory):
+    async def make(slot_dir: Path | None = None, **engine):
+        if slot_dir is not None:
+            engine["slot_save_path"] = str(slot_dir)
+        settings = strata_settings_factory(plugins={"auto_sessions": {"min_tokens": MIN_TOKENS}}, engine=engine)
+        return await strata_client_factory(strata_auto_sessions, settings=settings)
+
+    return make
+
+
+def only_complete_files(directory: Path) -> None:
+    """No temporary left behind, every session file has its sidecar."""
+    names = {p.name for p in directory.iterdir()}
+    assert not [n for n in names if n.startswith("tmp-")], names
+    for name in names:
+        if name.endswith(".bin"):
+            assert name[:-4] + ".json" in names, names
+
+
+# -- the engine killed at the worst moments ----------------------------------------
+
+
+@pytest.mark.parametrize("during", ["save", "restore"])
+async def test_engine_killed_during_a_slot_operation(auto_client, during):
+    client = await auto_client()
+    service = client.app[SERVICE]
+    engine = service.engine
+    a, b = conversation("kill-a"), conversation("kill-b")
+    await ask(client, a)
+    if during == "restore":
+        await ask(client, b)  # A saved; B held
+    real = getattr(engine, during)
+
+    async def killed_midway(filename, slot=0):
+        os.kill(engine.pid, signal.SIGKILL)
+        return await real(filename, slot)
+
+    setattr(engine, during, killed_midway)
+    status, answer = await ask(client, b if during == "save" else a)
+    setattr(engine, during, real)
+    # Answered after the restart, or refused with a clear message: never a hang or a 500.
+    assert status == 200 or (status in (502, 503) and "engine" in answer["error"]["message"]), answer
+    assert engine.generation == 2, "the engine was restarted"
+    only_complete_files(engine.info.slot_save_path)
+    if during == "save":
+        assert not (engine.info.slot_save_path / f"auto-{service.conversation_key(_req(a))}.bin").exists()
+    # The held state was reset with the restart, then follows the requests again.
+    status, _ = await ask(client, conversation("after"))
+    assert status == 200
+    assert parking(client).held_key == service.conversation_key(_req(conversation("after")))
+    await ask(client, a)
+    assert parking(client).stats.saves >= 1
+
+
+def _req(messages):
+    from strata_serve.exchange import StrataRequest
+
+    return StrataRequest(route="chat", body={"messages": messages})
+
+
+# -- the disk: full, read-only, gone ---------------------------------------------
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str):
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+async def test_disk_full_during_a_save(auto_client, tmp_path, caplog):
+    with tmpfs(tmp_path / "small", "900k") as slots:
+        client = await auto_client(slots)
+        a, b, c = conversation("full-a"), conversation("full-b"), conversation("full-c")
+        await ask(client, a)
+        status, _ = await ask(client, b)  # A saved (about 0.5 MB): fits
+        assert status == 200 and parking(client).stats.saves == 1
+        status, answer = await ask(client, c)  # B's save does not fit
+        assert status == 200 and answer["choices"]
+        assert parking(client).stats.save_failures == 1
+        only_complete_files(slots)
+        assert len(list(slots.glob("auto-*.bin"))) == 1
+        for leftover in slots.glob("auto-*"):
+            leftover.unlink()  # space comes back
+        await ask(client, a)  # C saved now
+        assert parking(client).stats.saves == 2
+        only_complete_files(slots)
+        await client.close()
+
+
+async def test_read_only_directory_then_writable_again(auto_client, tmp_path):
+    with tmpfs(tmp_path / "ro", "10m") as slots:
+        client = await auto_client(slots)
+        a, b = conversation("ro-a"), conversation("ro-b")
+        await ask(client, a)
+        subprocess.run(["mount", "-o", "remount,ro", str(slots)], check=True)
+        status, answer = await ask(client, b)
+        assert status == 200 and answer["choices"]
+        assert parking(client).stats.save_failures == 1 and parking(client).stats.saves == 0
+        subprocess.run(["mount", "-o", "remount,rw", str(slots)], check=True)
+        await ask(client, a)
+        assert parking(client).stats.saves == 1
+        only_complete_files(slots)
+        await client.close()
+
+
+async def test_directory_removed_while_running(auto_client, tmp_path):
+    client = await auto_client()
+    slots = client.app[SERVICE].engine.info.slot_save_path
+    a, b = conversation("gone-a"), conversation("gone-b")
+    await ask(client, a)
+    shutil.rmtree(slots)
+    status, answer = await ask(client, b)
+    assert status == 200 and answer["choices"]
+    assert parking(client).stats.save_failures == 1
+    slots.mkdir()
+    await ask(client, a)
+    assert parking(client).stats.saves == 1
+    only_complete_files(slots)
+
+
+# -- files that must never be restored --------------------------------------------
+
+
+async def test_symlink_under_a_session_name_is_never_followed(auto_client, tmp_path, caplog):
+    client = await auto_client()
+    a = conversation("link")
+    key = client.app[SERVICE].conversation_key(_req(a))
+    outside = tmp_path / "elsewhere.bin"
+    outside.write_bytes(b"\0" * 5000)
+    (client.app[SERVICE].engine.info.slot_save_path / f"auto-{key}.bin").symlink_to(outside)
+    status, answer = await ask(client, a)
+    assert status == 200 and answer["timings"]["cache_n"] == 0
+    assert parking(client).stats.restores == 0 and parking(client).stats.restore_failures == 0
+    assert outside.read_bytes() == b"\0" * 5000
+
+
+# -- a normal stop in the middle of an answer ----------------------------------------
+
+
+def wait_for(log_file: Path, text: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if text in log_file.read_text():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"never saw {text!r}:\n{log_file.read_text()[-3000:]}")
+
+
+def start_server(tmp_path: Path, model: Path, port: int, log) -> subprocess.Popen:
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "STRATA_PLUGINS__AUTO_SESSIONS__MIN_TOKENS": str(MIN_TOKENS),
+        "STRATA_SERVER__SHUTDOWN_GRACE_S": "0.5",
+        "STRATA_ENGINE__LOG_LEVEL": "DEBUG",
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "strata_serve.cli", "run", "--model", str(model), "--port", str(port),
+         "--slot-save-path", str(tmp_path / "slots"), "--cache-ram", "0"],
+        stderr=log, env=env,
+    )
+
+
+async def test_sigterm_mid_stream_cuts_cleanly_saves_and_the_next_start_restores(tmp_path, strata_demo_model):
+    import aiohttp
+
+    port = free_port("127.0.0.1")
+    log_file = tmp_path / "server.log"
+    a = conversation("sigterm")
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    with open(log_file, "a") as log, start_server(tmp_path, strata_demo_model, port, log) as proc:
+        try:
+            await asyncio.to_thread(wait_for, log_file, "listening on")
+            async with aiohttp.ClientSession() as session:
+                async with session.post(url, json=body(a)) as resp:
+                    assert resp.status == 200
+                async with session.post(url, json=body(a, max_tokens=3000, stream=True)) as resp:
+                    await resp.content.readany()
+                    began = time.monotonic()
+                    proc.send_signal(signal.SIGTERM)
+                    rest = (await resp.content.read()).decode()  # a complete stream either way
+            assert time.monotonic() - began < 15
+            assert "[DONE]" in rest or "the server is shutting down" in rest, rest[-500:]
+            assert await asyncio.to_thread(proc.wait, 30) == 0
+            text = log_file.read_text()
+            assert "(shutdown)" in text and "auto sessions: saved" in text
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+    log_file = tmp_path / "second-start.log"
+    with open(log_file, "a") as log, start_server(tmp_path, strata_demo_model, port, log) as proc:
+        try:
+            await asyncio.to_thread(wait_for, log_file, "listening on", 60)
+            async with aiohttp.ClientSession() as session:
+                async with session.post(url, json=body(a)) as resp:
+                    answer = await resp.json()
+            assert "auto sessions: restored" in log_file.read_text()
+            assert answer["timings"]["cache_n"] > MIN_TOKENS
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(proc.wait, 30)
+
+
+# -- load ------------------------------------------------------------------------
+
+
+async def test_twenty_clients_five_conversations_ten_turns(auto_client, llama_server_factory):
+    """Every answer identical to the same conversation run alone; nothing lost; memory flat."""
+    names = [f"load{n}" for n in range(5)]
+    reference: dict[str, list[str]] = {}
+    alone = await llama_server_factory()
+    for name in names:
+        messages, replies = conversation(name), []
+        for turn in range(10):
+            status, answer = await alone.request("POST", "/v1/chat/completions", json=body(messages))
+            assert status == 200
+            replies.append(answer["choices"][0]["message"]["content"])
+            messages = messages + [{"role": "assistant", "content": replies[-1]},
+                                   {"role": "user", "content": f"turn {turn}?"}]
+        reference[name] = replies
+
+    client = await auto_client()
+    statuses: list[int] = []
+
+    async def one_client(n: int) -> list[str]:
+        name = names[n % 5]
+        messages, replies = conversation(name), []
+        for turn in range(10):
+            status, answer = await ask(client, messages)
+            statuses.append(status)
+            replies.append(answer["choices"][0]["message"]["content"])
+            messages = messages + [{"role": "assistant", "content": replies[-1]},
+                                   {"role": "user", "content": f"turn {turn}?"}]
+        return replies
+
+    def rss_kib() -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        return 0
+
+    first = await asyncio.gather(*(one_client(n) for n in range(20)))
+    rss_after_first = rss_kib()
+    second = await asyncio.gather(*(one_client(n) for n in range(20)))
+    assert statuses == [200] * 400
+    for n, replies in enumerate(first + second):
+        assert replies == reference[names[n % 5]], f"client {n} diverged"
+    stats = parking(client).stats
+    assert stats.restores > 20 and stats.save_failures == 0 and stats.restore_failures == 0
+    service = client.app[SERVICE]
+    assert service.fifo.idle and not service._tasks
+    assert rss_kib() - rss_after_first < 50_000, "memory grows with traffic"
