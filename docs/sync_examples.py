@@ -21,9 +21,12 @@ def source_of(ref: str) -> str:
     text = (ROOT / path).read_text()
     if not name:
         return text
+    lines = text.splitlines(keepends=True)
     for node in ast.parse(text).body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
-            return ast.get_source_segment(text, node) + "\n"
+            # Decorators belong to the example (a hook without @hookimpl is not a hook).
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            return "".join(lines[first - 1 : node.end_lineno])
     raise LookupError(f"{ref}: no function {name}")
 
 

@@ -17,10 +17,30 @@ from strata_serve.config import ConfigError, Settings, load_settings
 log = logging.getLogger("strata_serve")
 
 
+class _MalformedHttpFilter(logging.Filter):
+    """One line, not a traceback, for bytes that are not HTTP at all.
+
+    aiohttp answers those itself (400, plain text: there is no request to answer
+    in the OpenAI shape) and logs them as errors with a traceback.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import BadHttpMessage
+
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, BadHttpMessage):
+            record.msg = "[strata] refused a malformed HTTP request: %s"
+            record.args = (str(error).splitlines()[0],)
+            record.exc_info = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
 def setup_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
     # aiohttp's access log is one line per request; ours already says what matters.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    logging.getLogger("aiohttp.server").addFilter(_MalformedHttpFilter())
 
 
 @click.group()

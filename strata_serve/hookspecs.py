@@ -65,7 +65,7 @@ def on_engine_start(service: Service, restarted: bool) -> Any:
 
 
 @hookspec(firstresult=True)
-def conversation_key(request: StrataRequest) -> str | None:
+def conversation_key(request: StrataRequest, service: Service) -> str | None:
     """Name the conversation a request belongs to.
 
     Requests with the same key continue the same conversation; plugins such as
@@ -80,6 +80,7 @@ def conversation_key(request: StrataRequest) -> str | None:
     Stops at the first non-None result; return None to defer.
 
     :param request: The incoming request (``route``, ``body``, ``headers``, ``tenant``).
+    :param service: The running service (read your settings from ``service.settings``).
     :returns: A key of letters, digits, ``-`` and ``_`` (at most 64), or None.
     """
 

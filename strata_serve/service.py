@@ -135,6 +135,7 @@ class Service:
             order=self.settings.server.conversation_key_order,
             passthrough=(KeyRefused,),
             request=request,
+            service=self,
         )
         if key is None:
             return None

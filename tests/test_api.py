@@ -150,3 +150,23 @@ async def test_api_key_guards_everything_but_health(strata_client_factory, strat
             model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=2
         )
     assert reply.choices
+
+
+async def test_api_keys_are_compared_in_constant_time(strata_client_factory, strata_settings_factory,
+                                                      monkeypatch):
+    import hmac
+
+    compared = []
+    real = hmac.compare_digest
+
+    def spy(given, expected):
+        compared.append(expected)
+        return real(given, expected)
+
+    monkeypatch.setattr(hmac, "compare_digest", spy)
+    settings = strata_settings_factory(server={"api_keys": {"a": "key-a", "b": "key-b"}, "api_key": "key-c"})
+    client = await strata_client_factory(settings=settings)
+    resp = await client.get("/v1/models", headers={"Authorization": "Bearer key-a"})
+    assert resp.status == 200
+    # Every configured key is compared, whichever matches: the time does not tell which.
+    assert sorted(compared) == [b"key-a", b"key-b", b"key-c"]
