@@ -103,10 +103,50 @@ async def switch_back(model: Path, work: Path, sizes: list[int], rounds: int) ->
                         reply = await chat(session, url, follow_up(base, first.text, f"Question {n}?"))
                         returns.append(reply.ttft_s)
                         reused.append(reply.timings.get("cache_n", 0))
+            files = list(slot_dir.glob("auto-*.bin")) if slot_dir.exists() else []
             found.setdefault(str(size), {})[name] = {
                 "first_prefill_s": first_a.ttft_s, "returns_s": returns, "cache_n": reused,
+                "file_mb": max((f.stat().st_size for f in files), default=0) / 1e6,
             }
             print(f"  switch-back {size} tokens, {name}: {spread(returns)} s, cache_n {reused}", flush=True)
+    return found
+
+
+AGENT_SETUPS = {
+    # name: (strata-serve with auto-sessions?, engine RAM cache limited?)
+    "llama-server, RAM cache off": (False, False),
+    "llama-server, RAM cache limited": (False, True),
+    "strata + auto-sessions, RAM cache off": (True, False),
+    "strata + auto-sessions, RAM cache limited": (True, True),
+}
+
+
+async def agent_workload(model: Path, work: Path, conversations: int, size: int, rounds: int,
+                         cache_mib: int) -> dict[str, Any]:
+    """One client visits M conversations round robin; the server restarts halfway."""
+    found: dict[str, Any] = {}
+    names = [f"Agent{n}" for n in range(conversations)]
+    for index, (name, (through_strata, limited)) in enumerate(AGENT_SETUPS.items()):
+        slot_dir = work / f"agent-{index}"
+        cache = cache_mib if limited else 0
+
+        def setup():
+            if through_strata:
+                return strata(model, size + 1024, slot_dir, cache, plugins={"auto_sessions": {"min_tokens": 256}})
+            return bare_engine(model, size + 1024, slot_dir, cache)
+
+        history = {n: conversation(n, size) for n in names}
+        prefill_s, began = 0.0, time.perf_counter()
+        for half in (range(rounds // 2), range(rounds // 2, rounds)):  # a restart in between
+            async with setup() as url, client_session() as session:
+                for turn in half:
+                    for n in names:
+                        reply = await chat(session, url, history[n], max_tokens=4)
+                        prefill_s += reply.timings.get("prompt_ms", 0) / 1000
+                        history[n] = follow_up(history[n], reply.text, f"Step {turn}?")
+        found[name] = {"prefill_s": prefill_s, "wall_s": time.perf_counter() - began}
+        print(f"  agent workload, {name}: prefill {prefill_s:.1f} s, wall {found[name]['wall_s']:.1f} s",
+              flush=True)
     return found
 
 
@@ -140,6 +180,30 @@ async def save_restore_speed(model: Path, work: Path, size: int) -> dict[str, An
     write, read = await disk_speed(work)
     found["disk"] = {"write_mbps": write, "read_mbps": read}
     return found
+
+
+def plot(switch: dict[str, Any], out: Path) -> str | None:
+    """Return time and session-file size against context length, as ``switch-back.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted(int(s) for s in switch)
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name in SWITCH_SETUPS:
+        left.plot(sizes, [statistics.median(switch[str(s)][name]["returns_s"]) for s in sizes], marker="o",
+                  label=name)
+    left.set(xlabel="conversation length (tokens)", ylabel="time to first token on return (s)",
+             title="Switching back")
+    left.legend(fontsize=7)
+    right.plot(sizes, [switch[str(s)]["strata + auto-sessions, RAM cache off"]["file_mb"] for s in sizes],
+               marker="o")
+    right.set(xlabel="conversation length (tokens)", ylabel="session file (MB)", title="Session file size")
+    figure.tight_layout()
+    figure.savefig(out / "switch-back.png", dpi=100)
+    plt.close(figure)
+    return "switch-back.png"
 
 
 def machine() -> str:
@@ -200,6 +264,23 @@ def report(results: dict[str, Any], quick: bool, command: str) -> str:
             ratio = full / statistics.median(v["returns_s"])
             lines.append(f"| {size} | {name} | {v['first_prefill_s']:.2f} | {spread(v['returns_s'])} | "
                          f"{ratio:.1f}x faster | {min(v['cache_n'])}-{max(v['cache_n'])} |")
+    agent = results["agent"]
+    settings = results["agent_settings"]
+    lines += [
+        "",
+        f"## An agent workload: {settings['conversations']} conversations of {settings['size']} tokens, "
+        f"round robin, {settings['rounds']} rounds, restart halfway (bench model)",
+        "",
+        f"The limited RAM cache is {settings['cache_mib']} MiB: it cannot hold them all.",
+        "",
+        "| setup | prefill s | wall s | wall against bare, RAM cache off |",
+        "|---|---|---|---|",
+    ]
+    base_wall = agent["llama-server, RAM cache off"]["wall_s"]
+    for name, v in agent.items():
+        lines.append(f"| {name} | {v['prefill_s']:.1f} | {v['wall_s']:.1f} | {base_wall / v['wall_s']:.1f}x faster |")
+    if results.get("plot"):
+        lines += ["", f"![switch-back time and file size against context length]({results['plot']})"]
     speed = results["save_restore"]
     lines += [
         "",
@@ -236,6 +317,12 @@ async def main(quick: bool, out: Path) -> None:
         print("switching back...", flush=True)
         sizes = [1024] if quick else [2048, 4096, 8192]
         results["switch_back"] = await switch_back(bench_model, work, sizes, 1 if quick else 2)
+        print("agent workload...", flush=True)
+        agent = {"conversations": 3, "size": 512, "rounds": 2, "cache_mib": 12} if quick else \
+            {"conversations": 6, "size": 4096, "rounds": 4, "cache_mib": 160}
+        results["agent_settings"] = agent
+        results["agent"] = await agent_workload(bench_model, work, **agent)
+        results["plot"] = plot(results["switch_back"], out)
         print("save/restore throughput...", flush=True)
         results["save_restore"] = await save_restore_speed(bench_model, work, 1024 if quick else 8192)
     command = "make bench-quick" if quick else "make bench"
