@@ -33,10 +33,10 @@ class StrataMetalBeforeFixDouble(LlamaServer):
         self.cancelled_last = False
         self.refused_saves = 0
 
-    async def request(self, method, path, json=None, *, op="request"):
-        if op == "completion":
+    async def request(self, method, path, json=None, **options):
+        if options.get("op") == "completion":
             self.cancelled_last = False
-        return await super().request(method, path, json, op=op)
+        return await super().request(method, path, json, **options)
 
     @contextlib.asynccontextmanager
     async def stream(self, path, json):
