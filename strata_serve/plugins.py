@@ -57,6 +57,10 @@ def get_plugin_manager(
             pm.register(plugin, name=name)
     pm.check_pending()
     _check_sections(settings, pm)
+    loaded = {name for name, plugin in pm.list_name_plugin() if plugin is not None}
+    for name in settings.server.conversation_key_order:
+        if name not in loaded:
+            log.warning("[strata] server.conversation_key_order names %r, which is not loaded", name)
     if os.environ.get("STRATA_TRACE_PLUGINS"):
         pm.trace.root.setwriter(lambda text: log.info("[trace] %s", text.rstrip()))
         pm.enable_tracing()
