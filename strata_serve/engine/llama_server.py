@@ -204,11 +204,12 @@ class LlamaServer:
         except BaseException:
             await self.stop()  # never leave a half-started engine behind
             raise
+        # Hooks learn of the start before any request is let through.
+        if self.on_start is not None:
+            await self.on_start(False)
         self._ready.set()
         if self.managed:
             self._monitor = asyncio.create_task(self._supervise(), name="strata-engine-monitor")
-        if self.on_start is not None:
-            await self.on_start(False)
 
     async def stop(self) -> None:
         self._stopping = True
@@ -336,9 +337,9 @@ class LlamaServer:
                 log.error("[strata] engine restart failed: %s; trying again in 2 s", exc)
                 await asyncio.sleep(2)
                 continue
-            self._ready.set()
             if self.on_start is not None:
                 await self.on_start(True)
+            self._ready.set()
 
     # -- calls -------------------------------------------------------------
 

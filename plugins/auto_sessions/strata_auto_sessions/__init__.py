@@ -86,4 +86,4 @@ def collect_stats(service):
     parking = _parking(service)
     if parking is None:
         return None
-    return parking.stats.snapshot(parking.store)
+    return parking.stats.snapshot()

@@ -66,13 +66,12 @@ class AutoSessionsStats:
     prunes: int = 0
     pruned_bytes: int = 0
 
-    def snapshot(self, store: SessionStore | None) -> dict[str, float]:
-        values = asdict(self)
-        if store is not None:
-            files, size = store.usage()
-            values["files_on_disk"] = files
-            values["bytes_on_disk"] = size
-        return values
+    #: Session files and their bytes, as of the last save or prune.
+    files_on_disk: int = 0
+    bytes_on_disk: int = 0
+
+    def snapshot(self) -> dict[str, float]:
+        return asdict(self)
 
 
 @dataclass
@@ -90,6 +89,17 @@ class RamCacheModel:
 
     def holds(self, key: str) -> bool:
         return key in self.entries
+
+    def holds_after_parking(self, key: str, outgoing: str | None, size: int) -> bool:
+        """Whether ``key`` is still cached once the engine has parked ``outgoing``.
+
+        The engine parks (and evicts past its budget) before it looks for the
+        incoming conversation, so a parking can push that one out first.
+        """
+        trial = RamCacheModel(self.budget_bytes, collections.OrderedDict(self.entries))
+        if outgoing is not None and size > 0:
+            trial.park(outgoing, size)
+        return trial.holds(key)
 
     def park(self, key: str, size: int) -> None:
         self.entries.pop(key, None)
@@ -145,6 +155,8 @@ class AutoSessions:
         ram = RamCacheModel(cache_mib * 1024 * 1024) if cache_mib > 0 else None
         parking = cls(config, store, fingerprint(info.model_path, info.n_ctx), ram)
         parking.held_generation = service.engine.generation
+        parking.bytes_per_token = store.bytes_per_token(parking.fingerprint)
+        parking.refresh_usage()
         files, size = store.usage()
         log.info("[strata] auto sessions: on, files in %s (%d file(s), %s); min_tokens %s; engine RAM cache %s",
                  directory, files, _size(size), f"{config.min_tokens:,}",
@@ -175,6 +187,7 @@ class AutoSessions:
             return
         outgoing, outgoing_tokens = self.held_key, self.held_tokens
         saved = await self.save_held(service, reason="switch")
+        outgoing_size = int(outgoing_tokens * (self.bytes_per_token or 0))
         if saved is False:
             # Restoring now would replace the held state (still in the slot, and in the
             # engine's RAM cache when it has one) with a weaker one: leave it.
@@ -183,12 +196,13 @@ class AutoSessions:
             self.stats.restores_withheld += 1
             restored = False
         else:
-            restored = await self._restore(key, request, service)
+            in_ram = self.ram is not None and self.ram.holds_after_parking(key, outgoing, outgoing_size)
+            restored = await self._restore(key, request, service, in_ram=in_ram)
         if self.ram is not None:
-            if restored:
-                pass  # a restore overwrote the slot: the outgoing one was not parked in RAM
-            elif outgoing is not None and outgoing_tokens > 0:
-                self.ram.park(outgoing, int(outgoing_tokens * (self.bytes_per_token or 0)))
+            if not restored and outgoing is not None and outgoing_tokens > 0:
+                # No restore: the engine parks the outgoing conversation itself. After a
+                # restore it does not (the restore overwrote the slot).
+                self.ram.park(outgoing, outgoing_size)
             self.ram.take(key)  # now in the slot, whichever way it came
         self.held_key = key
         if not restored:
@@ -301,7 +315,7 @@ class AutoSessions:
         log.warning("[strata] auto sessions: saving %s failed: %s", key, exc)
         return False
 
-    async def _restore(self, key: str, request: StrataRequest, service: Any) -> bool:
+    async def _restore(self, key: str, request: StrataRequest, service: Any, *, in_ram: bool) -> bool:
         assert self.store is not None
         path = self.store.bin_path(key)
         if not self.store.restorable(key):
@@ -319,7 +333,7 @@ class AutoSessions:
             log.warning("[strata] auto sessions: not restoring %s: it is truncated or damaged "
                         "(size or digest differs from when it was saved)", path.name)
             return False
-        if self.ram is not None and self.ram.holds(key):
+        if in_ram:
             self.stats.restores_left_to_ram += 1
             log.info("[strata] auto sessions: %s is most likely in the engine's RAM cache; "
                      "leaving it to the engine", key)
@@ -364,6 +378,14 @@ class AutoSessions:
                     "prefill", self.store.bin_name(key), exc)  # type: ignore[union-attr]
         return False
 
+    def refresh_usage(self) -> None:
+        """Count the files on disk (after a change, not at every read of the numbers)."""
+        assert self.store is not None
+        try:
+            self.stats.files_on_disk, self.stats.bytes_on_disk = self.store.usage()
+        except OSError as exc:
+            log.warning("[strata] auto sessions: cannot list %s: %s", self.store.directory, exc)
+
     def _prune(self) -> None:
         assert self.store is not None
         try:
@@ -371,6 +393,8 @@ class AutoSessions:
         except OSError as exc:
             log.warning("[strata] auto sessions: pruning failed: %s", exc)
             return
+        finally:
+            self.refresh_usage()
         for key, size in removed:
             self.stats.prunes += 1
             self.stats.pruned_bytes += size

@@ -200,6 +200,14 @@ class SessionStore:
                 orphan.unlink(missing_ok=True)
         return removed
 
+    def bytes_per_token(self, current: dict[str, Any]) -> float | None:
+        """Engine state bytes per token, from the sidecars of files saved for this model."""
+        for key, *_ in self.files():
+            sidecar = self.sidecar(key)
+            if sidecar is not None and sidecar.tokens > 0 and same_model(sidecar.fingerprint, current):
+                return sidecar.bytes / sidecar.tokens
+        return None
+
     def usage(self) -> tuple[int, int]:
         files = self.files()
         return len(files), sum(size for _key, _path, size, _used in files)

@@ -327,3 +327,30 @@ async def test_ram_cache_on_abab_never_worse_than_the_bare_engine(
     stats = parking(parked).stats
     assert stats.restores == 0, "the RAM cache had them: no disk restore"
     assert stats.restores_left_to_ram == 3
+
+
+async def test_a_return_the_engine_is_about_to_evict_from_ram_is_restored_from_disk(auto_client):
+    """--cache-ram 1 holds about two of these conversations: parking C pushes A out.
+
+    The engine parks the outgoing conversation (evicting the oldest) before it
+    looks for the incoming one, so A must come back from disk, not be left to RAM.
+    """
+    client = await auto_client(engine={"cache_ram_mib": 1})
+    a, b, c = conversation("evict-a"), conversation("evict-b"), conversation("evict-c")
+    for messages in (a, b, c):
+        await ask(client, messages)
+    back = await ask(client, a)
+    assert back["timings"]["cache_n"] > MIN_TOKENS, back["timings"]
+    assert parking(client).stats.restores == 1
+
+
+def test_the_ram_model_parks_before_it_looks():
+    from strata_auto_sessions.parking import RamCacheModel
+
+    ram = RamCacheModel(budget_bytes=1000)
+    ram.park("a", 400)
+    ram.park("b", 400)
+    assert ram.holds("a")
+    assert not ram.holds_after_parking("a", "c", 400), "parking c evicts a first"
+    assert ram.holds("a"), "asking changes nothing"
+    assert ram.holds_after_parking("b", "c", 400)
