@@ -88,6 +88,7 @@ async def test_engine_killed_during_a_slot_operation(auto_client, during):
     setattr(engine, during, real)
     # Answered after the restart, or refused with a clear message: never a hang or a 500.
     assert status == 200 or (status in (502, 503) and "engine" in answer["error"]["message"]), answer
+    await engine.wait_ready()
     assert engine.generation == 2, "the engine was restarted"
     only_complete_files(engine.info.slot_save_path)
     if during == "save":

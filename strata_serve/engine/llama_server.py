@@ -355,10 +355,15 @@ class LlamaServer:
             if proc.returncode is not None:
                 break
             await asyncio.sleep(0.025)
-        if proc.returncode is None:
+        if proc.returncode is None or not self.settings.restart_on_crash:
             return False
-        await self.wait_ready()
-        return self._proc is not proc
+        # Wait for the supervisor to have replaced the process and seen it healthy.
+        deadline = time.monotonic() + self.settings.start_timeout_s
+        while (self._proc is proc or not self._ready.is_set()) and time.monotonic() < deadline:
+            if self._stopping:
+                return False
+            await asyncio.sleep(0.05)
+        return self._proc is not proc and self._ready.is_set()
 
     async def _gone(self, exc: BaseException, proc: asyncio.subprocess.Process | None) -> EngineUnavailable:
         """Describe a lost connection; ``proc`` is the engine process the call went to."""
