@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "docs" / "writing-plugins.md"]
+DOCS = [ROOT / "docs" / "writing-plugins.md", ROOT / "docs" / "writing-quirk-plugins.md"]
 BLOCK = re.compile(r"(<!-- include: (?P<ref>\S+) -->\n)(?P<body>.*?)(<!-- end include -->)", re.S)
 
 

@@ -128,8 +128,11 @@ def engine_verdict(
     Called in two ways for slot operations (``op`` is ``"save"``, ``"restore"`` or
     ``"erase"``): before the call with ``error=None`` (return ``Verdict.SKIP`` or
     ``Verdict.UNSUPPORTED`` to prevent it), and after a failure with the error
-    (return what the failure means). Backend quirk plugins implement this hook;
-    must be synchronous.
+    (return what the failure means; ``Verdict.RETRY`` gets the call made once more).
+    auto-sessions also asks with ``op="restore_reuse"`` when the request after a
+    restore reused far fewer tokens than were restored; then ``held_tokens`` is the
+    number restored and ``error.body`` holds ``restored``, ``reused`` and
+    ``prompt_tokens``. Backend quirk plugins implement this hook; must be synchronous.
 
     Stops at the first non-None result; return None to defer.
 

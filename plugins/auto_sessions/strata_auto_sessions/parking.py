@@ -233,7 +233,8 @@ class AutoSessions:
         self.stats.restores_not_reused += 1
         log.warning("[strata] auto sessions: restore not reused: restored %s tokens for %s, the next "
                     "request reused only %s", f"{restored:,}", request.conversation_key, f"{reused:,}")
-        error = EngineError(op="restore_reuse", message=f"restored {restored} tokens, reused {reused}")
+        error = EngineError(op="restore_reuse", message=f"restored {restored} tokens, reused {reused}",
+                            body={"restored": restored, "reused": reused, "prompt_tokens": outcome.prompt_tokens})
         if service.verdict("restore_reuse", error, restored) == Verdict.UNSUPPORTED:
             self._give_up("the engine does not reuse restored state for this model")
 
@@ -267,20 +268,33 @@ class AutoSessions:
                 self._give_up("the engine cannot save slots")
             return None
         sidecar = self.store.sidecar(key)
-        temp = self.store.temp_name(key)
-        began = time.monotonic()
-        try:
-            answer = await service.engine.save(temp)
-            n_saved = int(answer.get("n_saved", tokens))
-            n_written = int(answer.get("n_written", 0))
-            now = time.time()
-            self.store.commit(temp, key, Sidecar(
-                key=key, fingerprint=self.fingerprint, tokens=n_saved, bytes=n_written,
-                created=sidecar.created if sidecar else now, last_used=now, digest="",
-            ))
-        except (EngineError, EngineUnavailable, OSError) as exc:
-            self._discard(temp)
-            return self._save_failed(key, exc, service)
+        for attempt in range(2):
+            temp = self.store.temp_name(key)
+            began = time.monotonic()
+            try:
+                answer = await service.engine.save(temp)
+                n_saved = int(answer.get("n_saved", tokens))
+                n_written = int(answer.get("n_written", 0))
+                if n_saved == 0:
+                    # The slot was empty after all (our count was stale): such a file
+                    # is worthless, and restoring one has crashed the engine.
+                    self._discard(temp)
+                    log.info("[strata] auto sessions: not keeping %s: the engine's slot was empty", key)
+                    self.held_key, self.held_tokens = None, 0
+                    return None
+                now = time.time()
+                self.store.commit(temp, key, Sidecar(
+                    key=key, fingerprint=self.fingerprint, tokens=n_saved, bytes=n_written,
+                    created=sidecar.created if sidecar else now, last_used=now, digest="",
+                ))
+                break
+            except (EngineError, EngineUnavailable, OSError) as exc:
+                self._discard(temp)
+                verdict = self._failure_verdict("save", exc, service, self.held_tokens)
+                if verdict == Verdict.RETRY and attempt == 0:
+                    log.info("[strata] auto sessions: saving %s failed (%s); trying once more", key, exc)
+                    continue
+                return self._save_failed(key, exc, verdict)
         ms = (time.monotonic() - began) * 1000
         self.held_tokens = n_saved
         if n_saved:
@@ -301,17 +315,20 @@ class AutoSessions:
         except OSError as exc:  # e.g. the directory itself is gone
             log.warning("[strata] auto sessions: could not remove %s: %s", temp, exc)
 
-    def _save_failed(self, key: str, exc: Exception, service: Any) -> bool | None:
+    def _failure_verdict(self, op: str, exc: Exception, service: Any, tokens: int | None) -> Verdict | None:
+        error = exc if isinstance(exc, EngineError) else EngineError(op=op, message=str(exc))
+        return service.verdict(op, error, tokens)
+
+    def _save_failed(self, key: str, exc: Exception, verdict: Verdict | None) -> bool | None:
         self.stats.save_failures += 1
-        error = exc if isinstance(exc, EngineError) else EngineError(op="save", message=str(exc))
-        verdict = service.verdict("save", error, self.held_tokens)
+        message = exc.message if isinstance(exc, EngineError) else str(exc)
         if verdict == Verdict.PROVISIONAL:
             log.info("[strata] auto sessions: %s held only provisional state (%s); "
-                     "restoring over it is safe", key, error.message)
+                     "restoring over it is safe", key, message)
             self.held_key, self.held_tokens = None, 0
             return None
         if verdict == Verdict.UNSUPPORTED:
-            self._give_up(f"the engine cannot save slots ({error.message})")
+            self._give_up(f"the engine cannot save slots ({message})")
         log.warning("[strata] auto sessions: saving %s failed: %s", key, exc)
         return False
 
@@ -343,11 +360,17 @@ class AutoSessions:
             if verdict == Verdict.UNSUPPORTED:
                 self._give_up("the engine cannot restore slots")
             return False
-        began = time.monotonic()
-        try:
-            answer = await service.engine.restore(path.name)
-        except (EngineError, EngineUnavailable) as exc:
-            return self._restore_failed(key, exc, service)
+        for attempt in range(2):
+            began = time.monotonic()
+            try:
+                answer = await service.engine.restore(path.name)
+                break
+            except (EngineError, EngineUnavailable) as exc:
+                verdict = self._failure_verdict("restore", exc, service, None)
+                if verdict == Verdict.RETRY and attempt == 0:
+                    log.info("[strata] auto sessions: restoring %s failed (%s); trying once more", key, exc)
+                    continue
+                return self._restore_failed(key, exc, verdict)
         ms = (time.monotonic() - began) * 1000
         n_restored = int(answer.get("n_restored", 0))
         n_read = int(answer.get("n_read", 0))
@@ -365,14 +388,13 @@ class AutoSessions:
                  f"{n_restored:,}", path.name, ms)
         return True
 
-    def _restore_failed(self, key: str, exc: Exception, service: Any) -> bool:
+    def _restore_failed(self, key: str, exc: Exception, verdict: Verdict | None) -> bool:
         self.stats.restore_failures += 1
         # A failed restore may have cleared the slot: assume it holds nothing.
         self.held_key, self.held_tokens = None, 0
-        error = exc if isinstance(exc, EngineError) else EngineError(op="restore", message=str(exc))
-        verdict = service.verdict("restore", error, None)
         if verdict == Verdict.UNSUPPORTED:
-            self._give_up(f"the engine cannot restore slots ({error.message})")
+            message = exc.message if isinstance(exc, EngineError) else str(exc)
+            self._give_up(f"the engine cannot restore slots ({message})")
         # The file stays: it is pruned like any other, and never deleted on a guess.
         log.warning("[strata] auto sessions: restoring %s failed: %s; the request is answered by a full "
                     "prefill", self.store.bin_name(key), exc)  # type: ignore[union-attr]

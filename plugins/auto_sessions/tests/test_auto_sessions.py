@@ -354,3 +354,30 @@ def test_the_ram_model_parks_before_it_looks():
     assert not ram.holds_after_parking("a", "c", 400), "parking c evicts a first"
     assert ram.holds("a"), "asking changes nothing"
     assert ram.holds_after_parking("b", "c", 400)
+
+
+class RetryQuirk:
+    """A quirk plugin saying a failed save is worth one more try."""
+
+    strata_name = "retry_quirk"
+
+    @strata_serve.hookimpl
+    def engine_verdict(self, op, error):
+        return Verdict.RETRY if op == "save" and error is not None else None
+
+
+async def test_retry_verdict_tries_the_save_once_more(auto_client, monkeypatch):
+    client = await auto_client(RetryQuirk())
+    a, b = conversation("retry-a"), conversation("retry-b")
+    await ask(client, b)
+    await ask(client, a)  # B saved; A held
+    store = parking(client).store
+    real_name = store.temp_name
+    names = iter(["tmp-auto-blocked.bin"])
+    monkeypatch.setattr(store, "temp_name", lambda key: next(names, None) or real_name(key))
+    (store.directory / "tmp-auto-blocked.bin").mkdir()
+    await ask(client, b)
+    stats = parking(client).stats
+    assert stats.saves == 2 and stats.save_failures == 0, "the second try saved A"
+    assert stats.restores == 1, "and B was restored as usual"
+    assert (store.directory / f"auto-{key_of(client, a)}.bin").exists()

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import runpy
-from pathlib import Path
 
 import aiohttp
 import pytest
@@ -143,13 +141,3 @@ async def test_the_llama_cpp_quirks_installed_too_leave_this_verdict_alone(metal
     await cancel_mid_answer(client, a)
     await ask(client, b)
     assert parking.stats.save_failures == 1 and parking.stats.restores == 1
-
-
-# -- the guide's worked example is this tested code ------------------------------------
-
-def test_the_quirk_guide_shows_this_plugin_as_tested():
-    root = Path(__file__).resolve().parents[3]
-    render = runpy.run_path(str(root / "docs" / "sync_examples.py"))["render"]
-    guide = root / "docs" / "writing-quirk-plugins.md"
-    text = guide.read_text()
-    assert render(text) == text, f"{guide}: its included code is out of date; re-render it with sync_examples.render"
