@@ -37,9 +37,17 @@ $(VENV)/.engine: | $(BIN)/python
 	  | awk '/\[ *[0-9]+%\]|Successfully|already satisfied|Using cached|rror/ { print; fflush() }'
 	touch $@
 
-$(VENV)/.installed: pyproject.toml $(wildcard plugins/*/pyproject.toml) $(wildcard examples/*/pyproject.toml) | $(VENV)/.engine
-	$(BIN)/python -m pip install -q -e '.[test,bench]' $(foreach d,$(PLUGIN_DIRS) $(EXAMPLE_DIRS),-e $(d))
+$(VENV)/.installed: pyproject.toml $(wildcard plugins/*/pyproject.toml) | $(VENV)/.engine
+	$(BIN)/python -m pip install -q -e '.[test,bench]' $(foreach d,$(PLUGIN_DIRS),-e $(d))
 	touch $@
+
+# The example plugins stand for a stranger's plugin: installed for the tests, kept
+# out of `make serve` (which turns them off should the tests have installed them).
+$(VENV)/.examples: $(wildcard examples/*/pyproject.toml) | $(VENV)/.installed
+	$(BIN)/python -m pip install -q $(foreach d,$(EXAMPLE_DIRS),-e $(d))
+	touch $@
+
+EXAMPLE_PLUGINS := prefix_key
 
 setup: $(VENV)/.installed
 
@@ -47,10 +55,11 @@ $(DEMO_MODEL): | $(VENV)/.installed
 	$(BIN)/strata-serve demo-model $@
 
 serve: setup $(DEMO_MODEL)
-	$(BIN)/strata-serve run --model $(DEMO_MODEL) --slot-save-path slots --host $(HOST) --port $(PORT) $(ARGS)
+	$(BIN)/strata-serve run --model $(DEMO_MODEL) --slot-save-path slots --host $(HOST) --port $(PORT) \
+	  $(foreach p,$(EXAMPLE_PLUGINS),--disable-plugin $(p)) $(ARGS)
 
 # pytest's exit code 5 means no tests ran: a broken set-up, never a pass.
-test: setup
+test: setup $(VENV)/.examples
 	rc=0; $(BIN)/python -m pytest $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "[strata] no tests were collected: failing"; exit 1; fi; exit $$rc
 

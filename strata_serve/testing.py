@@ -8,7 +8,8 @@ installed gets them:
   for the tiny model, a fresh slot directory and ``--cache-ram 0``.
 - ``strata_client_factory``: ``await make(*plugins, settings=..., entrypoints=False)`` -> an
   aiohttp ``TestClient`` for a real server that starts (and stops) its own llama-server.
-- ``chat_body()`` and ``assert_openai_error()``: helpers to build requests and check errors.
+- ``chat_body()``, ``conversation()``, ``assert_openai_error()`` and the ``KeyRecorder``
+  plugin: helpers to build requests, check errors and see which key each request got.
 - ``llama_server_factory``: ``await make(**engine_settings)`` -> a started bare
   :class:`~strata_serve.engine.LlamaServer`, for comparing against the engine alone.
 
@@ -25,6 +26,7 @@ import pytest
 import pytest_asyncio
 
 from strata_serve.config import Settings
+from strata_serve.hookspecs import hookimpl
 from strata_serve.engine import LlamaServer
 from strata_serve.plugins import get_plugin_manager
 
@@ -38,6 +40,32 @@ def chat_body(text: str = "Hello there", *, max_tokens: int = 8, **extra: Any) -
         "temperature": 0,
         **extra,
     }
+
+
+def conversation(name: str, turns: int = 1) -> list[dict[str, Any]]:
+    """Messages of a conversation whose first user message is about 750 tokens on the demo model.
+
+    Long enough to be worth parking with a small ``min_tokens``; ``turns`` user messages.
+    """
+    opening = f"Conversation {name}: " + " ".join(f"{name}{n} ship sea wind" for n in range(40))
+    messages = [{"role": "user", "content": opening}]
+    for n in range(1, turns):
+        messages += [{"role": "assistant", "content": f"reply {n}"},
+                     {"role": "user", "content": f"and then {name} {n}?"}]
+    return messages
+
+
+class KeyRecorder:
+    """A throwaway plugin that writes down the key of every request reaching the engine."""
+
+    strata_name = "key_recorder"
+
+    def __init__(self) -> None:
+        self.seen: list[str | None] = []
+
+    @hookimpl
+    def pre_request(self, request: Any) -> None:
+        self.seen.append(request.conversation_key)
 
 
 def assert_openai_error(body: Any, status: int | None = None, actual_status: int | None = None) -> None:

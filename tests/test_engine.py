@@ -111,3 +111,31 @@ async def test_a_model_that_cannot_load_fails_the_start_clearly(tmp_path):
     with pytest.raises(EngineUnavailable, match="exited with code"):
         await engine.start()
     await engine.stop()
+
+
+def test_the_engine_dies_with_a_killed_server(tmp_path, strata_demo_model):
+    """strata-serve killed unasked (SIGKILL): its engine must not live on, orphaned."""
+    import re
+    import subprocess
+    import sys
+    import time
+
+    from strata_serve.engine.llama_server import free_port
+
+    log_file = tmp_path / "server.log"
+    with open(log_file, "w") as log, subprocess.Popen(
+        [sys.executable, "-m", "strata_serve.cli", "run", "--model", str(strata_demo_model),
+         "--port", str(free_port("127.0.0.1"))], stderr=log,
+    ) as proc:
+        deadline = time.monotonic() + 60
+        while not (found := re.search(r"engine ready .*\(pid (\d+)\)", log_file.read_text())):
+            assert time.monotonic() < deadline and proc.poll() is None, log_file.read_text()[-2000:]
+            time.sleep(0.05)
+        engine_pid = int(found.group(1))
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{engine_pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    state = Path(f"/proc/{engine_pid}/stat")
+    assert not state.exists() or state.read_text().split()[2] == "Z", "the engine outlived the server"

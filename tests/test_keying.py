@@ -15,7 +15,7 @@ import strata_system_prompt_key
 from strata_serve.api import SERVICE
 from strata_serve.config import Settings
 from strata_serve.plugins import ENTRY_POINT_GROUP
-from strata_serve.testing import assert_openai_error, chat_body
+from strata_serve.testing import assert_openai_error, chat_body, conversation
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_DIR = ROOT / "examples" / "keying-plugin"
@@ -40,16 +40,6 @@ def with_system(text: str = "Hello there", system: str = "You are terse.") -> di
     body = chat_body(text)
     body["messages"].insert(0, {"role": "system", "content": system})
     return body
-
-
-def conversation(name: str, turns: int = 1) -> list[dict]:
-    """A conversation whose first user message is long enough to be parked (> 100 tokens)."""
-    opening = f"Conversation {name}: " + " ".join(f"{name}{n} ship sea wind" for n in range(40))
-    messages = [{"role": "user", "content": opening}]
-    for n in range(1, turns):
-        messages += [{"role": "assistant", "content": f"reply {n}"},
-                     {"role": "user", "content": f"and then {name} {n}?"}]
-    return messages
 
 
 def test_the_guides_configuration_examples_are_valid_settings():

@@ -21,15 +21,10 @@ import pytest
 import strata_auto_sessions
 from strata_serve.api import SERVICE
 from strata_serve.engine.llama_server import free_port
-from strata_serve.testing import assert_openai_error
+from strata_serve.testing import assert_openai_error, conversation
 
 pytestmark = pytest.mark.reliability
 MIN_TOKENS = 100
-
-
-def conversation(name: str) -> list[dict]:
-    opening = f"Conversation {name}: " + " ".join(f"{name}{n} ship sea wind" for n in range(40))
-    return [{"role": "user", "content": opening}]
 
 
 def body(messages, **extra) -> dict:

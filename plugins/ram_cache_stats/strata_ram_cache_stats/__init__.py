@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 import strata_serve
 
 from strata_ram_cache_stats import exposition
-from strata_ram_cache_stats.engine_ram import EngineRamModel, budget_bytes
+from strata_serve.engine.ram_cache import EngineRamModel, budget_bytes
 from strata_ram_cache_stats.ledger import AUTO_SESSIONS, NAME, Ledger, RamCacheStatsConfig
 from strata_ram_cache_stats.peers import bytes_per_token, plugin_numbers
 

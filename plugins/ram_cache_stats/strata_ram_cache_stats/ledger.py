@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from strata_serve.exchange import Outcome, StrataRequest
 
-from strata_ram_cache_stats.engine_ram import EngineRamModel
+from strata_serve.engine.ram_cache import EngineRamModel
 
 NAME = "ram_cache_stats"
 #: Where auto-sessions leaves ``{"restored_tokens": n, ...}`` on a request it restored.

@@ -6,7 +6,7 @@ import pytest
 
 from strata_serve.exchange import Outcome, StrataRequest
 
-from strata_ram_cache_stats.engine_ram import MIB, EngineRamModel, budget_bytes
+from strata_serve.engine.ram_cache import MIB, EngineRamModel, budget_bytes
 from strata_ram_cache_stats.ledger import Ledger, RamCacheStatsConfig
 
 PROMPT = 800

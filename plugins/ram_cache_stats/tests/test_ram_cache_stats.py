@@ -12,23 +12,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import strata_ram_cache_stats
-from strata_ram_cache_stats.engine_ram import EngineRamModel
+from strata_serve.engine.ram_cache import EngineRamModel
 from strata_ram_cache_stats.exposition import summary_line
 from strata_ram_cache_stats.ledger import Ledger, RamCacheStatsConfig
 from strata_serve.api import SERVICE
 from strata_serve.config import ConfigError, Settings
 from strata_serve.plugins import get_plugin_manager
-from strata_serve.testing import assert_openai_error
-
-
-def conversation(name: str, turns: int = 1) -> list[dict]:
-    """A conversation of about 750 tokens, with ``turns`` user messages."""
-    opening = f"Conversation {name}: " + " ".join(f"{name}{n} ship sea wind" for n in range(40))
-    messages = [{"role": "user", "content": opening}]
-    for n in range(1, turns):
-        messages += [{"role": "assistant", "content": f"reply {n}"},
-                     {"role": "user", "content": f"and then {name} {n}?"}]
-    return messages
+from strata_serve.testing import assert_openai_error, conversation
 
 
 async def ask(client, messages, headers=None) -> dict:

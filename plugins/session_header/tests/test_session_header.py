@@ -7,7 +7,7 @@ import strata_serve
 import strata_session_header
 from strata_serve.exchange import StrataRequest
 from strata_serve.plugins import get_plugin_manager
-from strata_serve.testing import assert_openai_error, chat_body
+from strata_serve.testing import assert_openai_error, chat_body, KeyRecorder
 
 
 @pytest.fixture(autouse=True)
@@ -83,19 +83,8 @@ def test_an_unknown_source_stops_the_start(strata_settings_factory):
         configure(strata_settings_factory, sources=["cookie"])
 
 
-class Keys:
-    strata_name = "keys_seen"
-
-    def __init__(self):
-        self.seen = []
-
-    @strata_serve.hookimpl
-    def pre_request(self, request):
-        self.seen.append(request.conversation_key)
-
-
 async def test_end_to_end_the_header_keys_and_a_bad_one_gets_400(strata_client_factory):
-    keys = Keys()
+    keys = KeyRecorder()
     client = await strata_client_factory(strata_session_header, keys)
     resp = await client.post("/v1/chat/completions", json=chat_body(), headers={"X-Session-Id": "agent-1"})
     assert resp.status == 200

@@ -4,6 +4,7 @@ import strata_serve
 import strata_system_prompt_key
 from strata_serve.default_plugins import conversation_key as default_key
 from strata_serve.exchange import StrataRequest
+from strata_serve.testing import KeyRecorder
 
 
 def request(*messages, route="chat"):
@@ -47,19 +48,8 @@ def test_without_a_system_prompt_or_user_text_it_defers_to_the_built_in_key():
     assert default_key.conversation_key(request(("user", "Plan a trip"))) is not None
 
 
-class Keys:
-    strata_name = "keys_seen"
-
-    def __init__(self):
-        self.seen = []
-
-    @strata_serve.hookimpl
-    def pre_request(self, request):
-        self.seen.append(request.conversation_key)
-
-
 async def test_end_to_end_an_edited_system_prompt_is_a_new_conversation(strata_client_factory):
-    keys = Keys()
+    keys = KeyRecorder()
     client = await strata_client_factory(strata_system_prompt_key, keys)
     for system in ("You are terse.", "You are terse.", "You are verbose."):
         body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}],

@@ -53,6 +53,21 @@ class EngineRamModel:
                                 or self._over_budget(bytes_per_token)):
             self.entries.popitem(last=False)
 
+    def holds(self, key: str) -> bool:
+        return key in self.entries
+
+    def holds_after_parking(self, key: str, outgoing: str | None, tokens: int,
+                            bytes_per_token: float | None) -> bool:
+        """Whether ``key`` is still cached once the engine has parked ``outgoing``.
+
+        The engine parks (and evicts) before it looks for the incoming conversation,
+        so parking the outgoing one can push the incoming one out first.
+        """
+        trial = EngineRamModel(self.budget, self.max_entries, collections.OrderedDict(self.entries))
+        if outgoing is not None and tokens > 0:
+            trial.park(outgoing, tokens, bytes_per_token)
+        return trial.holds(key)
+
     def take(self, key: str) -> bool:
         """The engine moves a returning conversation into the slot; True if it was held here."""
         return self.entries.pop(key, None) is not None
