@@ -72,13 +72,16 @@ def post_request(request, outcome, service):
     parking = _parking(service)
     if parking is not None and parking.active:
         parking.after(request, outcome, service)
+        parking.schedule_idle_save(service)
 
 
 @strata_serve.hookimpl
 async def on_shutdown(service):
     parking = _parking(service)
-    if parking is not None and parking.active:
-        await parking.save_held(service, reason="shutdown")
+    if parking is not None:
+        await parking.stop_idle_save()
+        if parking.active:
+            await parking.save_held(service, reason="shutdown")
 
 
 @strata_serve.hookimpl

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import asdict, dataclass
@@ -40,6 +41,9 @@ class AutoSessionsConfig(BaseModel):
     #: After a restore, a next request reusing less than this share of the restored
     #: tokens is reported as "restore not reused".
     reuse_warn_ratio: float = Field(0.5, ge=0, le=1)
+    #: Save the held conversation once the server has been idle this long (0: never),
+    #: so a later switch need not wait for its save.
+    idle_save_s: float = Field(2.0, ge=0)
 
 
 @dataclass
@@ -53,6 +57,9 @@ class AutoSessionsStats:
     save_failures: int = 0
     save_skips_below_min: int = 0
     save_skips_verdict: int = 0
+    save_skips_unchanged: int = 0
+    saves_left_to_ram: int = 0
+    idle_saves: int = 0
     restores: int = 0
     restored_tokens: int = 0
     restored_bytes: int = 0
@@ -88,8 +95,12 @@ class AutoSessions:
         self.held_key: str | None = None
         self.held_tokens = 0
         self.held_generation: int | None = None
+        #: True while the held conversation's file matches what the slot holds.
+        self.held_saved = False
         #: Bytes per token of the engine's state, measured from our saves.
         self.bytes_per_token: float | None = None
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._idle_task: asyncio.Task | None = None
 
     @classmethod
     def start(cls, config: AutoSessionsConfig, service: Any) -> AutoSessions:
@@ -141,12 +152,22 @@ class AutoSessions:
     # -- around each request -------------------------------------------------
 
     async def before(self, request: StrataRequest, service: Any) -> None:
+        self._cancel_idle_save()
         self._check_generation(service)
         key = request.conversation_key
         if request.route == "slots" or key is None or key == self.held_key:
             return
         outgoing, outgoing_tokens = self.held_key, self.held_tokens
-        saved = await self.save_held(service, reason="switch")
+        in_ram = self.ram is not None and self.ram.holds_after_parking(
+            key, outgoing, outgoing_tokens, self.bytes_per_token)
+        if self._ram_keeps_outgoing() and (in_ram or not self.store.restorable(key)):  # type: ignore[union-attr]
+            # Nothing will be restored over the outgoing conversation and the engine
+            # parks it in its RAM cache by itself: saving it now would only add the
+            # save's time to this request. It is saved when idle, or at shutdown.
+            self.stats.saves_left_to_ram += 1
+            saved = None
+        else:
+            saved = await self.save_held(service, reason="switch")
         if saved is False:
             # Restoring now would replace the held state (still in the slot, and in the
             # engine's RAM cache when it has one) with a weaker one: leave it.
@@ -155,8 +176,6 @@ class AutoSessions:
             self.stats.restores_withheld += 1
             restored = False
         else:
-            in_ram = self.ram is not None and self.ram.holds_after_parking(
-                key, outgoing, outgoing_tokens, self.bytes_per_token)
             restored = await self._restore(key, request, service, in_ram=in_ram)
         if self.ram is not None:
             if not restored and outgoing is not None and outgoing_tokens > 0:
@@ -165,8 +184,50 @@ class AutoSessions:
                 self.ram.park(outgoing, outgoing_tokens, self.bytes_per_token)
             self.ram.take(key)  # now in the slot, whichever way it came
         self.held_key = key
+        self.held_saved = restored
         if not restored:
             self.held_tokens = 0
+
+    def _ram_keeps_outgoing(self) -> bool:
+        """Whether the engine's RAM cache will keep the held conversation once it parks it.
+
+        Not known before the bytes per token are (the first save measures them).
+        """
+        if self.ram is None or self.held_key is None or self.held_saved or self.bytes_per_token is None:
+            return False
+        return self.ram.holds_after_parking(self.held_key, self.held_key, self.held_tokens, self.bytes_per_token)
+
+    # -- saving while idle ---------------------------------------------------
+
+    def schedule_idle_save(self, service: Any) -> None:
+        if self.config.idle_save_s <= 0 or self.held_key is None or self.held_saved:
+            return
+        self._cancel_idle_save()
+        loop = asyncio.get_running_loop()
+        self._idle_timer = loop.call_later(self.config.idle_save_s, self._start_idle_save, service)
+
+    def _start_idle_save(self, service: Any) -> None:
+        self._idle_timer = None
+        if service.fifo.idle and not service.closing and self.active:
+            self._idle_task = asyncio.create_task(self._idle_save(service), name="strata-idle-save")
+
+    async def _idle_save(self, service: Any) -> None:
+        # Holding the FIFO: a request arriving now waits for this one save at most.
+        async with service.fifo.hold():
+            if await self.save_held(service, reason="idle"):
+                self.stats.idle_saves += 1
+
+    def _cancel_idle_save(self) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+
+    async def stop_idle_save(self) -> None:
+        """At shutdown: no new idle save, and the one running (if any) finished."""
+        self._cancel_idle_save()
+        if self._idle_task is not None:
+            await self._idle_task
+            self._idle_task = None
 
     def after(self, request: StrataRequest, outcome: Outcome, service: Any) -> None:
         if request.route == "slots":
@@ -179,6 +240,7 @@ class AutoSessions:
             if outcome.status != "error":
                 self.held_key, self.held_tokens = None, 0
             return
+        self.held_saved = False  # the request changed what the slot holds
         if outcome.status == "ok" and outcome.context_tokens is not None:
             self.held_tokens = outcome.context_tokens
         restored = request.state.get(NAME, {}).get("restored_tokens")
@@ -215,6 +277,9 @@ class AutoSessions:
         key, tokens = self.held_key, self.held_tokens
         if key is None or tokens <= 0:
             return None
+        if self.held_saved:
+            self.stats.save_skips_unchanged += 1
+            return True
         if tokens < self.config.min_tokens:
             self.stats.save_skips_below_min += 1
             log.info("[strata] auto sessions: not saving %s: %s tokens is below min_tokens (%s)",
@@ -256,7 +321,7 @@ class AutoSessions:
                     continue
                 return self._save_failed(key, exc, verdict)
         ms = (time.monotonic() - began) * 1000
-        self.held_tokens = n_saved
+        self.held_tokens, self.held_saved = n_saved, True
         if n_saved:
             self.bytes_per_token = n_written / n_saved
         self.stats.saves += 1
@@ -265,7 +330,7 @@ class AutoSessions:
         self.stats.save_ms += ms
         log.info("[strata] auto sessions: saved %s tokens (%s) to %s in %.0f ms%s",
                  f"{n_saved:,}", _size(n_written), self.store.bin_name(key), ms,
-                 " (shutdown)" if reason == "shutdown" else "")
+                 "" if reason == "switch" else f" ({reason})")
         self._prune()
         return True
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 
@@ -317,7 +318,11 @@ async def test_ram_cache_on_abab_never_worse_than_the_bare_engine(
             assert without["cache_n"] > MIN_TOKENS, "the bare engine's RAM cache brings it back"
     stats = parking(parked).stats
     assert stats.restores == 0, "the RAM cache had them: no disk restore"
-    assert stats.restores_left_to_ram == 3
+    # The first switch saves A (it measures the bytes per token); later ones leave the
+    # outgoing conversation to the engine's RAM cache instead of adding a save's time,
+    # so B never gets a file, and A's file is left alone on both returns.
+    assert stats.saves == 1 and stats.saves_left_to_ram == 3
+    assert stats.restores_left_to_ram == 2
 
 
 async def test_a_return_the_engine_is_about_to_evict_from_ram_is_restored_from_disk(auto_client):
@@ -372,3 +377,28 @@ async def test_retry_verdict_tries_the_save_once_more(auto_client, monkeypatch):
     assert stats.saves == 2 and stats.save_failures == 0, "the second try saved A"
     assert stats.restores == 1, "and B was restored as usual"
     assert (store.directory / f"auto-{key_of(client, a)}.bin").exists()
+
+
+async def test_an_idle_server_saves_the_held_conversation_so_the_switch_does_not(auto_client, caplog):
+    client = await auto_client(idle_save_s=0.2)
+    a, b = conversation("idle-a"), conversation("idle-b")
+    await ask(client, a)
+    await asyncio.sleep(0.8)
+    key_a = key_of(client, a)
+    assert (slot_dir(client) / f"auto-{key_a}.bin").exists()
+    assert any(f"auto-{key_a}.bin" in line and "(idle)" in line for line in log_lines(caplog))
+    await ask(client, b)  # the switch: A is on disk already
+    stats = parking(client).stats
+    assert stats.idle_saves == 1 and stats.saves == 1 and stats.save_skips_unchanged == 1
+    await ask(client, a)
+    assert parking(client).stats.restores == 1
+
+
+async def test_a_request_arriving_during_an_idle_save_waits_and_is_answered(auto_client):
+    client = await auto_client(idle_save_s=0.05)
+    a = conversation("busy-a")
+    await ask(client, a)
+    await asyncio.sleep(0.06)  # the idle save is about to start, or running
+    replies = await asyncio.gather(*(ask(client, conversation(f"busy-{n}")) for n in range(3)))
+    assert all(r["choices"] for r in replies)
+    assert parking(client).stats.save_failures == 0
