@@ -45,13 +45,18 @@ class EngineRamModel:
     def estimated_bytes(self, bytes_per_token: float | None) -> int | None:
         return None if bytes_per_token is None else int(self.tokens * bytes_per_token)
 
-    def park(self, key: str, tokens: int, bytes_per_token: float | None) -> None:
-        """The engine parks the outgoing conversation, then makes room within its budget."""
+    def park(self, key: str, tokens: int, bytes_per_token: float | None) -> list[str]:
+        """The engine parks the outgoing conversation, then makes room within its budget.
+
+        :returns: the conversations evicted to make room, oldest first.
+        """
         self.entries.pop(key, None)
         self.entries[key] = tokens
+        evicted = []
         while self.entries and (len(self.entries) > self.max_entries
                                 or self._over_budget(bytes_per_token)):
-            self.entries.popitem(last=False)
+            evicted.append(self.entries.popitem(last=False)[0])
+        return evicted
 
     def holds(self, key: str) -> bool:
         return key in self.entries
@@ -63,10 +68,17 @@ class EngineRamModel:
         The engine parks (and evicts) before it looks for the incoming conversation,
         so parking the outgoing one can push the incoming one out first.
         """
-        trial = EngineRamModel(self.budget, self.max_entries, collections.OrderedDict(self.entries))
+        trial = self._copy()
         if outgoing is not None and tokens > 0:
             trial.park(outgoing, tokens, bytes_per_token)
         return trial.holds(key)
+
+    def evictions_if_parked(self, key: str, tokens: int, bytes_per_token: float | None) -> list[str]:
+        """What parking ``key`` would push out of the cache (``key`` itself if it cannot fit)."""
+        return self._copy().park(key, tokens, bytes_per_token)
+
+    def _copy(self) -> EngineRamModel:
+        return EngineRamModel(self.budget, self.max_entries, collections.OrderedDict(self.entries))
 
     def take(self, key: str) -> bool:
         """The engine moves a returning conversation into the slot; True if it was held here."""

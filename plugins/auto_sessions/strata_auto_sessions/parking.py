@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from dataclasses import asdict, dataclass
@@ -22,6 +23,9 @@ log = logging.getLogger("strata_auto_sessions")
 NAME = "auto_sessions"
 #: Conversations the model of the engine's RAM cache keeps at most (when it has no byte limit).
 RAM_MODEL_ENTRIES = 1000
+#: How many of the latest conversations make the working set, and how many switches
+#: after an eviction from the engine's RAM cache it counts as full.
+RAM_PRESSURE_SWITCHES = 32
 GB = 1024**3
 
 
@@ -99,6 +103,11 @@ class AutoSessions:
         self.held_saved = False
         #: Bytes per token of the engine's state, measured from our saves.
         self.bytes_per_token: float | None = None
+        #: Switches so far, and the switch at which the RAM cache last had to evict.
+        self.switches = 0
+        self.last_ram_eviction: int | None = None
+        #: The latest conversations seen and their sizes in tokens, oldest first.
+        self.working_set: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._idle_timer: asyncio.TimerHandle | None = None
         self._idle_task: asyncio.Task | None = None
 
@@ -141,6 +150,8 @@ class AutoSessions:
         if self.held_key is not None:
             log.info("[strata] auto sessions: the engine restarted; %s is no longer held", self.held_key)
         self.held_key, self.held_tokens = None, 0
+        self.last_ram_eviction = None
+        self.working_set.clear()
         if self.ram is not None:
             self.ram.clear()
 
@@ -157,7 +168,13 @@ class AutoSessions:
         key = request.conversation_key
         if request.route == "slots" or key is None or key == self.held_key:
             return
+        self.switches += 1
         outgoing, outgoing_tokens = self.held_key, self.held_tokens
+        if outgoing is not None:
+            self.working_set.pop(outgoing, None)
+            self.working_set[outgoing] = outgoing_tokens
+            while len(self.working_set) > RAM_PRESSURE_SWITCHES:
+                self.working_set.popitem(last=False)
         in_ram = self.ram is not None and self.ram.holds_after_parking(
             key, outgoing, outgoing_tokens, self.bytes_per_token)
         if self._ram_keeps_outgoing() and (in_ram or not self.store.restorable(key)):  # type: ignore[union-attr]
@@ -181,7 +198,8 @@ class AutoSessions:
             if not restored and outgoing is not None and outgoing_tokens > 0:
                 # No restore: the engine parks the outgoing conversation itself. After a
                 # restore it does not (the restore overwrote the slot).
-                self.ram.park(outgoing, outgoing_tokens, self.bytes_per_token)
+                if self.ram.park(outgoing, outgoing_tokens, self.bytes_per_token):
+                    self.last_ram_eviction = self.switches
             self.ram.take(key)  # now in the slot, whichever way it came
         self.held_key = key
         self.held_saved = restored
@@ -189,13 +207,22 @@ class AutoSessions:
             self.held_tokens = 0
 
     def _ram_keeps_outgoing(self) -> bool:
-        """Whether the engine's RAM cache will keep the held conversation once it parks it.
+        """Whether the engine's RAM cache can be trusted to keep the held conversation.
 
+        Only while it has ample room for every conversation in play (the working set
+        in half the budget, no recent eviction): a conversation parked there without a
+        file, then evicted as the working set grows, would be lost from both tiers.
         Not known before the bytes per token are (the first save measures them).
         """
         if self.ram is None or self.held_key is None or self.held_saved or self.bytes_per_token is None:
             return False
-        return self.ram.holds_after_parking(self.held_key, self.held_key, self.held_tokens, self.bytes_per_token)
+        if self.last_ram_eviction is not None and self.switches - self.last_ram_eviction <= RAM_PRESSURE_SWITCHES:
+            return False
+        if self.ram.budget is not None:
+            in_play = sum(self.working_set.values()) * self.bytes_per_token
+            if in_play > self.ram.budget / 2:
+                return False
+        return not self.ram.evictions_if_parked(self.held_key, self.held_tokens, self.bytes_per_token)
 
     # -- saving while idle ---------------------------------------------------
 

@@ -402,3 +402,17 @@ async def test_a_request_arriving_during_an_idle_save_waits_and_is_answered(auto
     replies = await asyncio.gather(*(ask(client, conversation(f"busy-{n}")) for n in range(3)))
     assert all(r["choices"] for r in replies)
     assert parking(client).stats.save_failures == 0
+
+
+async def test_past_the_ram_budget_every_return_still_finds_its_state(auto_client):
+    """Four conversations round robin; --cache-ram 1 holds about two of them.
+
+    With the cache this full, an outgoing conversation parked only in RAM would
+    soon be evicted and lost from both tiers: it must be saved at the switch.
+    """
+    client = await auto_client(engine={"cache_ram_mib": 1})
+    names = ["rr-a", "rr-b", "rr-c", "rr-d"]
+    for name in names:
+        await ask(client, conversation(name))
+    reused = [(await ask(client, conversation(name)))["timings"]["cache_n"] for name in names * 2]
+    assert all(r > MIN_TOKENS for r in reused), reused
