@@ -29,22 +29,23 @@ class PrefixKeyConfig(BaseModel):
     chars: int = Field(200, ge=1)
 
 
-#: The configuration of the server that loaded the plugin: ``conversation_key`` is only
-#: handed the request, so ``on_config`` keeps it here.
-_config = PrefixKeyConfig()
-
-
 @strata_serve.hookimpl
 def on_config(settings):
-    global _config
-    _config = settings.plugin_config(NAME, PrefixKeyConfig)
+    settings.plugin_config(NAME, PrefixKeyConfig)  # refuse a bad section before the start
 
 
 @strata_serve.hookimpl
-def conversation_key(request):
+def on_startup(service):
+    # Kept per server: one process may run several (tests do).
+    service.state[NAME] = service.settings.plugin_config(NAME, PrefixKeyConfig)
+
+
+@strata_serve.hookimpl
+def conversation_key(request, service):
     if request.route != "chat":
         return None
     text = first_user_text(request.body)
     if text is None:
         return None  # defer: another plugin, or in the end the built-in default, decides
-    return hashlib.sha1(text[: _config.chars].encode("utf-8")).hexdigest()[:16]
+    chars = service.state[NAME].chars
+    return hashlib.sha1(text[:chars].encode("utf-8")).hexdigest()[:16]

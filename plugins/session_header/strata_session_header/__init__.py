@@ -43,24 +43,25 @@ class SessionHeaderConfig(BaseModel):
     sources: list[Source] = Field(default_factory=lambda: ["header", "metadata", "user"])
 
 
-#: The configuration of the server that loaded the plugin (``conversation_key`` is only
-#: handed the request, so ``on_config`` leaves it here; one server per process).
-_config = SessionHeaderConfig()
-
-
 @strata_serve.hookimpl
 def on_config(settings):
-    global _config
-    _config = settings.plugin_config(NAME, SessionHeaderConfig)
+    settings.plugin_config(NAME, SessionHeaderConfig)  # refuse a bad section before the start
 
 
 @strata_serve.hookimpl
-def conversation_key(request: StrataRequest) -> str | None:
-    for source in _config.sources:
+def on_startup(service):
+    # Kept per server: one process may run several (tests do).
+    service.state[NAME] = service.settings.plugin_config(NAME, SessionHeaderConfig)
+
+
+@strata_serve.hookimpl
+def conversation_key(request: StrataRequest, service) -> str | None:
+    config: SessionHeaderConfig = service.state[NAME]
+    for source in config.sources:
         if source == "header":
-            value = request.headers.get(_config.header)
+            value = request.headers.get(config.header)
             if value is not None:
-                return checked(value, _config.header)
+                return checked(value, config.header)
         elif source == "metadata":
             metadata = request.body.get("metadata")
             if isinstance(metadata, dict) and "session_id" in metadata:

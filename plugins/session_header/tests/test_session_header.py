@@ -1,5 +1,7 @@
 """session_header: where the id is found, in which order, and what is refused."""
 
+from types import SimpleNamespace
+
 import pytest
 from multidict import CIMultiDict
 
@@ -10,20 +12,17 @@ from strata_serve.plugins import get_plugin_manager
 from strata_serve.testing import assert_openai_error, chat_body, KeyRecorder
 
 
-@pytest.fixture(autouse=True)
-def default_config():
-    yield
-    strata_session_header._config = strata_session_header.SessionHeaderConfig()
-
-
-def key(headers=None, route="chat", **body):
+def key(headers=None, route="chat", config=None, **body):
+    """The plugin's answer for one request, with ``config`` as the server's section."""
     request = StrataRequest(route=route, body=chat_body(**body), headers=CIMultiDict(headers or {}))
-    return strata_session_header.conversation_key(request)
+    service = SimpleNamespace(state={"session_header": config or strata_session_header.SessionHeaderConfig()})
+    return strata_session_header.conversation_key(request, service)
 
 
 def configure(strata_settings_factory, **section):
     settings = strata_settings_factory(plugins={"session_header": section})
     get_plugin_manager(settings, entrypoints=False, plugins=[strata_session_header])
+    return settings.plugin_config("session_header", strata_session_header.SessionHeaderConfig)
 
 
 def test_each_source_names_the_conversation():
@@ -69,11 +68,11 @@ def test_a_user_that_is_no_id_is_passed_over():
 
 
 def test_header_name_and_sources_are_configurable(strata_settings_factory):
-    configure(strata_settings_factory, header="X-Conversation", sources=["user", "header"])
-    assert key({"X-Conversation": "c1"}) == "c1"
-    assert key({"X-Session-Id": "ignored"}) is None
-    assert key({"X-Conversation": "c1"}, user="u1") == "u1"
-    assert key(metadata={"session_id": "m"}) is None
+    config = configure(strata_settings_factory, header="X-Conversation", sources=["user", "header"])
+    assert key({"X-Conversation": "c1"}, config=config) == "c1"
+    assert key({"X-Session-Id": "ignored"}, config=config) is None
+    assert key({"X-Conversation": "c1"}, config=config, user="u1") == "u1"
+    assert key(config=config, metadata={"session_id": "m"}) is None
 
 
 def test_an_unknown_source_stops_the_start(strata_settings_factory):
