@@ -6,6 +6,7 @@ import importlib.metadata
 import inspect
 import logging
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -40,7 +41,7 @@ def get_plugin_manager(
     pm.add_hookspecs(hookspecs)
     for name in settings.disable_plugins:
         pm.set_blocked(name)
-    for name, section in settings.plugins.items():
+    for name in settings.plugins:
         if not settings.plugin_enabled(name):
             pm.set_blocked(name)
     if entrypoints:
@@ -64,7 +65,7 @@ def get_plugin_manager(
     if os.environ.get("STRATA_TRACE_PLUGINS"):
         pm.trace.root.setwriter(lambda text: log.info("[trace] %s", text.rstrip()))
         pm.enable_tracing()
-        _traced.add(id(pm))
+        _traced.add(pm)
     try:
         pm.hook.on_config.call_historic(kwargs={"settings": settings})
     except ConfigError:
@@ -85,11 +86,11 @@ def _check_sections(settings: Settings, pm: pluggy.PluginManager) -> None:
 
 
 #: Plugin managers with STRATA_TRACE_PLUGINS on; our own dispatch logs for them too.
-_traced: set[int] = set()
+_traced: weakref.WeakSet[pluggy.PluginManager] = weakref.WeakSet()
 
 
 def _trace(pm: pluggy.PluginManager, hook_name: str, plugin: str, result: Any) -> None:
-    if id(pm) in _traced:
+    if pm in _traced:
         log.info("[trace] %s -> %s returned %r", hook_name, plugin, result)
 
 

@@ -154,7 +154,13 @@ class Service:
         result = first_result(
             self.pm, "engine_verdict", op=op, error=error, engine=self.engine, held_tokens=held_tokens
         )
-        return Verdict(result) if result is not None else None
+        if result is None:
+            return None
+        try:
+            return Verdict(result)
+        except ValueError:
+            log.error("[strata] ignoring engine verdict %r for %s: not a strata_serve.Verdict", result, op)
+            return None
 
     async def process(
         self, request: StrataRequest, send: Callable[[Outcome], Awaitable[None]]
