@@ -8,9 +8,10 @@ import contextlib
 import logging
 import re
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import pluggy
+from pydantic import BaseModel
 
 from strata_serve.config import Settings
 from strata_serve.engine.base import Engine
@@ -18,6 +19,8 @@ from strata_serve.exchange import EngineError, KeyRefused, Outcome, StrataReques
 from strata_serve.plugins import broadcast, first_result
 
 log = logging.getLogger("strata_serve.service")
+
+M = TypeVar("M", bound=BaseModel)
 
 KEY_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -119,6 +122,18 @@ class Service:
         self.closing = False
         self.started_at = time.time()
         self._tasks: set[asyncio.Task] = set()
+        self._plugin_configs: dict[str, BaseModel] = {}
+
+    def plugin_config(self, name: str, model: type[M]) -> M:
+        """``plugins.<name>`` validated into ``model``, once per server (then cached).
+
+        For hooks that run on every request; ``on_config`` has refused a bad section
+        before the start, with :meth:`Settings.plugin_config`.
+        """
+        cached = self._plugin_configs.get(name)
+        if not isinstance(cached, model):
+            cached = self._plugin_configs[name] = self.settings.plugin_config(name, model)
+        return cached
 
     @property
     def single_slot(self) -> bool:

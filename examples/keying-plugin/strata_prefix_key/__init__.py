@@ -35,17 +35,11 @@ def on_config(settings):
 
 
 @strata_serve.hookimpl
-def on_startup(service):
-    # Kept per server: one process may run several (tests do).
-    service.state[NAME] = service.settings.plugin_config(NAME, PrefixKeyConfig)
-
-
-@strata_serve.hookimpl
 def conversation_key(request, service):
     if request.route != "chat":
         return None
     text = first_user_text(request.body)
     if text is None:
         return None  # defer: another plugin, or in the end the built-in default, decides
-    chars = service.state[NAME].chars
+    chars = service.plugin_config(NAME, PrefixKeyConfig).chars
     return hashlib.sha1(text[:chars].encode("utf-8")).hexdigest()[:16]

@@ -49,14 +49,8 @@ def on_config(settings):
 
 
 @strata_serve.hookimpl
-def on_startup(service):
-    # Kept per server: one process may run several (tests do).
-    service.state[NAME] = service.settings.plugin_config(NAME, SessionHeaderConfig)
-
-
-@strata_serve.hookimpl
 def conversation_key(request: StrataRequest, service) -> str | None:
-    config: SessionHeaderConfig = service.state[NAME]
+    config = service.plugin_config(NAME, SessionHeaderConfig)
     for source in config.sources:
         if source == "header":
             value = request.headers.get(config.header)

@@ -15,7 +15,8 @@ from strata_serve.testing import assert_openai_error, chat_body, KeyRecorder
 def key(headers=None, route="chat", config=None, **body):
     """The plugin's answer for one request, with ``config`` as the server's section."""
     request = StrataRequest(route=route, body=chat_body(**body), headers=CIMultiDict(headers or {}))
-    service = SimpleNamespace(state={"session_header": config or strata_session_header.SessionHeaderConfig()})
+    config = config or strata_session_header.SessionHeaderConfig()
+    service = SimpleNamespace(plugin_config=lambda name, model: config)
     return strata_session_header.conversation_key(request, service)
 
 
