@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 
 from bench.harness import bare_engine, chat, client_session, conversation, follow_up, percentile, spread, strata
 from strata_serve.demo_model import write_demo_model

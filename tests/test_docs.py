@@ -2,7 +2,6 @@
 
 import inspect
 import re
-import runpy
 import sys
 from pathlib import Path
 

@@ -21,7 +21,7 @@ import pytest
 import strata_auto_sessions
 from strata_serve.api import SERVICE
 from strata_serve.engine.llama_server import free_port
-from strata_serve.testing import assert_openai_error, conversation
+from strata_serve.testing import conversation
 
 pytestmark = pytest.mark.reliability
 MIN_TOKENS = 100

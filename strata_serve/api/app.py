@@ -38,7 +38,7 @@ def create_app(settings: Settings, pm: pluggy.PluginManager, engine: Engine | No
     async def engine_started(restarted: bool) -> None:
         await broadcast(pm, "on_engine_start", service=service, restarted=restarted)
 
-    engine.on_start = engine_started  # type: ignore[attr-defined]
+    engine.on_start = engine_started
 
     app = web.Application(
         middlewares=[error_middleware, _auth_middleware(settings)],

@@ -5,7 +5,7 @@ from __future__ import annotations
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 
 
 class EngineUnavailable(Exception):
@@ -39,6 +39,8 @@ class Engine(Protocol):
     info: EngineInfo
     #: Increases by one at every (re)start: state held by an older generation is gone.
     generation: int
+    #: Awaited with ``restarted`` after every start, before requests are let through.
+    on_start: Callable[[bool], Awaitable[None]] | None
 
     async def start(self) -> None: ...
 

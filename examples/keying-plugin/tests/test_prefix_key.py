@@ -5,7 +5,6 @@ import importlib.metadata
 import pytest
 
 import strata_prefix_key
-import strata_serve
 from strata_serve.config import ConfigError
 from strata_serve.plugins import get_plugin_manager
 from strata_serve.testing import chat_body, KeyRecorder

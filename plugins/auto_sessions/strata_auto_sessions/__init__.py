@@ -49,7 +49,7 @@ def on_config(settings):
 
 @strata_serve.hookimpl
 def on_startup(service):
-    config = service.settings.plugin_config(NAME, AutoSessionsConfig)
+    config = service.plugin_config(NAME, AutoSessionsConfig)
     service.state[NAME] = AutoSessions.start(config, service)
 
 

@@ -137,9 +137,9 @@ class AutoSessions:
         parking.held_generation = service.engine.generation
         parking.bytes_per_token = store.bytes_per_token(parking.fingerprint)
         parking.refresh_usage()
-        files, size = store.usage()
         log.info("[strata] auto sessions: on, files in %s (%d file(s), %s); min_tokens %s; engine RAM cache %s",
-                 directory, files, _size(size), f"{config.min_tokens:,}",
+                 directory, parking.stats.files_on_disk, _size(parking.stats.bytes_on_disk),
+                 f"{config.min_tokens:,}",
                  "off" if ram is None else "unlimited" if budget is None else _size(budget))
         return parking
 

@@ -59,7 +59,7 @@ async def test_switch_saves_and_switching_back_restores_exactly(auto_client, lla
     bin_a = slot_dir(client) / f"auto-{key_a}.bin"
     assert bin_a.stat().st_size > 10_000
     assert oct(bin_a.stat().st_mode & 0o777) == "0o600"
-    assert any(f"saved" in l and f"auto-{key_a}.bin in" in l and "tokens (" in l for l in log_lines(caplog))
+    assert any("saved" in l and f"auto-{key_a}.bin in" in l and "tokens (" in l for l in log_lines(caplog))
 
     a2 = a + [{"role": "assistant", "content": first_a["choices"][0]["message"]["content"]},
               {"role": "user", "content": "Tell me more."}]

@@ -75,7 +75,7 @@ def on_config(settings):
 
 @strata_serve.hookimpl
 def on_startup(service):
-    config = service.settings.plugin_config(NAME, RamCacheStatsConfig)
+    config = service.plugin_config(NAME, RamCacheStatsConfig)
     service.state[NAME] = RamCacheStats.start(config, service)
 
 

@@ -1,6 +1,5 @@
 """system_prompt_key: an edited system prompt starts a new conversation."""
 
-import strata_serve
 import strata_system_prompt_key
 from strata_serve.default_plugins import conversation_key as default_key
 from strata_serve.exchange import StrataRequest
