@@ -160,6 +160,8 @@ def engine_tokens(entry: dict[str, Any]) -> int | None:
 
     ``n_prompt_tokens`` is the slot's cached tokens: the last task's prompt and what it
     generated (0 after an erase, the file's count after a restore), as a save would write.
+    A slot that never ran a task has no such field, even after a restore: None (the
+    engine does not say).
     """
     tokens = entry.get("n_prompt_tokens")
     return tokens if isinstance(tokens, int) and tokens >= 0 else None

@@ -1,0 +1,203 @@
+"""Every way the picture of the slot went wrong before, each against the real engine.
+
+Each test here failed on the version that inferred the slot's holder inside
+auto-sessions and left conversations to the engine's RAM cache on a guess.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import strata_quirks_llama_cpp
+import strata_serve
+from strata_serve.api import SERVICE
+from strata_serve.exchange import StrataRequest, Verdict
+from strata_serve.testing import conversation
+
+from .test_auto_sessions import ask, key_of, log_lines, parking, slot_dir
+
+#: A return found its own state when it reused at least this much of its ~750-token opening.
+OWN_STATE = 600
+
+
+@pytest.fixture(autouse=True)
+def plugin_logs(caplog):
+    caplog.set_level(logging.INFO, logger="strata_auto_sessions")
+
+
+def more(messages: list[dict], text: str) -> list[dict]:
+    return messages + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": text}]
+
+
+async def test_a_failure_after_the_save_never_writes_one_conversation_into_anothers_file(
+        auto_client, monkeypatch, caplog):
+    client = await auto_client()
+    a, b, c = conversation("mix-a"), conversation("mix-b"), conversation("mix-c")
+    await ask(client, a)
+    await ask(client, b)  # A saved, B held
+    store = parking(client).store
+    real_sidecar = store.sidecar
+
+    def broken_sidecar(key):
+        if key == key_of(client, a):
+            raise RuntimeError("the restore step broke after the save")
+        return real_sidecar(key)
+
+    monkeypatch.setattr(store, "sidecar", broken_sidecar)
+    await ask(client, a)  # saves B, then the restore of A raises: A runs on a full prefill
+    assert any("auto_sessions failed in pre_request" in r.getMessage() or "failed in pre_request" in r.getMessage()
+               for r in caplog.records), "the failure is logged with the plugin's name"
+    monkeypatch.setattr(store, "sidecar", real_sidecar)
+    assert client.app[SERVICE].slots[0].key == key_of(client, a), "the slot holds A, whatever the plugin did"
+    await ask(client, c)  # saves what the slot holds (A) into A's file, not into B's
+    back_b = await ask(client, more(b, "back to b"))
+    assert back_b["timings"]["cache_n"] >= OWN_STATE, "B's file still holds B"
+    back_a = await ask(client, more(a, "back to a"))
+    assert back_a["timings"]["cache_n"] >= OWN_STATE, "A's file holds A"
+
+
+async def test_a_ram_cache_set_in_extra_args_is_not_assumed_on(auto_client):
+    """`--cache-ram 0` given in extra_args: strata cannot see it, and must not guess."""
+    client = await auto_client(engine={"cache_ram_mib": None, "extra_args": ["--cache-ram", "0"]})
+    a, b = conversation("extra-a"), conversation("extra-b")
+    await ask(client, a)
+    await ask(client, b)
+    back = await ask(client, more(a, "again"))
+    assert back["timings"]["cache_n"] >= OWN_STATE, back["timings"]
+    assert parking(client).stats.restores == 1
+
+
+async def test_two_conversations_with_the_same_opening_never_stop_parking(auto_client):
+    """Both open with "Hello" (one default key): restores that go unused say nothing of the engine."""
+    client = await auto_client(strata_quirks_llama_cpp)
+    opening = [{"role": "user", "content": "Hello"}]
+    x = more(opening, "Tell me about ships. " + " ".join(f"ship{n} sea" for n in range(120)))
+    y = more(opening, "Tell me about trees. " + " ".join(f"tree{n} wood" for n in range(120)))
+    other = conversation("hello-other")
+    for _ in range(3):
+        await ask(client, x)
+        await ask(client, other)
+        await ask(client, y)
+        await ask(client, other)
+    stats = parking(client).stats
+    assert stats.restores_diverged >= 2 and stats.restores_not_reused == 0
+    assert parking(client).active, "parking goes on"
+    back = await ask(client, more(other, "and then?"))
+    assert back["timings"]["cache_n"] >= OWN_STATE
+
+
+async def test_unreused_restores_of_continued_conversations_pause_parking_and_it_resumes(
+        auto_client, monkeypatch, caplog):
+    """Evidence that the engine cannot reuse restores pauses parking; it tries again later."""
+    client = await auto_client(strata_quirks_llama_cpp, retry_after_s=0.2)
+    service = client.app[SERVICE]
+    real_restore = service.engine.restore
+    a, b = conversation("pause-a"), conversation("pause-b")
+    await ask(client, a)
+    await ask(client, b)
+
+    async def forgetful_restore(filename, slot=0):
+        # An engine that reports a restore as done and keeps nothing (a hybrid model's way).
+        answer = await real_restore(filename, slot)
+        await service.engine.erase(slot)
+        return answer
+
+    monkeypatch.setattr(service.engine, "restore", forgetful_restore)
+    a, b = more(a, "a1"), more(b, "b1")
+    await ask(client, a)
+    await ask(client, b)
+    stats = parking(client).stats
+    assert stats.restores_not_reused == 2 and stats.pauses == 1
+    assert not parking(client).active
+    assert any("parking paused" in line for line in log_lines(caplog))
+    monkeypatch.setattr(service.engine, "restore", real_restore)
+    import asyncio
+
+    await asyncio.sleep(0.3)
+    assert parking(client).active, "the pause ended"
+    assert any("parking resumes" in line for line in log_lines(caplog))
+
+
+async def test_a_normal_stop_under_steady_traffic_leaves_every_conversation_on_disk(auto_client):
+    """RAM cache at its default, no idle moment: A, B and C all reach disk by the stop."""
+    client = await auto_client(engine={"cache_ram_mib": None}, idle_save_s=0)
+    chats = [conversation(name) for name in ("stop-a", "stop-b", "stop-c")]
+    for messages in chats:
+        await ask(client, messages)
+    directory = slot_dir(client)
+    await client.close()
+    for messages in chats:
+        assert (directory / f"auto-{key_of(client, messages)}.bin").exists()
+
+
+class SkipEverySave:
+    """A third-party quirk plugin: "do not attempt this save"."""
+
+    strata_name = "skip_every_save"
+
+    @strata_serve.hookimpl
+    def engine_verdict(self, op, error):
+        return Verdict.SKIP if op == "save" and error is None else None
+
+
+async def test_a_skipped_save_never_lets_a_restore_replace_the_unsaved_state(auto_client):
+    client = await auto_client()
+    a, b = conversation("skip-a"), conversation("skip-b")
+    await ask(client, a)
+    await ask(client, b)
+    await ask(client, a)  # both have files now; A held, A's file current after the restore...
+    a = more(a, "a changes")
+    await ask(client, a)  # ...no longer: A's newest turn is in the slot only
+    service = client.app[SERVICE]
+    service.pm.register(SkipEverySave(), name="skip_every_save")
+    restores = parking(client).stats.restores
+    await ask(client, more(b, "b returns"))
+    stats = parking(client).stats
+    assert stats.save_skips_verdict == 1
+    assert stats.restores == restores and stats.restores_withheld == 1, "B's file was not loaded over A"
+    service.pm.unregister(name="skip_every_save")
+    back = await ask(client, more(a, "and a again"))
+    assert back["timings"]["cache_n"] >= OWN_STATE, "A's newest state survived"
+
+
+async def test_post_request_sees_a_client_that_left_during_the_switch(auto_client, monkeypatch):
+    import asyncio
+
+    outcomes = []
+
+    class Watcher:
+        strata_name = "watcher"
+
+        @strata_serve.hookimpl
+        def post_request(self, request, outcome):
+            outcomes.append((request.conversation_key, outcome.status))
+
+    client = await auto_client(Watcher())
+    service = client.app[SERVICE]
+    a, b = conversation("post-a"), conversation("post-b")
+    await ask(client, a)
+    real_save = service.engine.save
+    saving = asyncio.Event()
+
+    async def slow_save(filename, slot=0):
+        saving.set()
+        await asyncio.sleep(0.3)
+        return await real_save(filename, slot)
+
+    monkeypatch.setattr(service.engine, "save", slow_save)
+    body = {"messages": b, "max_tokens": 8, "temperature": 0}
+    leaving = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+    await asyncio.wait_for(saving.wait(), 10)
+    leaving.cancel()
+    deadline = asyncio.get_running_loop().time() + 10
+    while len(outcomes) < 2:
+        assert asyncio.get_running_loop().time() < deadline, outcomes
+        await asyncio.sleep(0.02)
+    assert outcomes[1] == (key_of(client, b), "cancelled")
+    assert parking(client).stats.saves == 1
+
+
+def _request(messages):
+    return StrataRequest(route="chat", body={"messages": messages})

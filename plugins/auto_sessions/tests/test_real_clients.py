@@ -1,0 +1,176 @@
+"""Clients unlike ours: several at once, over real sockets, closing whenever they like.
+
+Agents stream with ``requests`` and close the connection as soon as they have read
+the last event; chat UIs give up on a slow answer; scripts time out while queued.
+Whatever they do, every conversation must come back with its state: from the slot,
+from its file, or (with the engine's RAM cache on) from the engine, never re-read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from strata_serve.api import SERVICE
+from strata_serve.testing import conversation
+
+#: How each request's client behaves.
+PATTERNS = (
+    "after_last_event",   # read up to the event with the timings, then close (before [DONE])
+    "before_first_byte",  # send the request, close at once
+    "mid_stream",         # read two events, close
+    "after_done",         # read everything, [DONE] included, then close
+    "timeout_queued",     # non-streaming, gives up after 50 ms (while others hold the FIFO)
+    "timeout_running",    # non-streaming, a long answer, gives up after 300 ms
+    "read_all",           # a well-behaved client
+)
+#: A return reused its own state when it reused at least this much of its opening
+#: (each opening is about 750 tokens; only the chat template's few tokens are shared).
+OWN_STATE = 600
+
+
+def body(messages: list[dict], *, stream: bool, max_tokens: int = 8) -> dict:
+    return {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+
+
+def client_turn(url: str, messages: list[dict], pattern: str) -> dict | None:
+    """One turn by a client of this pattern; returns the timings it saw, if any."""
+    endpoint = url + "/v1/chat/completions"
+    if pattern == "before_first_byte":
+        payload = json.dumps(body(messages, stream=True)).encode()
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        return None
+    if pattern.startswith("timeout"):
+        queued = pattern == "timeout_queued"
+        try:
+            reply = requests.post(endpoint, json=body(messages, stream=False, max_tokens=8 if queued else 3000),
+                                  timeout=0.05 if queued else 0.3)
+            return reply.json().get("timings")
+        except requests.exceptions.Timeout:
+            return None
+    with requests.post(endpoint, json=body(messages, stream=True), stream=True, timeout=60) as reply:
+        assert reply.status_code == 200, reply.text
+        events = 0
+        for line in reply.iter_lines():
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                if pattern == "after_done":
+                    break
+                continue
+            events += 1
+            event = json.loads(data)
+            if pattern == "mid_stream" and events >= 2:
+                return None
+            if "timings" in event and pattern == "after_last_event":
+                return event["timings"]  # leaving the with-block closes the connection now
+    return None
+
+
+async def read_all(url: str, messages: list[dict]) -> dict:
+    def call() -> dict:
+        reply = requests.post(url + "/v1/chat/completions", json=body(messages, stream=False), timeout=60)
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    return await asyncio.to_thread(call)
+
+
+async def settle(client, deadline_s: float = 30) -> None:
+    """Wait (bounded) until the FIFO is idle: every request has run or left."""
+    fifo = client.app[SERVICE].fifo
+    deadline = time.monotonic() + deadline_s
+    while not fifo.idle:
+        assert time.monotonic() < deadline, "the FIFO never went idle"
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("cache_ram_mib", [0, 1, None], ids=["ram-off", "ram-below-working-set", "ram-default"])
+async def test_concurrent_impatient_clients_never_lose_a_conversation(auto_client, cache_ram_mib):
+    client = await auto_client(engine={"cache_ram_mib": cache_ram_mib}, idle_save_s=0)
+    url = str(client.make_url("")).rstrip("/")
+    names = ["main-a", "main-b", "main-c"]
+    chats = {name: conversation(name) for name in names}
+    patterns = itertools.cycle(PATTERNS)
+    for round_ in range(1, 5):
+        turns = []
+        for name in names:
+            chats[name] = chats[name] + [{"role": "assistant", "content": f"noted {round_}"},
+                                         {"role": "user", "content": f"step {round_} of {name}?"}]
+            turns.append(asyncio.to_thread(client_turn, url, chats[name], next(patterns)))
+        await asyncio.gather(*turns)
+        await settle(client)
+    # Every conversation returns, read to the end, one at a time and all switches.
+    for name in names + names:
+        reply = await read_all(url, chats[name])
+        assert reply["timings"]["cache_n"] >= OWN_STATE, (name, reply["timings"], parking_numbers(client))
+    service = client.app[SERVICE]
+    assert not list(Path(service.engine.info.slot_save_path).glob("tmp-*")), "no temporary left behind"
+    await service.check_slots()
+    assert service.slots.corrections == 0, "the picture matched the engine"
+
+
+def parking_numbers(client) -> dict:
+    return client.app[SERVICE].state["auto_sessions"].stats.snapshot()
+
+
+async def test_a_stream_closed_after_its_last_event_is_saved_at_the_next_switch(auto_client, caplog):
+    """The exact sequence a real agent benchmark lost a conversation to."""
+    client = await auto_client(idle_save_s=0)
+    url = str(client.make_url("")).rstrip("/")
+    a, b = conversation("agent-a"), conversation("agent-b")
+    seen = await asyncio.to_thread(client_turn, url, a, "after_last_event")
+    assert seen is not None and seen["prompt_n"] > OWN_STATE
+    await settle(client)
+    await read_all(url, b)  # the switch: A must be saved now
+    numbers = parking_numbers(client)
+    assert numbers["saves"] == 1, numbers
+    back = await read_all(url, a)
+    assert back["timings"]["cache_n"] >= OWN_STATE
+
+
+async def test_a_client_that_leaves_during_the_switch_save_leaves_no_temporary(auto_client, monkeypatch):
+    """The client goes away while the outgoing conversation is being saved for it."""
+    client = await auto_client(idle_save_s=0)
+    service = client.app[SERVICE]
+    a, b = conversation("leave-a"), conversation("leave-b")
+    url = str(client.make_url("")).rstrip("/")
+    await read_all(url, a)
+    real_save = service.engine.save
+    saving = asyncio.Event()
+
+    async def slow_save(filename, slot=0):
+        saving.set()
+        await asyncio.sleep(0.5)  # the client gives up meanwhile
+        return await real_save(filename, slot)
+
+    monkeypatch.setattr(service.engine, "save", slow_save)
+    leaving = asyncio.create_task(client.post("/v1/chat/completions", json=body(b, stream=False)))
+    await asyncio.wait_for(saving.wait(), 10)
+    leaving.cancel()
+    await settle(client)
+    directory = Path(service.engine.info.slot_save_path)
+    assert not list(directory.glob("tmp-*")), "the save ran to its end, nothing half-written"
+    key_a = service.conversation_key(_request(a))
+    assert (directory / f"auto-{key_a}.bin").exists(), "A was saved all the same"
+    assert service.slots[0].key == key_a, "B never reached the engine: the slot still holds A"
+    monkeypatch.setattr(service.engine, "save", real_save)
+    back = await read_all(url, a)
+    assert back["timings"]["cache_n"] >= OWN_STATE
+
+
+def _request(messages):
+    from strata_serve.exchange import StrataRequest
+
+    return StrataRequest(route="chat", body={"messages": messages})
