@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 
+from bench.agents import concurrent_agents
 from bench.harness import bare_engine, chat, client_session, conversation, follow_up, percentile, spread, strata
 from strata_serve.demo_model import write_demo_model
 from strata_serve.engine import LlamaServer
@@ -282,6 +283,7 @@ def report(results: dict[str, Any], quick: bool, command: str) -> str:
     base_wall = agent["llama-server, RAM cache off"]["wall_s"]
     for name, v in agent.items():
         lines.append(f"| {name} | {v['prefill_s']:.1f} | {v['wall_s']:.1f} | {base_wall / v['wall_s']:.1f}x faster |")
+    lines += agents_table(results["agents"], results["agents_settings"])
     if results.get("plot"):
         lines += ["", f"![switch-back time and file size against context length]({results['plot']})"]
     speed = results["save_restore"]
@@ -301,6 +303,26 @@ def report(results: dict[str, Any], quick: bool, command: str) -> str:
     if quick:
         lines.insert(2, "**Quick mode**: small sizes and few repetitions; run `make bench` for the full table.\n")
     return "\n".join(lines)
+
+
+def agents_table(agents: dict[str, Any], settings: dict[str, Any]) -> list[str]:
+    lines = [
+        "",
+        f"## Concurrent agents: {settings['sessions']} sessions at once, each a main context growing by about "
+        f"{settings['step_tokens']} tokens a step, a sub-agent context between steps, {settings['steps']} steps "
+        f"({settings['model']} model)",
+        "",
+        "The clients stream with `requests` and close each connection as soon as they have read the event",
+        "with the timings, before `[DONE]`. A return to a main context re-read it when the engine reused less",
+        f"than half of what it held at its previous turn. The limited RAM cache is {settings['limited_mib']} MiB,",
+        f"below the working set; auto-sessions runs with `min_tokens = {settings['min_tokens']}`.",
+        "",
+        "| setup | wall s | returns to main | returns that re-read their context | tokens re-read |",
+        "|---|---|---|---|---|",
+    ]
+    for name, v in agents.items():
+        lines.append(f"| {name} | {v['wall_s']:.1f} | {v['returns']} | {v['reread']} | {v['reread_tokens']:,} |")
+    return lines
 
 
 FULL_SIZES = [2048, 4096, 8192, 12288]
@@ -328,6 +350,11 @@ async def main(quick: bool, out: Path, sizes: list[int] | None = None, command: 
             {"conversations": 6, "size": 4096, "rounds": 4, "cache_mib": 160}
         results["agent_settings"] = agent
         results["agent"] = await agent_workload(bench_model, work, **agent)
+        print("concurrent agents...", flush=True)
+        agents = {"sessions": 3, "steps": 2, "step_tokens": 300, "limited_mib": 1, "min_tokens": 100} if quick \
+            else {"sessions": 3, "steps": 4, "step_tokens": 750, "limited_mib": 64, "min_tokens": 500}
+        results["agents_settings"] = {**agents, "model": "tiny" if quick else "bench"}
+        results["agents"] = await concurrent_agents(tiny if quick else bench_model, work, **agents)
         results["plot"] = plot(results["switch_back"], out)
         print("save/restore throughput...", flush=True)
         results["save_restore"] = await save_restore_speed(bench_model, work, 1024 if quick else 8192)
