@@ -19,8 +19,27 @@ from typing import Any, Literal
 
 log = logging.getLogger("strata_serve.slots")
 
-#: Where a request's conversation state came from, as far as the core can tell.
-Source = Literal["slot", "ram", "disk", "none", "new", "unkeyed"]
+#: Where a request's conversation state came from, as the core tells the client:
+#: ``slot`` (the slot held it), ``disk`` (a plugin restored it from its file), ``ram``
+#: (neither, yet the engine reused most of the prompt: its RAM prompt cache), ``none``
+#: (the prompt was read anew), ``engine`` (left to the engine; a streamed answer's
+#: headers leave before the engine says which).
+StateSource = Literal["slot", "disk", "ram", "none", "engine"]
+#: A prompt reused at least this much without the slot or a restore came from the RAM cache.
+RAM_REUSE_SHARE = 0.5
+
+
+def state_source(request: Any, timings: dict[str, Any] | None) -> StateSource:
+    """Where a request's conversation state came from (see :data:`StateSource`)."""
+    if request.restored_tokens:
+        return "disk"
+    if request.found_in_slot:
+        return "slot"
+    if not timings:
+        return "engine"
+    reused = int(timings.get("cache_n", 0))
+    prompt = reused + int(timings.get("prompt_n", 0))
+    return "ram" if prompt and reused >= RAM_REUSE_SHARE * prompt else "none"
 
 
 @dataclass

@@ -16,6 +16,7 @@ from strata_serve.api.keys import SERVICE, TENANT
 from strata_serve.engine.base import EngineUnavailable
 from strata_serve.exchange import KeyRefused, Outcome, StrataRequest
 from strata_serve.service import QueueFull, Service, ShuttingDown
+from strata_serve.slot_state import state_source
 
 log = logging.getLogger("strata_serve.api")
 routes = web.RouteTableDef()
@@ -125,14 +126,26 @@ async def relay(request: web.Request, route: str, path: str, body: dict[str, Any
     async def send(outcome: Outcome) -> None:
         nonlocal answer
         if sreq.stream:
-            answer = await _relay_stream(request, service, path, sreq.body, outcome)
+            answer = await _relay_stream(request, service, path, sreq.body, outcome, sreq)
         else:
             answer = await _relay_json(service, path, sreq.body, outcome)
+            answer.headers.update(state_headers(sreq, outcome.timings))
 
     with service_errors(service):
         await service.process(sreq, send)
     assert answer is not None
     return answer
+
+
+def state_headers(sreq: StrataRequest, timings: dict[str, Any] | None) -> dict[str, str]:
+    """What strata did for this request, for the client to see without reading logs."""
+    if sreq.conversation_key is None:
+        return {"X-Strata-State": "unkeyed"}
+    return {
+        "X-Strata-Conversation": sreq.conversation_key,
+        "X-Strata-State": state_source(sreq, timings),
+        "X-Strata-Restored-Tokens": str(sreq.restored_tokens),
+    }
 
 
 async def _relay_json(service: Service, path: str, body: dict[str, Any], outcome: Outcome) -> web.StreamResponse:
@@ -199,7 +212,8 @@ class _SSEWatcher:
 
 
 async def _relay_stream(
-    request: web.Request, service: Service, path: str, body: dict[str, Any], outcome: Outcome
+    request: web.Request, service: Service, path: str, body: dict[str, Any], outcome: Outcome,
+    sreq: StrataRequest,
 ) -> web.StreamResponse:
     async with service.engine.stream(path, body) as upstream:
         outcome.http_status = upstream.status
@@ -209,7 +223,8 @@ async def _relay_stream(
             return engine_answer(upstream.status, answer)
         response = web.StreamResponse(
             status=200,
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                     **state_headers(sreq, None)},
         )
         await response.prepare(request)
         watcher = _SSEWatcher()
