@@ -34,6 +34,12 @@ class StrataRequest:
     id: int = field(default_factory=lambda: next(_ids))
     received_at: float = field(default_factory=time.monotonic)
     state: dict[str, Any] = field(default_factory=dict)
+    #: The engine slot the request runs in.
+    slot: int = 0
+    #: Tokens a plugin restored into the slot for this request (0: none).
+    restored_tokens: int = 0
+    #: True when the slot already held this request's conversation as it was sent.
+    found_in_slot: bool = False
 
 
 @dataclass

@@ -14,9 +14,10 @@ import pluggy
 from pydantic import BaseModel
 
 from strata_serve.config import Settings
-from strata_serve.engine.base import Engine
+from strata_serve.engine.base import Engine, EngineUnavailable
 from strata_serve.exchange import EngineError, KeyRefused, Outcome, StrataRequest, Verdict
 from strata_serve.plugins import broadcast, first_result
+from strata_serve.slot_state import SlotPicture, SlotState, tokens_after
 
 log = logging.getLogger("strata_serve.service")
 
@@ -129,6 +130,8 @@ class Service:
         self.engine = engine
         self.fifo = ServiceFIFO(settings.engine.parallel, settings.server.queue_limit)
         self.state: dict[str, Any] = {}
+        #: What each engine slot holds: recorded here for every request and slot call.
+        self.slots = SlotPicture.for_engine(settings.engine.parallel)
         self.closing = False
         self.started_at = time.time()
         self._tasks: set[asyncio.Task] = set()
@@ -205,6 +208,9 @@ class Service:
         """Run one request through the FIFO: ``pre_request``, ``send``, ``post_request``.
 
         ``send`` forwards to the engine and fills in the outcome as it learns it.
+        The plugin steps around it run to their end even when the client goes away
+        meanwhile: a save cut in half would leave a temporary file and a wrong
+        picture of the slot. ``post_request`` runs for every request that got its turn.
 
         :raises QueueFull: when the line is full.
         :raises ShuttingDown: when the server is stopping.
@@ -217,9 +223,16 @@ class Service:
         try:
             async with self.fifo.hold():
                 await self.engine.wait_ready()
+                self.sync_generation()
                 began = time.monotonic()
-                await broadcast(self.pm, "pre_request", request=request, service=self)
                 outcome = Outcome(status="error", error="not sent")
+                try:
+                    await _to_the_end(broadcast(self.pm, "pre_request", request=request, service=self))
+                except asyncio.CancelledError:
+                    outcome.status, outcome.error = "cancelled", "the client went away before the engine was asked"
+                    await _to_the_end(self._post(request, outcome, began))
+                    raise
+                before = self._sent(request)
                 try:
                     await send(outcome)
                 except asyncio.CancelledError:
@@ -231,14 +244,98 @@ class Service:
                     outcome.error = str(exc)
                     raise
                 finally:
-                    outcome.duration_ms = (time.monotonic() - began) * 1000
-                    await broadcast(
-                        self.pm, "post_request", request=request, outcome=outcome, service=self
-                    )
+                    self._answered(request, outcome, before)
+                    await _to_the_end(self._post(request, outcome, began))
                 return outcome
         finally:
             if task is not None:
                 self._tasks.discard(task)
+
+    async def _post(self, request: StrataRequest, outcome: Outcome, began: float) -> None:
+        outcome.duration_ms = (time.monotonic() - began) * 1000
+        await broadcast(self.pm, "post_request", request=request, outcome=outcome, service=self)
+
+    # -- the picture of the slots ------------------------------------------------------
+
+    def sync_generation(self) -> None:
+        """Forget what the slots held when the engine has (re)started since."""
+        if any(slot.generation != self.engine.generation for slot in self.slots):
+            self.slots.engine_started(self.engine.generation)
+
+    def _sent(self, request: StrataRequest) -> SlotState | None:
+        if request.route == "slots":
+            return None  # slot calls record themselves (save_slot, restore_slot, erase_slot)
+        held = self.slots[request.slot]
+        request.found_in_slot = (request.conversation_key is not None and held.key == request.conversation_key
+                                 and held.tenant == request.tenant and not held.empty)
+        return self.slots.sent(request.slot, request)
+
+    def _answered(self, request: StrataRequest, outcome: Outcome, before: SlotState | None) -> None:
+        """Record what the slot holds now that the engine's answer ended, however it ended."""
+        if before is None:
+            return
+        if self.engine.generation != before.generation:
+            self.sync_generation()  # the engine died during the request: the slot is empty
+        elif outcome.timings:
+            self.slots.finished(request.slot, tokens_after(outcome.timings))
+        elif outcome.http_status is not None and 400 <= outcome.http_status < 500:
+            self.slots.untouched(request.slot, before)  # refused before it touched the slot
+        elif outcome.error == "not sent":
+            self.slots.untouched(request.slot, before)
+        else:
+            self.slots.finished(request.slot, None)  # cut off: ask the engine when it matters
+
+    async def slot(self, slot: int = 0) -> SlotState:
+        """What the slot holds, asking the engine first when the picture is not sure."""
+        self.sync_generation()
+        state = self.slots[slot]
+        if state.tokens is None:
+            await self.check_slots()
+        return self.slots[slot]
+
+    async def check_slots(self) -> None:
+        """Compare the picture with the engine's ``GET /slots`` (its token counts win)."""
+        try:
+            answer = await self.engine.slots()
+        except (EngineError, EngineUnavailable) as exc:
+            log.info("[strata] could not ask the engine what its slots hold: %s", exc)
+            return
+        self.sync_generation()
+        self.slots.check(answer)
+
+    async def save_slot(self, filename: str, *, slot: int = 0) -> dict[str, Any]:
+        """Save a slot to ``filename`` in the slot directory, and record it."""
+        answer = await self.engine.save(filename, slot)
+        self.slots.saved(slot, int(answer.get("n_saved", 0)), as_own_file=False)
+        return answer
+
+    async def restore_slot(self, filename: str, *, slot: int = 0, key: str | None = None,
+                           tenant: str | None = None, request: StrataRequest | None = None) -> dict[str, Any]:
+        """Load ``filename`` into a slot; it then holds ``key`` (None: a file by hand).
+
+        ``request``, when given, is the request the restore is made for.
+        """
+        try:
+            answer = await self.engine.restore(filename, slot)
+        except BaseException:
+            # A failed restore may have cleared the slot, or not: nothing nameable is held.
+            self.slots.restored(slot, None, None, 0, from_own_file=False)
+            self.slots.unknown(slot)
+            raise
+        n_restored = int(answer.get("n_restored", 0))
+        self.slots.restored(slot, key, tenant, n_restored, from_own_file=key is not None)
+        if request is not None:
+            request.restored_tokens = n_restored
+        return answer
+
+    async def erase_slot(self, slot: int = 0) -> dict[str, Any]:
+        try:
+            answer = await self.engine.erase(slot)
+        except BaseException:
+            self.slots.unknown(slot)
+            raise
+        self.slots.emptied(slot)
+        return answer
 
     async def shutdown(self) -> None:
         """Stop taking requests, let the ones in flight finish (bounded), then ``on_shutdown``."""
@@ -257,3 +354,23 @@ class Service:
                 await asyncio.wait_for(self.fifo.wait_idle(), 10)
         async with self.fifo.hold():
             await broadcast(self.pm, "on_shutdown", service=self)
+
+
+async def _to_the_end(step: Awaitable[Any]) -> Any:
+    """Await ``step`` to its end even if the awaiting task is cancelled meanwhile.
+
+    The cancel is re-raised once the step has finished.
+    """
+    inner = asyncio.ensure_future(step)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(inner)
+            break
+        except asyncio.CancelledError:
+            if inner.done():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError()
+    return result

@@ -217,10 +217,17 @@ async def _relay_stream(
             async for chunk in upstream.chunks():
                 watcher.feed(chunk)
                 await response.write(chunk)
+            await response.write_eof()
         except EngineUnavailable as exc:
             # Headers are gone already: tell the client in the stream itself.
             outcome.error = str(exc)
-            await _end_with_error(response, str(exc), "engine_error")
+            with contextlib.suppress(ConnectionError):
+                await _end_with_error(response, str(exc), "engine_error")
+            return response
+        except ConnectionError:
+            # The client closed its end (often right after the last event): leaving now
+            # drops the engine's connection, which stops its work if any is left.
+            outcome.status, outcome.error = "cancelled", "the client went away"
             return response
         except asyncio.CancelledError:
             if service.closing:
@@ -229,10 +236,12 @@ async def _relay_stream(
                 with contextlib.suppress(ConnectionError, RuntimeError):
                     await _end_with_error(response, outcome.error, "service_unavailable")
             raise
-        outcome.timings, outcome.usage = watcher.timings, watcher.usage
+        finally:
+            # Whatever the client did, what the engine said it did is known: the slot's
+            # picture needs it (a stream closed after its last event ran to the end).
+            outcome.timings, outcome.usage = watcher.timings, watcher.usage
         if watcher.finished and watcher.error is None:
             outcome.status, outcome.error = "ok", None
         else:
             outcome.error = watcher.error or "the engine ended the stream early"
-        await response.write_eof()
         return response

@@ -127,9 +127,9 @@ async def slot_action(request: web.Request) -> web.Response:
     result: dict[str, Any] = {}
 
     async def send(outcome: Outcome) -> None:
-        engine = service.engine
-        call = {"save": engine.save, "restore": engine.restore}.get(action)
-        answer = await (call(body["filename"]) if call else engine.erase())
+        # Through the service, so its picture of the slot follows what was done by hand.
+        call = {"save": service.save_slot, "restore": service.restore_slot}.get(action)
+        answer = await (call(body["filename"]) if call else service.erase_slot())
         result.update(answer)
         outcome.status, outcome.http_status, outcome.error = "ok", 200, None
         outcome.timings = answer.get("timings")

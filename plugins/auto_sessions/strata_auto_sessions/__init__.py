@@ -1,13 +1,15 @@
 """auto-sessions: park a conversation's engine slot on disk around a conversation switch.
 
-On a switch (a request whose conversation key differs from the one the slot holds),
-while holding the service FIFO:
+On a switch (a request whose conversation key differs from the one the slot holds,
+as the core's picture of the slot says), while holding the service FIFO:
 
-1. save the held conversation to ``auto-<key>.bin`` if it reached ``min_tokens``;
+1. save the held conversation to ``auto-<key>.bin`` unless its file is current (an
+   idle save made it so) or it is not worth a file (``min_prefill_s``, ``min_tokens``);
 2. restore the incoming conversation from its file, unless the save failed (the
-   held state is still the better one) or the engine's own RAM cache most likely
-   still holds the incoming conversation (a restore would then cost the outgoing
-   one its RAM copy and gain nothing).
+   held state is still the better one).
+
+A request without a conversation key, and a slot restore or erase by hand, park the
+held conversation first too.
 
 Its numbers are in :class:`AutoSessionsStats`, reported through ``collect_stats``
 and kept at ``service.state["auto_sessions"].stats``.
@@ -54,13 +56,6 @@ def on_startup(service):
 
 
 @strata_serve.hookimpl
-def on_engine_start(service, restarted):
-    parking = _parking(service)
-    if parking is not None:
-        parking.engine_restarted()
-
-
-@strata_serve.hookimpl
 async def pre_request(request, service):
     parking = _parking(service)
     if parking is not None and parking.active:
@@ -81,7 +76,7 @@ async def on_shutdown(service):
     if parking is not None:
         await parking.stop_idle_save()
         if parking.active:
-            await parking.save_held(service, reason="shutdown")
+            await parking.park_held(service, 0, reason="shutdown")
 
 
 @strata_serve.hookimpl

@@ -1,41 +1,49 @@
-"""The parking logic: what the slot holds, and when to save or restore it."""
+"""The parking logic: when to save the slot's conversation, and when to restore one.
+
+What the slot holds is the core's picture (``service.slots``), recorded for every
+request and slot call; this module keeps no model of the engine of its own. It never
+leaves a conversation to the engine's RAM prompt cache on a guess: the outgoing
+conversation is saved at a switch unless its file is already current (an idle save
+made it so), because the RAM cache's eviction cannot be seen from outside.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import collections
+import hashlib
+import json
 import logging
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from strata_serve.exchange import EngineError, Outcome, StrataRequest, Verdict
 from strata_serve.engine.base import EngineUnavailable
-from strata_serve.engine.ram_cache import EngineRamModel, budget_bytes
 
 from strata_auto_sessions.store import SessionStore, Sidecar, fingerprint, same_model
 
 log = logging.getLogger("strata_auto_sessions")
 
 NAME = "auto_sessions"
-#: Conversations the model of the engine's RAM cache keeps at most (when it has no byte limit).
-RAM_MODEL_ENTRIES = 1000
-#: How many of the latest conversations make the working set, and how many switches
-#: after an eviction from the engine's RAM cache it counts as full.
-RAM_PRESSURE_SWITCHES = 32
 GB = 1024**3
-
-
+#: Prefill speed is measured on requests that prefilled at least this many tokens.
+SPEED_MIN_TOKENS = 64
 class AutoSessionsConfig(BaseModel):
     """``plugins.auto_sessions.*``."""
 
     model_config = ConfigDict(extra="forbid")
 
-    #: Conversations shorter than this are not worth a file (their prefill is cheap).
-    min_tokens: int = Field(16000, ge=0)
+    #: A conversation is worth a file when re-reading it would take at least this many
+    #: seconds more than restoring it: prefill speed measured from the engine's own
+    #: timings, restore speed from earlier restores. Until they are measured, every
+    #: conversation of ``min_tokens`` or more is (when in doubt, save).
+    min_prefill_s: float = Field(2.0, ge=0)
+    #: Conversations shorter than this are never worth a file. Set alone (without
+    #: ``min_prefill_s``), it is the only threshold, as in earlier versions.
+    min_tokens: int = Field(0, ge=0)
     #: Keep at most this many session files...
     keep: int = Field(12, ge=1)
     #: ...and at most this many GB of them.
@@ -48,6 +56,16 @@ class AutoSessionsConfig(BaseModel):
     #: Save the held conversation once the server has been idle this long (0: never),
     #: so a later switch need not wait for its save.
     idle_save_s: float = Field(2.0, ge=0)
+    #: After restores of continued conversations went unused (the engine cannot reuse
+    #: restored state for this model), parking pauses this long, then tries again;
+    #: each further pause is twice as long.
+    retry_after_s: float = Field(600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _min_tokens_alone(self) -> AutoSessionsConfig:
+        if "min_tokens" in self.model_fields_set and "min_prefill_s" not in self.model_fields_set:
+            self.min_prefill_s = 0.0
+        return self
 
 
 @dataclass
@@ -62,7 +80,6 @@ class AutoSessionsStats:
     save_skips_below_min: int = 0
     save_skips_verdict: int = 0
     save_skips_unchanged: int = 0
-    saves_left_to_ram: int = 0
     idle_saves: int = 0
     restores: int = 0
     restored_tokens: int = 0
@@ -70,10 +87,14 @@ class AutoSessionsStats:
     restore_ms: float = 0.0
     restore_failures: int = 0
     restores_withheld: int = 0
-    restores_left_to_ram: int = 0
     restores_refused_other_model: int = 0
     restores_refused_damaged: int = 0
     restores_not_reused: int = 0
+    #: Restores whose next request was not a continuation of the saved conversation
+    #: (an edited message, or another conversation with the same opening).
+    restores_diverged: int = 0
+    #: Times parking paused because restores went unused.
+    pauses: int = 0
     prunes: int = 0
     pruned_bytes: int = 0
 
@@ -86,28 +107,24 @@ class AutoSessionsStats:
 
 
 class AutoSessions:
-    """One per service: the held conversation and the decisions around it."""
+    """One per service: the decisions around the slot the core describes."""
 
-    def __init__(self, config: AutoSessionsConfig, store: SessionStore | None, fingerprint: dict[str, Any],
-                 ram: EngineRamModel | None):
+    def __init__(self, config: AutoSessionsConfig, store: SessionStore | None, fingerprint: dict[str, Any]):
         self.config = config
         self.store = store
         self.fingerprint = fingerprint
-        self.ram = ram
         self.stats = AutoSessionsStats()
-        self.active = store is not None
-        self.held_key: str | None = None
-        self.held_tokens = 0
-        self.held_generation: int | None = None
-        #: True while the held conversation's file matches what the slot holds.
-        self.held_saved = False
+        #: False for good once the engine said it cannot save or restore slots.
+        self.usable = store is not None
+        #: While parking is paused (restores went unused), the monotonic time it resumes.
+        self.paused_until: float | None = None
         #: Bytes per token of the engine's state, measured from our saves.
         self.bytes_per_token: float | None = None
-        #: Switches so far, and the switch at which the RAM cache last had to evict.
-        self.switches = 0
-        self.last_ram_eviction: int | None = None
-        #: The latest conversations seen and their sizes in tokens, oldest first.
-        self.working_set: collections.OrderedDict[str, int] = collections.OrderedDict()
+        #: Prefill and restore speed measured on this engine (tokens, ms; bytes, ms).
+        self._prefill = [0, 0.0]
+        self._restore_speed = [0, 0.0]
+        #: The prompt signature of the last request that ran, by conversation key.
+        self.prompts: dict[str, dict[str, Any]] = {}
         self._idle_timer: asyncio.TimerHandle | None = None
         self._idle_task: asyncio.Task | None = None
 
@@ -117,117 +134,139 @@ class AutoSessions:
         if service.settings.engine.parallel > 1 or info.parallel > 1:
             log.warning("[strata] auto sessions: off: the engine runs %d slots in parallel; "
                         "parking needs a single-slot engine (engine.parallel = 1)", max(info.parallel, 2))
-            return cls(config, None, {}, None)
+            return cls(config, None, {})
         directory = config.slot_dir or info.slot_save_path
         if directory is None:
             log.warning("[strata] auto sessions: off: no slot directory; set engine.slot_save_path "
                         "(--slot-save-path) or plugins.auto_sessions.slot_dir")
-            return cls(config, None, {}, None)
+            return cls(config, None, {})
         store = SessionStore(Path(directory))
         try:
             removed = store.prepare()
         except OSError as exc:
             log.warning("[strata] auto sessions: off: slot directory %s unusable: %s", directory, exc)
-            return cls(config, None, {}, None)
+            return cls(config, None, {})
         if removed:
             log.info("[strata] auto sessions: removed %d unfinished temporary file(s)", removed)
-        budget = budget_bytes(info.cache_ram_mib)
-        ram = EngineRamModel(budget, RAM_MODEL_ENTRIES) if budget != 0 else None
-        parking = cls(config, store, fingerprint(info.model_path, info.n_ctx), ram)
-        parking.held_generation = service.engine.generation
+        parking = cls(config, store, fingerprint(info.model_path, info.n_ctx))
         parking.bytes_per_token = store.bytes_per_token(parking.fingerprint)
         parking.refresh_usage()
-        log.info("[strata] auto sessions: on, files in %s (%d file(s), %s); min_tokens %s; engine RAM cache %s",
-                 directory, parking.stats.files_on_disk, _size(parking.stats.bytes_on_disk),
-                 f"{config.min_tokens:,}",
-                 "off" if ram is None else "unlimited" if budget is None else _size(budget))
+        log.info("[strata] auto sessions: on, files in %s (%d file(s), %s); a conversation is worth a file "
+                 "from %s", directory, parking.stats.files_on_disk, _size(parking.stats.bytes_on_disk),
+                 _threshold(config))
         return parking
 
-    # -- state -------------------------------------------------------------
-
-    def engine_restarted(self) -> None:
-        """Whatever the slot and the RAM cache held is gone."""
-        if self.held_key is not None:
-            log.info("[strata] auto sessions: the engine restarted; %s is no longer held", self.held_key)
-        self.held_key, self.held_tokens = None, 0
-        self.last_ram_eviction = None
-        self.working_set.clear()
-        if self.ram is not None:
-            self.ram.clear()
-
-    def _check_generation(self, service: Any) -> None:
-        if self.held_generation != service.engine.generation:
-            self.engine_restarted()
-            self.held_generation = service.engine.generation
+    @property
+    def active(self) -> bool:
+        if not self.usable:
+            return False
+        if self.paused_until is not None:
+            if time.monotonic() < self.paused_until:
+                return False
+            self.paused_until = None
+            log.info("[strata] auto sessions: parking resumes")
+        return True
 
     # -- around each request -------------------------------------------------
 
     async def before(self, request: StrataRequest, service: Any) -> None:
         self._cancel_idle_save()
-        self._check_generation(service)
-        key = request.conversation_key
-        if request.route == "slots" or key is None or key == self.held_key:
+        held = await service.slot(request.slot)
+        if request.route == "slots":
+            if request.body.get("action") in ("restore", "erase"):
+                # A slot changed by hand: park what it holds first, like a switch.
+                await self.park_held(service, request.slot, reason="slot action")
             return
-        self.switches += 1
-        outgoing, outgoing_tokens = self.held_key, self.held_tokens
-        if outgoing is not None:
-            self.working_set.pop(outgoing, None)
-            self.working_set[outgoing] = outgoing_tokens
-            while len(self.working_set) > RAM_PRESSURE_SWITCHES:
-                self.working_set.popitem(last=False)
-        in_ram = self.ram is not None and self.ram.holds_after_parking(
-            key, outgoing, outgoing_tokens, self.bytes_per_token)
-        if self._ram_keeps_outgoing() and (in_ram or not self.store.restorable(key)):  # type: ignore[union-attr]
-            # Nothing will be restored over the outgoing conversation and the engine
-            # parks it in its RAM cache by itself: saving it now would only add the
-            # save's time to this request. It is saved when idle, or at shutdown.
-            self.stats.saves_left_to_ram += 1
-            saved = None
-        else:
-            saved = await self.save_held(service, reason="switch")
-        if saved is False:
-            # Restoring now would replace the held state (still in the slot, and in the
-            # engine's RAM cache when it has one) with a weaker one: leave it.
+        key = request.conversation_key
+        if key is not None and held.key == key and held.tenant == request.tenant and not held.empty:
+            return  # the slot holds this conversation: nothing to do
+        if key is None and held.key is None:
+            return  # nothing nameable leaves, nothing nameable comes
+        # A switch (or a request without a key): the held conversation leaves the slot.
+        parked = await self.park_held(service, request.slot, reason="switch", incoming=key)
+        if key is None:
+            return
+        if parked is False:
+            # Restoring now would replace the held state, which is in the slot and nowhere
+            # else, with a weaker one: leave it.
             log.info("[strata] auto sessions: not restoring %s: the held conversation could not be saved "
                      "and is still in the engine", key)
             self.stats.restores_withheld += 1
-            restored = False
-        else:
-            restored = await self._restore(key, request, service, in_ram=in_ram)
-        if self.ram is not None:
-            if not restored and outgoing is not None and outgoing_tokens > 0:
-                # No restore: the engine parks the outgoing conversation itself. After a
-                # restore it does not (the restore overwrote the slot).
-                if self.ram.park(outgoing, outgoing_tokens, self.bytes_per_token):
-                    self.last_ram_eviction = self.switches
-            self.ram.take(key)  # now in the slot, whichever way it came
-        self.held_key = key
-        self.held_saved = restored
-        if not restored:
-            self.held_tokens = 0
+            return
+        await self._restore(key, request, service)
 
-    def _ram_keeps_outgoing(self) -> bool:
-        """Whether the engine's RAM cache can be trusted to keep the held conversation.
+    def after(self, request: StrataRequest, outcome: Outcome, service: Any) -> None:
+        if request.route == "slots" or not outcome.timings:
+            return
+        timings = outcome.timings
+        prefilled, prefill_ms = int(timings.get("prompt_n", 0)), float(timings.get("prompt_ms", 0.0))
+        if prefilled >= SPEED_MIN_TOKENS and prefill_ms > 0:
+            self._prefill[0] += prefilled
+            self._prefill[1] += prefill_ms
+        key = request.conversation_key
+        if key is not None:
+            self.prompts.pop(key, None)
+            self.prompts[key] = prompt_signature(request.body)
+            while len(self.prompts) > 64:  # only the held conversation's is needed; keep a few
+                self.prompts.pop(next(iter(self.prompts)))
+        if request.restored_tokens:
+            self._check_reuse(request, request.restored_tokens, outcome, service)
 
-        Only while it has ample room for every conversation in play (the working set
-        in half the budget, no recent eviction): a conversation parked there without a
-        file, then evicted as the working set grows, would be lost from both tiers.
-        Not known before the bytes per token are (the first save measures them).
-        """
-        if self.ram is None or self.held_key is None or self.held_saved or self.bytes_per_token is None:
-            return False
-        if self.last_ram_eviction is not None and self.switches - self.last_ram_eviction <= RAM_PRESSURE_SWITCHES:
-            return False
-        if self.ram.budget is not None:
-            in_play = sum(self.working_set.values()) * self.bytes_per_token
-            if in_play > self.ram.budget / 2:
-                return False
-        return not self.ram.evictions_if_parked(self.held_key, self.held_tokens, self.bytes_per_token)
+    def worth_a_file(self, tokens: int | None) -> tuple[bool, str]:
+        """Whether a conversation of ``tokens`` is worth a file, and why not."""
+        if tokens is None:
+            return True, ""  # not known even after asking the engine: when in doubt, save
+        if tokens < self.config.min_tokens:
+            return False, f"{tokens:,} tokens is below min_tokens ({self.config.min_tokens:,})"
+        if self.config.min_prefill_s <= 0 or not self._prefill[1]:
+            return True, ""
+        prefill_s = tokens / (self._prefill[0] / self._prefill[1] * 1000)
+        restore_s = 0.0
+        if self._restore_speed[1] and self.bytes_per_token:
+            restore_s = tokens * self.bytes_per_token / (self._restore_speed[0] / self._restore_speed[1] * 1000)
+        if prefill_s - restore_s < self.config.min_prefill_s:
+            return False, (f"re-reading its {tokens:,} tokens takes about {prefill_s:.1f} s here, less than "
+                           f"min_prefill_s ({self.config.min_prefill_s:g} s) more than a restore")
+        return True, ""
+
+    def _check_reuse(self, request: StrataRequest, restored: int, outcome: Outcome, service: Any) -> None:
+        reused = int(outcome.timings.get("cache_n", 0))  # type: ignore[union-attr]
+        expected = min(restored, outcome.prompt_tokens or restored)
+        if reused >= self.config.reuse_warn_ratio * expected:
+            return
+        if not request.state.get(NAME, {}).get("continues", False):
+            # The request does not continue what was saved: its low reuse says nothing
+            # about the engine.
+            self.stats.restores_diverged += 1
+            log.info("[strata] auto sessions: %s changed since its file was saved (an edited message, or "
+                     "another conversation with the same opening): the restore gave %s of %s tokens",
+                     request.conversation_key, f"{reused:,}", f"{restored:,}")
+            return
+        self.stats.restores_not_reused += 1
+        log.warning("[strata] auto sessions: restore not reused: restored %s tokens for %s, and the next "
+                    "request, which continues that conversation, reused only %s",
+                    f"{restored:,}", request.conversation_key, f"{reused:,}")
+        error = EngineError(op="restore_reuse", message=f"restored {restored} tokens, reused {reused}",
+                            body={"restored": restored, "reused": reused, "prompt_tokens": outcome.prompt_tokens})
+        if service.verdict("restore_reuse", error, restored) == Verdict.UNSUPPORTED:
+            self._pause("the engine does not reuse restored state for this model")
+
+    def _pause(self, why: str) -> None:
+        seconds = self.config.retry_after_s * 2 ** self.stats.pauses
+        self.stats.pauses += 1
+        self.paused_until = time.monotonic() + seconds
+        log.warning("[strata] auto sessions: parking paused for %.0f s: %s", seconds, why)
+
+    def _give_up(self, why: str) -> None:
+        if self.usable:
+            log.warning("[strata] auto sessions: parking stopped: %s", why)
+        self.usable = False
 
     # -- saving while idle ---------------------------------------------------
 
     def schedule_idle_save(self, service: Any) -> None:
-        if self.config.idle_save_s <= 0 or self.held_key is None or self.held_saved:
+        held = service.slots[0]
+        if self.config.idle_save_s <= 0 or held.key is None or held.file_current or held.empty:
             return
         self._cancel_idle_save()
         loop = asyncio.get_running_loop()
@@ -241,7 +280,7 @@ class AutoSessions:
     async def _idle_save(self, service: Any) -> None:
         # Holding the FIFO: a request arriving now waits for this one save at most.
         async with service.fifo.hold():
-            if await self.save_held(service, reason="idle"):
+            if await self.park_held(service, 0, reason="idle"):
                 self.stats.idle_saves += 1
 
     def _cancel_idle_save(self) -> None:
@@ -256,101 +295,72 @@ class AutoSessions:
             await self._idle_task
             self._idle_task = None
 
-    def after(self, request: StrataRequest, outcome: Outcome, service: Any) -> None:
-        if request.route == "slots":
-            if request.body.get("action") in ("restore", "erase"):
-                # Someone changed the slot by hand: we no longer know what it holds.
-                self.held_key, self.held_tokens = None, 0
-            return
-        if request.conversation_key is None:
-            # A keyless request took the slot: nothing we can name is held now.
-            if outcome.status != "error":
-                self.held_key, self.held_tokens = None, 0
-            return
-        self.held_saved = False  # the request changed what the slot holds
-        if outcome.status == "ok" and outcome.context_tokens is not None:
-            self.held_tokens = outcome.context_tokens
-        restored = request.state.get(NAME, {}).get("restored_tokens")
-        if restored and outcome.timings:
-            self._check_reuse(request, restored, outcome, service)
-
-    def _check_reuse(self, request: StrataRequest, restored: int, outcome: Outcome, service: Any) -> None:
-        reused = int(outcome.timings.get("cache_n", 0))  # type: ignore[union-attr]
-        expected = min(restored, outcome.prompt_tokens or restored)
-        if reused >= self.config.reuse_warn_ratio * expected:
-            return
-        self.stats.restores_not_reused += 1
-        log.warning("[strata] auto sessions: restore not reused: restored %s tokens for %s, the next "
-                    "request reused only %s", f"{restored:,}", request.conversation_key, f"{reused:,}")
-        error = EngineError(op="restore_reuse", message=f"restored {restored} tokens, reused {reused}",
-                            body={"restored": restored, "reused": reused, "prompt_tokens": outcome.prompt_tokens})
-        if service.verdict("restore_reuse", error, restored) == Verdict.UNSUPPORTED:
-            self._give_up("the engine does not reuse restored state for this model")
-
-    def _give_up(self, why: str) -> None:
-        if self.active:
-            log.warning("[strata] auto sessions: parking stopped: %s", why)
-        self.active = False
-
     # -- the engine calls ----------------------------------------------------
 
-    async def save_held(self, service: Any, *, reason: str) -> bool | None:
-        """Save the held conversation if it is worth it.
+    async def park_held(self, service: Any, slot: int = 0, *, reason: str,
+                        incoming: str | None = None) -> bool | None:
+        """Save the conversation the slot holds to its file, if it is worth it and not current.
 
-        :returns: True saved, None nothing to do (skipped), False the save failed.
+        ``incoming`` names the conversation about to be restored: pruning spares its file.
+
+        :returns: True saved (or already current), None nothing to save (empty, not
+            nameable, not worth a file), False the save failed: the state is in the
+            slot and nowhere else.
         """
         assert self.store is not None
-        self._check_generation(service)
-        key, tokens = self.held_key, self.held_tokens
-        if key is None or tokens <= 0:
+        held = await service.slot(slot)
+        key = held.key
+        if key is None or held.empty:
             return None
-        if self.held_saved:
+        if held.file_current:
             self.stats.save_skips_unchanged += 1
             return True
-        if tokens < self.config.min_tokens:
+        worth, why_not = self.worth_a_file(held.tokens)
+        if not worth:
             self.stats.save_skips_below_min += 1
-            log.info("[strata] auto sessions: not saving %s: %s tokens is below min_tokens (%s)",
-                     key, f"{tokens:,}", f"{self.config.min_tokens:,}")
+            log.info("[strata] auto sessions: not saving %s: %s", key, why_not)
             return None
-        verdict = service.verdict("save", None, tokens)
+        verdict = service.verdict("save", None, held.tokens)
         if verdict in (Verdict.SKIP, Verdict.UNSUPPORTED):
             self.stats.save_skips_verdict += 1
             log.info("[strata] auto sessions: not saving %s: the engine quirk check says %s", key, verdict.value)
             if verdict == Verdict.UNSUPPORTED:
                 self._give_up("the engine cannot save slots")
-            return None
+            # Unsaved state must not be replaced by a restore unless there is none.
+            return None if held.tokens == 0 else False
         sidecar = self.store.sidecar(key)
+        prompt = self.prompts.get(key)
         for attempt in range(2):
             temp = self.store.temp_name(key)
             began = time.monotonic()
             try:
-                answer = await service.engine.save(temp)
-                n_saved = int(answer.get("n_saved", tokens))
+                answer = await service.save_slot(temp, slot=slot)
+                n_saved = int(answer.get("n_saved", 0))
                 n_written = int(answer.get("n_written", 0))
                 if n_saved == 0:
-                    # The slot was empty after all (our count was stale): such a file
-                    # is worthless, and restoring one has crashed the engine.
+                    # The slot was empty after all: such a file is worthless, and
+                    # restoring one has crashed the engine.
                     self._discard(temp)
                     log.info("[strata] auto sessions: not keeping %s: the engine's slot was empty", key)
-                    self.held_key, self.held_tokens = None, 0
+                    service.slots.emptied(slot)
                     return None
                 now = time.time()
                 self.store.commit(temp, key, Sidecar(
                     key=key, fingerprint=self.fingerprint, tokens=n_saved, bytes=n_written,
-                    created=sidecar.created if sidecar else now, last_used=now, digest="",
+                    created=sidecar.created if sidecar else now, last_used=now, digest="", prompt=prompt,
                 ))
                 break
             except (EngineError, EngineUnavailable, OSError) as exc:
                 self._discard(temp)
-                verdict = self._failure_verdict("save", exc, service, self.held_tokens)
+                verdict = self._failure_verdict("save", exc, service, held.tokens)
                 if verdict == Verdict.RETRY and attempt == 0:
                     log.info("[strata] auto sessions: saving %s failed (%s); trying once more", key, exc)
                     continue
-                return self._save_failed(key, exc, verdict)
+                return self._save_failed(key, exc, verdict, service, slot)
         ms = (time.monotonic() - began) * 1000
-        self.held_tokens, self.held_saved = n_saved, True
-        if n_saved:
-            self.bytes_per_token = n_written / n_saved
+        if service.slots[slot].key == key:
+            service.slots[slot].file_current = True
+        self.bytes_per_token = n_written / n_saved
         self.stats.saves += 1
         self.stats.saved_tokens += n_saved
         self.stats.saved_bytes += n_written
@@ -358,7 +368,7 @@ class AutoSessions:
         log.info("[strata] auto sessions: saved %s tokens (%s) to %s in %.0f ms%s",
                  f"{n_saved:,}", _size(n_written), self.store.bin_name(key), ms,
                  "" if reason == "switch" else f" ({reason})")
-        self._prune()
+        self._prune(protect=frozenset(k for k in (key, incoming) if k is not None))
         return True
 
     def _discard(self, temp: str) -> None:
@@ -371,20 +381,21 @@ class AutoSessions:
         error = exc if isinstance(exc, EngineError) else EngineError(op=op, message=str(exc))
         return service.verdict(op, error, tokens)
 
-    def _save_failed(self, key: str, exc: Exception, verdict: Verdict | None) -> bool | None:
+    def _save_failed(self, key: str, exc: Exception, verdict: Verdict | None, service: Any,
+                     slot: int) -> bool | None:
         self.stats.save_failures += 1
         message = exc.message if isinstance(exc, EngineError) else str(exc)
         if verdict == Verdict.PROVISIONAL:
             log.info("[strata] auto sessions: %s held only provisional state (%s); "
                      "restoring over it is safe", key, message)
-            self.held_key, self.held_tokens = None, 0
+            service.slots.emptied(slot)
             return None
         if verdict == Verdict.UNSUPPORTED:
             self._give_up(f"the engine cannot save slots ({message})")
         log.warning("[strata] auto sessions: saving %s failed: %s", key, exc)
         return False
 
-    async def _restore(self, key: str, request: StrataRequest, service: Any, *, in_ram: bool) -> bool:
+    async def _restore(self, key: str, request: StrataRequest, service: Any) -> bool:
         assert self.store is not None
         path = self.store.bin_path(key)
         if not self.store.restorable(key):
@@ -402,12 +413,8 @@ class AutoSessions:
             log.warning("[strata] auto sessions: not restoring %s: it is truncated or damaged "
                         "(size or digest differs from when it was saved)", path.name)
             return False
-        if in_ram:
-            self.stats.restores_left_to_ram += 1
-            log.info("[strata] auto sessions: %s is most likely in the engine's RAM cache; "
-                     "leaving it to the engine", key)
-            return False
-        verdict = service.verdict("restore", None, self.held_tokens)
+        held = service.slots[request.slot]
+        verdict = service.verdict("restore", None, held.tokens)
         if verdict in (Verdict.SKIP, Verdict.UNSUPPORTED):
             if verdict == Verdict.UNSUPPORTED:
                 self._give_up("the engine cannot restore slots")
@@ -415,7 +422,8 @@ class AutoSessions:
         for attempt in range(2):
             began = time.monotonic()
             try:
-                answer = await service.engine.restore(path.name)
+                answer = await service.restore_slot(path.name, slot=request.slot, key=key,
+                                                    tenant=request.tenant, request=request)
                 break
             except (EngineError, EngineUnavailable) as exc:
                 verdict = self._failure_verdict("restore", exc, service, None)
@@ -430,8 +438,10 @@ class AutoSessions:
         self.stats.restored_tokens += n_restored
         self.stats.restored_bytes += n_read
         self.stats.restore_ms += ms
-        self.held_tokens = n_restored
-        request.state[NAME] = {"restored_tokens": n_restored, "restore_ms": ms}
+        if n_read and ms > 0:
+            self._restore_speed[0] += n_read
+            self._restore_speed[1] += ms
+        request.state[NAME] = {"restore_ms": ms, "continues": continues(sidecar.prompt, request.body)}
         try:
             self.store.touch(key)
         except OSError as exc:
@@ -442,8 +452,6 @@ class AutoSessions:
 
     def _restore_failed(self, key: str, exc: Exception, verdict: Verdict | None) -> bool:
         self.stats.restore_failures += 1
-        # A failed restore may have cleared the slot: assume it holds nothing.
-        self.held_key, self.held_tokens = None, 0
         if verdict == Verdict.UNSUPPORTED:
             message = exc.message if isinstance(exc, EngineError) else str(exc)
             self._give_up(f"the engine cannot restore slots ({message})")
@@ -460,15 +468,19 @@ class AutoSessions:
         except OSError as exc:
             log.warning("[strata] auto sessions: cannot list %s: %s", self.store.directory, exc)
 
-    def _prune(self) -> None:
+    def _prune(self, protect: frozenset[str] = frozenset()) -> None:
         assert self.store is not None
         try:
-            removed = self.store.prune(self.config.keep, int(self.config.max_gb * GB))
+            removed = self.store.prune(self.config.keep, int(self.config.max_gb * GB), protect)
         except OSError as exc:
             log.warning("[strata] auto sessions: pruning failed: %s", exc)
             return
         finally:
             self.refresh_usage()
+        if self.stats.bytes_on_disk > self.config.max_gb * GB:
+            log.warning("[strata] auto sessions: %s of session files kept, more than max_gb (%g): the newest "
+                        "file and the one about to be restored are never pruned", _size(self.stats.bytes_on_disk),
+                        self.config.max_gb)
         for key, size in removed:
             self.stats.prunes += 1
             self.stats.pruned_bytes += size
@@ -477,3 +489,44 @@ class AutoSessions:
 
 def _size(n: int) -> str:
     return f"{n / GB:.2f} GB" if n >= GB / 100 else f"{n / 1024**2:.2f} MB"
+
+
+def _threshold(config: AutoSessionsConfig) -> str:
+    parts = []
+    if config.min_prefill_s > 0:
+        parts.append(f"{config.min_prefill_s:g} s of prefill saved")
+    if config.min_tokens > 0:
+        parts.append(f"{config.min_tokens:,} tokens")
+    return " and ".join(parts) or "any length"
+
+
+def prompt_units(body: dict[str, Any]) -> list[Any] | str:
+    """What a request's prompt is made of: its messages, or its prompt text."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return messages
+    prompt = body.get("prompt")
+    return prompt if isinstance(prompt, str) else ""
+
+
+def _digest(units: list[Any] | str) -> str:
+    data = units if isinstance(units, str) else json.dumps(units, sort_keys=True, ensure_ascii=False)
+    return hashlib.blake2b(data.encode("utf-8", "replace"), digest_size=16).hexdigest()
+
+
+def prompt_signature(body: dict[str, Any]) -> dict[str, Any]:
+    """How many units (messages, or characters of a prompt) a request had, and their digest."""
+    units = prompt_units(body)
+    return {"units": len(units), "digest": _digest(units)}
+
+
+def continues(saved: dict[str, Any] | None, body: dict[str, Any]) -> bool:
+    """Whether a request's prompt starts with what the saved state was made from.
+
+    Only then is a restore that goes unused evidence about the engine; otherwise the
+    conversation changed (an edited message, another conversation with the same key).
+    """
+    if not saved or not isinstance(saved.get("units"), int):
+        return False
+    units = prompt_units(body)
+    return len(units) >= saved["units"] and _digest(units[: saved["units"]]) == saved.get("digest")

@@ -116,12 +116,17 @@ class Sidecar:
     last_used: float
     #: :func:`sample_digest` of the state file when it was saved.
     digest: str
+    #: What the saved state was made from: ``{"units": n, "digest": ...}`` of the last
+    #: request's prompt (see :func:`strata_auto_sessions.parking.prompt_signature`).
+    prompt: dict[str, Any] | None = None
 
     @classmethod
     def read(cls, path: Path) -> Sidecar | None:
         try:
             data = json.loads(path.read_text())
-            return cls(**{name: data[name] for name in cls.__dataclass_fields__})
+            fields = cls.__dataclass_fields__
+            required = {name: data[name] for name in fields if name != "prompt"}
+            return cls(**required, prompt=data.get("prompt") if isinstance(data.get("prompt"), dict) else None)
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -193,10 +198,12 @@ class SessionStore:
             raise OSError(f"{temp_name} holds {size:,} bytes; the engine reported {sidecar.bytes:,}")
         os.chmod(temp, 0o600)
         sidecar.digest = sample_digest(temp)
+        _fsync(temp)  # the data is on disk before the name says it is there
         # The sidecar first: a file is ours only with it, so a crash between the two
         # leaves a sidecar without its file (swept by prune), never a file nobody owns.
         self.write_sidecar(sidecar)
         os.replace(temp, self.bin_path(key))
+        _fsync(self.directory)
 
     def discard(self, temp_name: str) -> None:
         (self.directory / temp_name).unlink(missing_ok=True)
@@ -207,6 +214,8 @@ class SessionStore:
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as handle:
             json.dump(asdict(sidecar), handle)
+            handle.flush()
+            os.fsync(handle.fileno())
         os.replace(temp, target)
 
     def sidecar(self, key: str) -> Sidecar | None:
@@ -233,16 +242,26 @@ class SessionStore:
             found.append((key, path, stat.st_size, max(stat.st_mtime, sidecar.last_used)))
         return sorted(found, key=lambda item: item[3], reverse=True)
 
-    def prune(self, keep: int, max_bytes: int) -> list[tuple[str, int]]:
-        """Keep the newest ``keep`` files within ``max_bytes``; returns ``(key, bytes)`` removed."""
+    def prune(self, keep: int, max_bytes: int, protect: frozenset[str] = frozenset()) -> list[tuple[str, int]]:
+        """Keep the newest ``keep`` files within ``max_bytes``; returns ``(key, bytes)`` removed.
+
+        ``protect`` names files never removed (the conversation just saved, the one about
+        to be restored): they count against the limits, the others make way.
+        """
         removed = []
-        total = 0
-        for index, (key, _path, size, _used) in enumerate(self.files()):
+        files = self.files()
+        total = sum(size for key, _p, size, _u in files if key in protect)
+        kept = sum(1 for key, *_ in files if key in protect)
+        for key, _path, size, _used in files:
+            if key in protect:
+                continue
             total += size
-            if index >= keep or total > max_bytes:
+            kept += 1
+            if kept > keep or total > max_bytes:
                 self.remove(key)
                 removed.append((key, size))
                 total -= size
+                kept -= 1
         for key, sidecar_path, _sidecar in self._own("json"):
             if not self.bin_path(key).exists():
                 sidecar_path.unlink(missing_ok=True)
@@ -259,3 +278,11 @@ class SessionStore:
     def usage(self) -> tuple[int, int]:
         files = self.files()
         return len(files), sum(size for _key, _path, size, _used in files)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

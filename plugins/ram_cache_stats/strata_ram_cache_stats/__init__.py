@@ -21,7 +21,6 @@ from prometheus_client import CollectorRegistry
 import strata_serve
 
 from strata_ram_cache_stats import exposition
-from strata_serve.engine.ram_cache import EngineRamModel, budget_bytes
 from strata_ram_cache_stats.ledger import AUTO_SESSIONS, NAME, Ledger, RamCacheStatsConfig
 from strata_ram_cache_stats.peers import bytes_per_token, plugin_numbers
 
@@ -46,12 +45,13 @@ class RamCacheStats:
 
     @classmethod
     def start(cls, config: RamCacheStatsConfig, service: Any) -> RamCacheStats:
-        budget = budget_bytes(service.engine.info.cache_ram_mib)
-        ram = EngineRamModel(budget, config.max_conversations) if budget != 0 else None
-        ledger = Ledger(config, ram, lambda: bytes_per_token(plugin_numbers(service)))
+        mib = service.engine.info.cache_ram_mib
+        budget = None if mib is None or mib < 0 else mib * 2**20
+        ledger = Ledger(config, budget, lambda: bytes_per_token(plugin_numbers(service)))
         registry = CollectorRegistry(auto_describe=False)
         registry.register(exposition.LedgerCollector(ledger, service))
-        shown = "off" if budget == 0 else "no limit" if budget is None else f"{budget // 2**20:,} MiB"
+        shown = ("off" if budget == 0 else "not known (the engine's default, or attached)" if mib is None
+                 else "no limit" if budget is None else f"{budget // 2**20:,} MiB")
         log.info("[strata] ram cache stats: on (GET /metrics, GET /stats); engine RAM cache budget %s", shown)
         return cls(config, ledger, registry)
 
@@ -77,13 +77,6 @@ def on_config(settings):
 def on_startup(service):
     config = service.plugin_config(NAME, RamCacheStatsConfig)
     service.state[NAME] = RamCacheStats.start(config, service)
-
-
-@strata_serve.hookimpl
-def on_engine_start(service, restarted):
-    stats = _stats(service)
-    if stats is not None:  # None at the first start: on_startup comes after it
-        stats.ledger.engine_restarted()
 
 
 @strata_serve.hookimpl

@@ -30,7 +30,6 @@ AUTO_SESSIONS_COUNTERS: dict[str, tuple[str, dict[str, str], str, float]] = {
     "restore_ms": ("restore_seconds", {}, "Time spent restoring", 1e-3),
     "restore_failures": ("restore_failures", {}, "Restores that failed", 1),
     "restores_withheld": ("restore_skips", {"reason": "save_failed"}, "Restores not attempted", 1),
-    "restores_left_to_ram": ("restore_skips", {"reason": "left_to_ram"}, "Restores not attempted", 1),
     "restores_refused_other_model": ("restore_skips", {"reason": "other_model"}, "Restores not attempted", 1),
     "restores_not_reused": ("restores_not_reused", {}, "Restores the next request barely reused", 1),
     "prunes": ("prunes", {}, "Session files pruned", 1),
@@ -85,33 +84,37 @@ class LedgerCollector:
         yield CounterMetricFamily("strata_conversation_records_dropped",
                                   "Conversation records dropped past max_conversations",
                                   value=numbers["conversation_records_dropped"])
+        yield CounterMetricFamily("strata_returns_reread",
+                                  "Returns of a known conversation, without a restore, that re-read their context",
+                                  value=numbers["returns_reread"])
         ram = numbers["engine_ram_cache"]
         if ram["budget_bytes"] is not None:
             yield GaugeMetricFamily("strata_engine_ram_cache_budget_bytes",
                                     "The engine's RAM prompt cache budget (--cache-ram); 0 when off",
                                     value=ram["budget_bytes"])
-        yield GaugeMetricFamily("strata_engine_ram_cache_estimated_tokens",
-                                "Tokens most likely parked in the engine's RAM cache",
-                                value=ram["estimated_tokens"])
-        yield GaugeMetricFamily("strata_engine_ram_cache_conversations",
-                                "Conversations most likely parked in the engine's RAM cache",
-                                value=ram["conversations"])
-        yield CounterMetricFamily("strata_engine_ram_cache_misses",
-                                  "Returns of conversations parked in the RAM cache that reused little",
-                                  value=ram["misses"])
         if ram["bytes_per_token"] is not None:
             yield GaugeMetricFamily("strata_engine_state_bytes_per_token",
                                     "Bytes per token of the engine's state, measured from slot saves",
                                     value=ram["bytes_per_token"])
-            yield GaugeMetricFamily("strata_engine_ram_cache_estimated_bytes",
-                                    "Bytes most likely used in the engine's RAM cache",
-                                    value=ram["estimated_bytes"])
 
 
 def auto_sessions_metrics(auto: dict[str, Any]) -> Iterator[Metric]:
-    """auto-sessions' numbers as ``strata_auto_sessions_*`` families (unknown names left to /stats)."""
+    """auto-sessions' numbers as ``strata_auto_sessions_*`` families.
+
+    The table above gives names, labels and help to the known ones; any other number
+    is exported as a counter under its own name (``_ms`` as seconds), so a counter
+    added to auto-sessions reaches Prometheus without an edit here.
+    """
     counters: dict[str, CounterMetricFamily] = {}
-    for stat, (name, labels, doc, scale) in AUTO_SESSIONS_COUNTERS.items():
+    table = dict(AUTO_SESSIONS_COUNTERS)
+    for stat, value in auto.items():
+        if stat in table or stat in AUTO_SESSIONS_GAUGES or not isinstance(value, (int, float)):
+            continue
+        if stat.endswith("_ms"):
+            table[stat] = (stat[:-3] + "_seconds", {}, stat.replace("_", " "), 1e-3)
+        else:
+            table[stat] = (stat, {}, stat.replace("_", " "), 1)
+    for stat, (name, labels, doc, scale) in table.items():
         if stat not in auto:
             continue
         family = counters.get(name)
@@ -136,11 +139,8 @@ def summary_line(numbers: dict[str, Any], auto: dict[str, Any] | None) -> str:
         f"full prefill {by['none']:,} (new {by['new']:,}, unkeyed {by['unkeyed']:,})",
     ]
     if ram["budget_bytes"] != 0:
-        used = (f"~{_size(ram['estimated_bytes'])}" if ram["estimated_bytes"] is not None
-                else f"~{ram['estimated_tokens']:,} tokens")
-        budget = "no limit" if ram["budget_bytes"] is None else _size(ram["budget_bytes"])
-        parts.append(f"engine RAM cache {used} of {budget} ({ram['conversations']:,} parked, "
-                     f"{ram['misses']:,} misses)")
+        budget = "not known" if ram["budget_bytes"] is None else _size(ram["budget_bytes"])
+        parts.append(f"engine RAM cache {budget}; {numbers['returns_reread']:,} returns re-read their context")
     if auto is not None:
         parts.append(f"auto sessions {auto.get('saves', 0):,} saves, {auto.get('restores', 0):,} restores, "
                      f"{auto.get('files_on_disk', 0):,} files ({_size(auto.get('bytes_on_disk', 0))})")

@@ -1,12 +1,12 @@
 """The accounting: every request's tokens and prefill, and where its conversation's state came from.
 
 Sources, decided after each request from its key, the engine's ``timings`` and what
-auto-sessions did in front of it:
+the core recorded of it (``request.found_in_slot``, ``request.restored_tokens``):
 
-- ``slot``: the same conversation as the request before; the slot still held it.
+- ``slot``: the slot held the conversation when the request was sent, and it was reused.
 - ``ram``: a switch back to a conversation that found its state without a restore:
-  the engine's RAM prompt cache brought it back.
-- ``disk``: auto-sessions restored it from its file, and the engine reused it.
+  the engine's RAM prompt cache brought it back (seen in ``cache_n``, not guessed).
+- ``disk``: a plugin restored it from its file, and the engine reused it.
 - ``none``: a returning conversation that reused little: it paid a full prefill.
 - ``new``: a conversation seen for the first time (or no longer remembered).
 - ``unkeyed``: a request without a conversation key; nothing to compare it with.
@@ -28,10 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from strata_serve.exchange import Outcome, StrataRequest
 
-from strata_serve.engine.ram_cache import EngineRamModel
-
 NAME = "ram_cache_stats"
-#: Where auto-sessions leaves ``{"restored_tokens": n, ...}`` on a request it restored.
+#: The plugin whose numbers give the engine's bytes per token of state (from its saves).
 AUTO_SESSIONS = "auto_sessions"
 SOURCES = ("slot", "ram", "disk", "none", "new", "unkeyed")
 #: From a cached reply to a long prompt on a small CPU (seconds).
@@ -86,16 +84,18 @@ class ConversationRecord:
 
 
 class Ledger:
-    """One per service: the running totals, the conversation records, the RAM cache model.
+    """One per service: the running totals and the conversation records.
 
-    ``measure_bytes_per_token`` returns the engine's bytes per token of state as
-    measured from slot saves (auto-sessions' numbers), or None while unknown.
+    It keeps no model of the engine: what the slot held comes from the core's record
+    of each request. ``measure_bytes_per_token`` returns the engine's bytes per token
+    of state as measured from slot saves (auto-sessions' numbers), or None while unknown.
     """
 
-    def __init__(self, config: RamCacheStatsConfig, ram: EngineRamModel | None,
+    def __init__(self, config: RamCacheStatsConfig, budget_bytes: int | None,
                  measure_bytes_per_token: Callable[[], float | None]):
         self.config = config
-        self.ram = ram
+        #: The engine's ``--cache-ram`` as started, in bytes (0 off, None unlimited or not known).
+        self.budget_bytes = budget_bytes
         self._measure_bytes_per_token = measure_bytes_per_token
         self.bytes_per_token: float | None = None
         self.conversations: collections.OrderedDict[str, ConversationRecord] = collections.OrderedDict()
@@ -110,14 +110,12 @@ class Ledger:
             buckets=PREFILL_BUCKETS_S, registry=None,
         )
         self.avoided_seconds = 0.0
-        self.ram_misses = 0
+        #: Returns of a known conversation, without a restore, that re-read their context.
+        self.returns_reread = 0
         self._speed_tokens = 0
         self._speed_ms = 0.0
         #: Reused tokens seen before the prefill speed was known; priced once it is.
         self._unpriced_tokens = 0
-        #: What the slot holds: a conversation key (or a name for an unkeyed prompt) and its tokens.
-        self.held_key: str | None = None
-        self.held_tokens = 0
 
     @property
     def measured(self) -> int:
@@ -134,63 +132,35 @@ class Ledger:
 
     # -- events ------------------------------------------------------------------
 
-    def engine_restarted(self) -> None:
-        """The slot and the engine's RAM cache are empty again."""
-        self.held_key, self.held_tokens = None, 0
-        if self.ram is not None:
-            self.ram.clear()
-
     def after(self, request: StrataRequest, outcome: Outcome) -> str | None:
         """Account one finished request.
 
         :returns: where its conversation's state came from, or None when it was not
-            measured (a slot action, an engine error, a cancel before any timings).
+            measured (a slot action, or no timings: an engine error, a cancel mid-prefill).
         """
-        if request.route == "slots":
-            if outcome.status == "ok" and request.body.get("action") in ("restore", "erase"):
-                self.held_key, self.held_tokens = None, 0  # changed by hand: we cannot name it
+        if request.route == "slots" or not outcome.timings:
             return None
-        if outcome.status == "error":
-            return None  # the engine did not take it: the slot holds what it held
         key = request.conversation_key
-        restored = int(request.state.get(AUTO_SESSIONS, {}).get("restored_tokens") or 0)
-        incoming = key if key is not None else f"#unkeyed-{request.id}"
-        switch = incoming != self.held_key
-        was_parked = self._switch_in_ram(key, restored) if switch else False
-        self.held_key, self.held_tokens = incoming, outcome.context_tokens or 0
-        if not outcome.timings:
-            return None
-        source = self._source(key, switch, restored, outcome, was_parked)
+        source = self._source(key, request, outcome)
         self._count(key, source, outcome.timings)
         return source
 
     # -- inside --------------------------------------------------------------------
 
-    def _switch_in_ram(self, key: str | None, restored: int) -> bool:
-        """Play the engine's RAM cache for a switch; True if the incoming one was parked there."""
-        # Saves happen on switches, so a switch is when the measure can have changed.
-        self.bytes_per_token = self._measure_bytes_per_token() or self.bytes_per_token
-        if self.ram is None or restored:
-            return False  # a restore overwrote the slot: nothing was parked, nothing taken
-        if self.held_key is not None and self.held_tokens > 0:
-            self.ram.park(self.held_key, self.held_tokens, self.bytes_per_token)
-        return key is not None and self.ram.take(key)
-
-    def _source(self, key: str | None, switch: bool, restored: int, outcome: Outcome,
-                was_parked: bool) -> str:
+    def _source(self, key: str | None, request: StrataRequest, outcome: Outcome) -> str:
         if key is None:
             return "unkeyed"
         prompt = outcome.prompt_tokens or 0
         reused = int(outcome.timings.get("cache_n", 0))  # type: ignore[union-attr]
-        record = self.conversations.get(key)
+        restored = request.restored_tokens
         if restored:
             return "disk" if reused >= self.config.hit_ratio * min(prompt, restored) else "none"
+        record = self.conversations.get(key)
         if record is None:
             return "new"
         if reused >= self.config.hit_ratio * min(prompt, record.last_prompt_tokens):
-            return "ram" if switch else "slot"
-        if was_parked:
-            self.ram_misses += 1
+            return "slot" if request.found_in_slot else "ram"
+        self.returns_reread += 1
         return "none"
 
     def _count(self, key: str | None, source: str, timings: dict[str, Any]) -> None:
@@ -233,7 +203,7 @@ class Ledger:
 
     def snapshot(self) -> dict[str, Any]:
         """The figures, as plain numbers (``/stats`` and the Prometheus collector read these)."""
-        ram = self.ram
+        self.bytes_per_token = self._measure_bytes_per_token() or self.bytes_per_token
         return {
             "requests": self.measured,
             "requests_by_source": dict(self.requests),
@@ -244,13 +214,10 @@ class Ledger:
             "prefill_seconds": round(self.prefill_ms / 1000, 3),
             "prefill_seconds_avoided": round(self.avoided_seconds, 3),
             "prefill_tokens_per_second": _rounded(self.tokens_per_second),
+            "returns_reread": self.returns_reread,
             "engine_ram_cache": {
-                "budget_bytes": ram.budget if ram is not None else 0,
+                "budget_bytes": self.budget_bytes,
                 "bytes_per_token": _rounded(self.bytes_per_token),
-                "estimated_tokens": ram.tokens if ram is not None else 0,
-                "estimated_bytes": ram.estimated_bytes(self.bytes_per_token) if ram is not None else 0,
-                "conversations": len(ram.entries) if ram is not None else 0,
-                "misses": self.ram_misses,
             },
             "conversations_tracked": len(self.conversations),
             "conversation_records_dropped": self.records_dropped,

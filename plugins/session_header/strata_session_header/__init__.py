@@ -4,7 +4,9 @@ Where the name is looked for, in the configured order (``plugins.session_header.
 
 - ``header``: the ``X-Session-Id`` header (or the one named by ``plugins.session_header.header``);
 - ``metadata``: ``metadata.session_id`` in the body;
-- ``user``: the OpenAI ``user`` field.
+- ``user``: the OpenAI ``user`` field, only when listed in ``sources`` (it is not by
+  default: ``user`` names a person, and chat UIs send the same one with every
+  conversation, which would give all of them one key and one file).
 
 A session id is 1 to 64 of letters, digits, ``-`` and ``_`` (a key names a file). A
 header or ``metadata.session_id`` that breaks the rule is refused with a 400: the
@@ -39,8 +41,9 @@ class SessionHeaderConfig(BaseModel):
 
     #: The header that carries the session id.
     header: str = Field("X-Session-Id", min_length=1)
-    #: Where to look, first to last. A session is narrower than a user, so ``user`` comes last.
-    sources: list[Source] = Field(default_factory=lambda: ["header", "metadata", "user"])
+    #: Where to look, first to last. ``user`` is not a default: it names a person, not a
+    #: conversation. Add it last, for clients that put a conversation id there.
+    sources: list[Source] = Field(default_factory=lambda: ["header", "metadata"])
 
 
 @strata_serve.hookimpl

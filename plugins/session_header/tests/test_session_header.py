@@ -26,11 +26,21 @@ def configure(strata_settings_factory, **section):
     return settings.plugin_config("session_header", strata_session_header.SessionHeaderConfig)
 
 
+USER_TOO = strata_session_header.SessionHeaderConfig(sources=["header", "metadata", "user"])
+
+
 def test_each_source_names_the_conversation():
     assert key({"x-session-id": "chat-42"}) == "chat-42"
     assert key(metadata={"session_id": "s_7"}) == "s_7"
-    assert key(user="user-1234") == "user-1234"
-    assert key(route="completion", user="user-1234") == "user-1234"
+    assert key(user="user-1234", config=USER_TOO) == "user-1234"
+    assert key(route="completion", user="user-1234", config=USER_TOO) == "user-1234"
+
+
+def test_user_is_not_a_source_by_default():
+    # A chat UI sends the same `user` with every conversation of one person: as a key it
+    # would give all of them one file, and switching between them would park nothing.
+    assert key(user="user-1234") is None
+    assert key(route="completion", user="user-1234") is None
 
 
 def test_without_an_id_it_defers():
@@ -39,8 +49,8 @@ def test_without_an_id_it_defers():
 
 
 def test_a_session_beats_a_user():
-    assert key({"X-Session-Id": "h"}, metadata={"session_id": "m"}, user="u") == "h"
-    assert key(metadata={"session_id": "m"}, user="u") == "m"
+    assert key({"X-Session-Id": "h"}, metadata={"session_id": "m"}, user="u", config=USER_TOO) == "h"
+    assert key(metadata={"session_id": "m"}, user="u", config=USER_TOO) == "m"
 
 
 @pytest.mark.parametrize("value, problem", [
@@ -64,8 +74,8 @@ def test_a_bad_metadata_session_id_is_refused():
 
 def test_a_user_that_is_no_id_is_passed_over():
     # OpenAI's `user` is often an email: the client did not send it for us.
-    assert key(user="ada@example.com") is None
-    assert key(user="ada@example.com", metadata={"session_id": "m"}) == "m"
+    assert key(user="ada@example.com", config=USER_TOO) is None
+    assert key(user="ada@example.com", metadata={"session_id": "m"}, config=USER_TOO) == "m"
 
 
 def test_header_name_and_sources_are_configurable(strata_settings_factory):

@@ -1,0 +1,179 @@
+"""One picture of what each engine slot holds, owned by the core.
+
+Every request that reaches the engine is recorded here by the service, whatever its
+client did afterwards (read to the end, closed the stream after the last event, went
+away mid-prefill); every slot call (save, restore, erase) made through the service is
+recorded too. Plugins read this picture and never keep a model of the engine's state
+of their own.
+
+Where the picture is not sure (a request that was cut off, an error), it says so
+(``tokens is None``) and the service asks the engine (``GET /slots``) the next time
+the answer matters.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+log = logging.getLogger("strata_serve.slots")
+
+#: Where a request's conversation state came from, as far as the core can tell.
+Source = Literal["slot", "ram", "disk", "none", "new", "unkeyed"]
+
+
+@dataclass
+class SlotState:
+    """What one slot holds."""
+
+    id: int
+    #: The conversation whose state the slot holds; None when it holds nothing nameable
+    #: (empty, a request without a conversation key, or changed by hand).
+    key: str | None = None
+    #: The tenant of the request that last ran in the slot (None: no tenants, or empty).
+    tenant: str | None = None
+    #: Tokens the slot holds (prompt plus generated); 0 when empty, None when not known
+    #: (a request was cut off): :meth:`SlotPicture.check` asks the engine.
+    tokens: int | None = 0
+    #: True while the conversation's own file equals what the slot holds (saved or
+    #: restored since the last request changed the slot).
+    file_current: bool = False
+    #: The engine generation this record belongs to; an older one describes a dead engine.
+    generation: int = 0
+    #: The id of the last request that ran in the slot.
+    last_request: int | None = None
+
+    @property
+    def empty(self) -> bool:
+        return self.tokens == 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "key": self.key, "tenant": self.tenant, "tokens": self.tokens,
+                "file_current": self.file_current, "generation": self.generation}
+
+
+@dataclass
+class SlotPicture:
+    """The slots of one engine, by id."""
+
+    slots: list[SlotState] = field(default_factory=lambda: [SlotState(0)])
+    #: Checks against the engine that found the picture wrong (each is logged).
+    corrections: int = 0
+
+    @classmethod
+    def for_engine(cls, parallel: int) -> SlotPicture:
+        return cls([SlotState(n) for n in range(max(1, parallel))])
+
+    def __getitem__(self, slot: int) -> SlotState:
+        return self.slots[slot]
+
+    def __iter__(self):
+        return iter(self.slots)
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    # -- what the service records ----------------------------------------------------
+
+    def engine_started(self, generation: int) -> None:
+        """A new engine process: every slot is empty."""
+        for n, slot in enumerate(self.slots):
+            self.slots[n] = SlotState(slot.id, generation=generation)
+
+    def sent(self, slot: int, request: Any) -> SlotState:
+        """A request is going to the engine: the slot will hold its conversation.
+
+        :returns: the record as it was before, for :meth:`untouched`.
+        """
+        before = replace(self.slots[slot])
+        state = self.slots[slot]
+        if state.key != request.conversation_key or state.tenant != request.tenant:
+            state.key, state.tenant = request.conversation_key, request.tenant
+        state.tokens = None  # known once the engine says
+        state.file_current = False
+        state.last_request = request.id
+        return before
+
+    def finished(self, slot: int, tokens: int | None) -> None:
+        """The engine's answer ended; ``tokens`` the slot now holds, None if not known."""
+        self.slots[slot].tokens = tokens
+
+    def untouched(self, slot: int, before: SlotState) -> None:
+        """The engine refused the request before touching the slot (a 4xx): as it was."""
+        self.slots[slot] = before
+
+    def saved(self, slot: int, n_saved: int, *, as_own_file: bool) -> None:
+        """The slot was saved; ``as_own_file`` when into its conversation's own file."""
+        state = self.slots[slot]
+        state.tokens = n_saved
+        if as_own_file and state.key is not None:
+            state.file_current = True
+
+    def restored(self, slot: int, key: str | None, tenant: str | None, n_restored: int,
+                 *, from_own_file: bool) -> None:
+        """A file was loaded into the slot: it now holds ``key`` (None: a file by hand)."""
+        state = self.slots[slot]
+        state.key, state.tenant, state.tokens = key, tenant, n_restored
+        state.file_current = from_own_file and key is not None
+
+    def emptied(self, slot: int) -> None:
+        """Erased, or a failed restore that may have cleared it."""
+        state = self.slots[slot]
+        state.key, state.tenant, state.tokens, state.file_current = None, None, 0, False
+
+    def unknown(self, slot: int) -> None:
+        """Something happened to the slot that cannot be named (a failed call)."""
+        state = self.slots[slot]
+        state.tokens = None
+        state.file_current = False
+
+    # -- the engine's word -------------------------------------------------------------
+
+    def check(self, engine_slots: list[dict[str, Any]]) -> None:
+        """Compare with the engine's ``GET /slots`` and take its token counts.
+
+        The engine cannot name conversations, only count tokens: a count that differs
+        from ours (or ours unknown) is replaced by the engine's, and a slot the engine
+        reports empty is empty whatever we thought.
+        """
+        for entry in engine_slots:
+            if not isinstance(entry, dict) or not isinstance(entry.get("id"), int):
+                continue
+            if not 0 <= entry["id"] < len(self.slots):
+                continue
+            tokens = engine_tokens(entry)
+            if tokens is None:
+                continue
+            state = self.slots[entry["id"]]
+            if state.tokens is not None and state.tokens != tokens:
+                self.corrections += 1
+                log.info("[strata] slot %d: the engine holds %d tokens, not %d as recorded; taking its count",
+                         state.id, tokens, state.tokens)
+            state.tokens = tokens
+            if tokens == 0:
+                state.key, state.tenant, state.file_current = None, None, False
+
+
+def engine_tokens(entry: dict[str, Any]) -> int | None:
+    """Tokens a slot holds, from one entry of llama-server's ``GET /slots``.
+
+    ``n_prompt_tokens`` is the slot's cached tokens: the last task's prompt and what it
+    generated (0 after an erase, the file's count after a restore), as a save would write.
+    """
+    tokens = entry.get("n_prompt_tokens")
+    return tokens if isinstance(tokens, int) and tokens >= 0 else None
+
+
+def tokens_after(timings: dict[str, Any]) -> int | None:
+    """Tokens a slot holds after a request with these ``timings``.
+
+    The prompt (reused plus prefilled) and the tokens generated, except the last one:
+    it was sampled, never fed back through the model.
+    """
+    try:
+        prompt = int(timings.get("cache_n", 0)) + int(timings.get("prompt_n", 0))
+        predicted = int(timings.get("predicted_n", 0))
+    except (TypeError, ValueError):
+        return None
+    return prompt + max(predicted - 1, 0)
