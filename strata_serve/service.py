@@ -30,12 +30,6 @@ KEY_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 TENANT_SEPARATOR = "--"
 
 
-def tenant_of_key(key: str) -> str | None:
-    """The tenant whose namespace a conversation key is in (None: the unnamed one)."""
-    tenant, separator, _rest = key.partition(TENANT_SEPARATOR)
-    return tenant if separator else None
-
-
 class QueueFull(Exception):
     """More requests are waiting than ``server.queue_limit`` allows."""
 

@@ -128,8 +128,13 @@ async def slot_action(request: web.Request) -> web.Response:
 
     async def send(outcome: Outcome) -> None:
         # Through the service, so its picture of the slot follows what was done by hand.
-        call = {"save": service.save_slot, "restore": service.restore_slot}.get(action)
-        answer = await (call(body["filename"]) if call else service.erase_slot())
+        if action == "save":
+            answer = await service.save_slot(body["filename"])
+        elif action == "restore":
+            # Only the tenant's own file can be named: the slot then holds its state.
+            answer = await service.restore_slot(body["filename"], tenant=tenant)
+        else:
+            answer = await service.erase_slot()
         result.update(answer)
         outcome.status, outcome.http_status, outcome.error = "ok", 200, None
         outcome.timings = answer.get("timings")
