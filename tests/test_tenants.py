@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +19,7 @@ from strata_serve.engine.llama_server import build_command
 from strata_serve.exchange import EngineError
 from strata_serve.testing import assert_openai_error, chat_body, conversation
 
+ROOT = Path(__file__).resolve().parent.parent
 KEYS = {"api_key": "k-plain", "api_keys": {"alice": "ka", "bob": "kb"}}
 STRICT = {**KEYS, "tenant_isolation": "strict"}
 #: Alice's text, and a guess of the same length that shares nothing with it but the template.
@@ -222,3 +225,24 @@ async def test_server_wide_figures_are_for_the_plain_key_only_when_strict(
             body = await bob.json()
             assert_openai_error(body, 403, bob.status)
             assert body["error"]["code"] == "strict_isolation"
+
+
+def test_the_readmes_cost_of_strict_mode_is_the_measured_one():
+    from bench.tenants import summary
+
+    results = json.loads((ROOT / "bench" / "results" / "tenants.json").read_text())
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("<!-- tenants-summary:", 1)[1].split("-->", 1)[1]
+    assert block.split("<!-- end tenants-summary -->", 1)[0].strip() == summary(results)
+
+
+async def test_strict_mode_keeps_what_a_tenant_restored_by_hand(strata_client_factory, strata_settings_factory):
+    client = await strata_client_factory(settings=strata_settings_factory(server=STRICT))
+    first = await ask(client, "ka", ALICE)
+    saved = await client.post("/slots/0?action=save", json={"filename": "mine.bin"}, headers=as_("ka"))
+    assert saved.status == 200 and (await saved.json())["n_saved"] > 500
+    await ask(client, "kb", WRONG)
+    restored = await client.post("/slots/0?action=restore", json={"filename": "mine.bin"}, headers=as_("ka"))
+    assert restored.status == 200, await restored.text()
+    again = await ask(client, "ka", ALICE)
+    assert again["timings"]["cache_n"] >= first["usage"]["prompt_tokens"] - 2, "her own state, not erased"
