@@ -248,3 +248,22 @@ async def test_strict_mode_keeps_what_a_tenant_restored_by_hand(strata_client_fa
     assert restored.status == 200, await restored.text()
     again = await ask(client, "ka", ALICE)
     assert again["timings"]["cache_n"] >= first["usage"]["prompt_tokens"] - 2, "her own state, not erased"
+
+
+async def test_strict_mode_on_an_attached_engine_with_several_slots_erases_them_all(
+    strata_client_factory, strata_settings_factory, llama_server_factory
+):
+    bare = await llama_server_factory(parallel=2)  # llama-server's own default runs 4
+    settings = strata_settings_factory(server=STRICT, engine={
+        "url": bare.info.url, "cache_ram_mib": 0, "slot_save_path": str(bare.info.slot_save_path)})
+    client = await strata_client_factory(settings=settings)
+    assert client.app[SERVICE].engine.info.parallel == 2
+    other = conversation("xavier")[0]["content"]
+
+    async def bob_guesses(text: str) -> dict:
+        await ask(client, "ka", ALICE)
+        await ask(client, "ka", other)  # the engine keeps ALICE in one slot, this in the other
+        return (await ask(client, "kb", text))["timings"]
+
+    right, wrong = await bob_guesses(ALICE), await bob_guesses(WRONG)
+    assert right["cache_n"] == wrong["cache_n"] < 10, (right, wrong)

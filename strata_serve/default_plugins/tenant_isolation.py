@@ -44,10 +44,18 @@ async def pre_request(request: StrataRequest, service: Any) -> None:
     # The core's picture, checked against the engine when it is not sure; a slot whose
     # count is still unknown may hold something, so only an empty one is left as is.
     held = await service.slot(request.slot)
-    if held.empty or held.tenant == request.tenant:
+    # An attached engine may run more slots than strata-serve sends to (llama-server's
+    # default is 4) and picks one by its contents: every one of them is erased whenever
+    # the tenant changes, so all they hold is ever the last tenant's.
+    unseen = range(len(service.slots), service.engine.info.parallel)
+    if held.tenant == request.tenant and not (held.empty and unseen):
+        return
+    if held.empty and not unseen:
         return
     try:
         await service.erase_slot(request.slot)
+        for slot in unseen:
+            await service.engine.erase(slot)
     except (EngineError, EngineUnavailable) as exc:
         # The request must not see the other tenant's state: it reuses nothing instead.
         log.error("[strata] tenant isolation: erasing the slot before a request of another tenant "
