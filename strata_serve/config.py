@@ -12,7 +12,7 @@ import json
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -21,6 +21,7 @@ from pydantic import (
     SecretStr,
     ValidationError,
     field_validator,
+    model_validator,
 )
 from pydantic_settings import (
     BaseSettings,
@@ -55,9 +56,14 @@ class ServerSettings(BaseModel):
     @classmethod
     def _tenant_names(cls, value: dict[str, SecretStr]) -> dict[str, SecretStr]:
         # Tenant names prefix conversation keys, which name files: keep them plain.
+        folded: dict[str, str] = {}
         for name in value:
             if not re.fullmatch(r"[A-Za-z0-9_]{1,32}", name):
                 raise ValueError(f"tenant name {name!r} must be 1-32 of letters, digits and _")
+            # Their files would be one file on a case-insensitive file system (macOS).
+            if name.lower() in folded:
+                raise ValueError(f"tenant names {folded[name.lower()]!r} and {name!r} differ only by case")
+            folded[name.lower()] = name
         return value
 
     host: str = "127.0.0.1"
@@ -76,6 +82,19 @@ class ServerSettings(BaseModel):
     conversation_key_order: Annotated[list[str], NoDecode] = Field(default_factory=list)
     #: How long a client may take to send its request body.
     read_timeout_s: float = Field(60, gt=0)
+    #: "shared": tenants share the slot's and the engine's RAM cache's reuse (a prompt
+    #: prefix another tenant sent shows in ``cache_n``). "strict": a request never reuses
+    #: another tenant's state (its slot is erased first, the RAM cache is off) and only the
+    #: plain ``api_key`` sees the server-wide ``/slots``, ``/stats`` and ``/metrics``.
+    tenant_isolation: Literal["shared", "strict"] = "shared"
+
+    def sees_every_tenant(self, tenant: str | None) -> bool:
+        """Whether the holder of ``tenant``'s key may see server-wide figures (slots, stats).
+
+        Everyone may in shared mode; in strict mode only the unnamed tenant, which is
+        the plain ``api_key`` (or anyone, when no key is configured).
+        """
+        return self.tenant_isolation == "shared" or tenant is None
 
 
 class EngineSettings(BaseModel):
@@ -124,6 +143,38 @@ class Settings(BaseSettings):
     @classmethod
     def _split_names(cls, value: Any) -> Any:
         return split_names(value)
+
+    @model_validator(mode="after")
+    def _strict_isolation_needs_no_ram_cache(self) -> Settings:
+        """Strict tenant isolation: no state may outlive a tenant switch outside the slot.
+
+        The engine's RAM prompt cache keeps earlier prompts whatever the slot holds, and
+        with several slots the engine picks one by prompt similarity; neither is in
+        strata-serve's hands, so both are turned off or refused here.
+        """
+        if self.server.tenant_isolation != "strict":
+            return self
+        engine = self.engine
+        where = "server.tenant_isolation = \"strict\""
+        if not self.plugin_enabled("tenant_isolation"):
+            raise ValueError(f"{where} needs the built-in plugin tenant_isolation (it erases the slot "
+                             "between tenants); it is disabled")
+        if engine.parallel != 1:
+            raise ValueError(f"{where} needs a single-slot engine (engine.parallel = 1): with several "
+                             "slots the engine chooses one by its contents")
+        for flags, what in ((("-cram", "--cache-ram"), "the engine's RAM cache (off)"),
+                            (("-np", "--parallel"), "the number of slots (engine.parallel)")):
+            if any(arg in flags or arg.startswith(f"{flags[1]}=") for arg in engine.extra_args):
+                raise ValueError(f"{where} sets {what} itself: remove {flags[1]} from engine.extra_args")
+        if engine.cache_ram_mib is None:
+            if engine.url is not None:
+                raise ValueError(f"{where} with an attached engine (engine.url): start it with "
+                                 "--cache-ram 0 and say so with engine.cache_ram_mib = 0")
+            engine.cache_ram_mib = 0
+        elif engine.cache_ram_mib != 0:
+            raise ValueError(f"{where} needs the engine's RAM cache off: engine.cache_ram_mib must be "
+                             f"0 (or unset), not {engine.cache_ram_mib}")
+        return self
 
     def plugin_enabled(self, name: str) -> bool:
         if name in self.disable_plugins:

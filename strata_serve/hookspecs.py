@@ -81,7 +81,8 @@ def conversation_key(request: StrataRequest, service: Service) -> str | None:
 
     :param request: The incoming request (``route``, ``body``, ``headers``, ``tenant``).
     :param service: The running service (read your settings from ``service.settings``).
-    :returns: A key of letters, digits, ``-`` and ``_`` (at most 64), or None.
+    :returns: A key of letters, digits, ``-`` and ``_`` (at most 64) without ``--`` (it
+        separates a tenant's name: the core answers such a key with a 400), or None.
     """
 
 

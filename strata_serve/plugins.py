@@ -19,7 +19,10 @@ log = logging.getLogger("strata_serve.plugins")
 
 ENTRY_POINT_GROUP = "strata_serve"
 
-DEFAULT_PLUGINS = ("strata_serve.default_plugins.conversation_key",)
+DEFAULT_PLUGINS = (
+    "strata_serve.default_plugins.conversation_key",
+    "strata_serve.default_plugins.tenant_isolation",
+)
 
 
 def get_plugin_manager(

@@ -23,7 +23,11 @@ log = logging.getLogger("strata_serve.service")
 
 M = TypeVar("M", bound=BaseModel)
 
-KEY_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+#: What a keying plugin may return: 1-64 of letters, digits, ``-`` and ``_`` (whole string).
+KEY_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
+#: Separates a tenant's name from its conversation keys (``alice--<key>``). Tenant names
+#: have no ``-`` and a plugin's key may not contain it, so no key reaches another namespace.
+TENANT_SEPARATOR = "--"
 
 
 class QueueFull(Exception):
@@ -145,7 +149,12 @@ class Service:
     def conversation_key(self, request: StrataRequest) -> str | None:
         """Ask the ``conversation_key`` hook, then namespace the key by tenant.
 
-        :raises KeyRefused: when a keying plugin refuses the request's input.
+        A named tenant's keys are ``<tenant>--<key>``; the unnamed tenant's (the plain
+        ``server.api_key``, or no key at all) are the plugin's key as is. A plugin's
+        key may not contain ``--``, so neither can reach the other's namespace.
+
+        :raises KeyRefused: when a keying plugin refuses the request's input, or
+            its key contains ``--``.
         """
         key = first_result(
             self.pm,
@@ -157,12 +166,19 @@ class Service:
         )
         if key is None:
             return None
-        if not isinstance(key, str) or not KEY_PATTERN.match(key):
+        if not isinstance(key, str) or not KEY_PATTERN.fullmatch(key):
             log.warning("[strata] ignoring conversation key %r: not 1-64 of [A-Za-z0-9_-]", key)
             return None
+        if TENANT_SEPARATOR in key:
+            # Without this, a key chosen by the client ("alice--s1") would name another
+            # tenant's conversation; refused whatever the key's source, tenants or not.
+            raise KeyRefused(
+                f"the conversation key {key!r} contains {TENANT_SEPARATOR!r}, which is reserved: "
+                "it separates a tenant's name from its conversation keys"
+            )
         if request.tenant is not None:
             # Tenants never share a key, whichever plugin made it.
-            key = f"{request.tenant}--{key}"
+            key = f"{request.tenant}{TENANT_SEPARATOR}{key}"
         return key
 
     def verdict(

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import strata_auto_sessions
 import strata_prefix_key
+import strata_serve
 import strata_session_header
 import strata_system_prompt_key
 from strata_serve.api import SERVICE
@@ -161,3 +162,74 @@ async def test_the_example_plugin_installed_from_its_directory_changes_the_key(
     for body in same_start:
         await client.post("/v1/chat/completions", json=body)
     assert recorder.keys[2] != recorder.keys[3], "the built-in key tells them apart"
+
+
+async def test_a_session_id_never_reaches_another_tenants_namespace(
+    strata_client_factory, strata_settings_factory, caplog
+):
+    caplog.set_level(logging.INFO, logger="strata_auto_sessions")
+    settings = strata_settings_factory(plugins={"auto_sessions": {"min_tokens": 100}},
+                                       server={"api_key": "k-plain", "api_keys": {"alice": "ka"}})
+    client = await strata_client_factory(strata_auto_sessions, strata_session_header, settings=settings)
+    slots = client.app[SERVICE].engine.info.slot_save_path
+
+    async def ask(api_key: str, session: str, name: str):
+        body = {"messages": conversation(name), "max_tokens": 8, "temperature": 0}
+        return await client.post("/v1/chat/completions", json=body,
+                                 headers={"Authorization": f"Bearer {api_key}", "X-Session-Id": session})
+
+    assert (await ask("ka", "s1", "alice")).status == 200
+    assert (await ask("ka", "s2", "other")).status == 200  # a switch: alice--s1 is parked
+    assert (slots / "auto-alice--s1.bin").exists()
+    for key in ("k-plain", "ka"):
+        resp = await ask(key, "alice--s1", "alice")
+        body = await resp.json()
+        assert_openai_error(body, 400, resp.status)
+        assert body["error"]["code"] == "invalid_conversation_key" and "'--'" in body["error"]["message"]
+    assert not [r for r in caplog.records if "auto sessions: restored" in r.getMessage()]
+    assert client.app[SERVICE].state["auto_sessions"].stats.restores == 0
+
+
+class _Returns:
+    """A keying plugin that returns one fixed key."""
+
+    strata_name = "fixed_key"
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    @strata_serve.hookimpl
+    def conversation_key(self, request):
+        return self.key
+
+
+async def test_a_key_with_a_trailing_newline_is_not_a_key(strata_client_factory, recorder, caplog):
+    client = await strata_client_factory(_Returns("abc\n"), recorder)
+    assert (await client.post("/v1/chat/completions", json=chat_body())).status == 200
+    assert recorder.keys == [None]
+    assert any("ignoring conversation key 'abc\\n'" in r.getMessage() for r in caplog.records)
+
+
+def test_file_names_of_keys_are_one_to_one_under_case_folding():
+    from strata_auto_sessions.store import file_key, key_of_file
+
+    keys = ["chat", "Chat", "CHAT", "cHat", "alice--Chat", "Alice--chat", "a-b_c", "A-B_C", "x_y", "X_y", "q"]
+    names = [file_key(key) for key in keys]
+    assert len({name.casefold() for name in names}) == len(keys)
+    assert all(key_of_file(name) == key for key, name in zip(keys, names))
+    assert file_key("alice--3f2a0b") == "alice--3f2a0b", "lower-case keys keep their plain names"
+
+
+async def test_two_keys_that_differ_only_by_case_get_two_files(strata_client_factory, strata_settings_factory):
+    settings = strata_settings_factory(plugins={"auto_sessions": {"min_tokens": 100}})
+    client = await strata_client_factory(strata_auto_sessions, strata_session_header, settings=settings)
+    slots = client.app[SERVICE].engine.info.slot_save_path
+    for session, name in (("Chat", "upper"), ("chat", "lower"), ("Chat", "upper")):
+        body = {"messages": conversation(name), "max_tokens": 8, "temperature": 0}
+        resp = await client.post("/v1/chat/completions", json=body, headers={"X-Session-Id": session})
+        assert resp.status == 200
+    files = sorted(p.name for p in slots.glob("*.bin"))
+    assert len(files) == 2, files
+    assert len({name.casefold() for name in files}) == 2, "two files even where case is folded"
+    stats = client.app[SERVICE].state["auto_sessions"].stats
+    assert stats.restores == 1, "Chat came back from its own file"

@@ -88,3 +88,81 @@ async def test_parallel_engine_refuses_slot_actions_with_409(strata_client_facto
     assert "parallel" in body["error"]["message"]
     ok = await client.post("/v1/chat/completions", json=chat_body())
     assert ok.status == 200
+
+
+TENANTS = {"api_key": "k-plain", "api_keys": {"alice": "ka", "bob": "kb"}}
+
+
+def as_(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def without_name(body: dict, name: str) -> dict:
+    """The error with the file name taken out, to compare two answers about two names."""
+    error = dict(body["error"])
+    error["message"] = error["message"].replace(repr(name), "<name>")
+    return error
+
+
+async def test_a_tenant_reaches_only_its_own_slot_files(strata_client_factory, strata_settings_factory, tmp_path):
+    client = await strata_client_factory(settings=strata_settings_factory(server=TENANTS))
+    slots = tmp_path / "slots"
+    assert (await client.post("/v1/chat/completions", json=chat_body(PROMPT), headers=as_("ka"))).status == 200
+
+    saved = await client.post("/slots/0?action=save", json={"filename": "x.bin"}, headers=as_("ka"))
+    assert saved.status == 200, await saved.text()
+    assert (await saved.json())["filename"] == "x.bin", "the answer names what the client said"
+    alice_file = slots / "hand-alice--x.bin"
+    alice_bytes = alice_file.read_bytes()
+    assert not (slots / "x.bin").exists()
+
+    # bob's x.bin is his own: alice's is neither restored nor overwritten.
+    missing = await client.post("/slots/0?action=restore", json={"filename": "x.bin"}, headers=as_("kb"))
+    nosuch = await client.post("/slots/0?action=restore", json={"filename": "nosuch.bin"}, headers=as_("kb"))
+    assert_openai_error(await missing.json(), 404, missing.status)
+    assert missing.status == nosuch.status
+    assert without_name(await missing.json(), "x.bin") == without_name(await nosuch.json(), "nosuch.bin"), \
+        "another tenant's file and no file at all get the same answer"
+    assert (await client.post("/v1/chat/completions", json=chat_body("bob's own words"), headers=as_("kb"))).status == 200
+    bob = await client.post("/slots/0?action=save", json={"filename": "x.bin"}, headers=as_("kb"))
+    assert bob.status == 200
+    assert alice_file.read_bytes() == alice_bytes and (slots / "hand-bob--x.bin").exists()
+
+    # The plain key is a tenant of its own: plain names, and no way into a named tenant's.
+    plain = await client.post("/slots/0?action=save", json={"filename": "x.bin"}, headers=as_("k-plain"))
+    assert plain.status == 200 and (slots / "x.bin").exists()
+    for name in ("hand-alice--x.bin", "HAND-alice--x.bin"):
+        resp = await client.post("/slots/0?action=restore", json={"filename": name}, headers=as_("k-plain"))
+        assert_openai_error(await resp.json(), 400, resp.status)
+    restored = await client.post("/slots/0?action=restore", json={"filename": "x.bin"}, headers=as_("ka"))
+    assert restored.status == 200 and (await restored.json())["filename"] == "x.bin"
+    assert alice_file.read_bytes() == alice_bytes
+
+
+@pytest.mark.parametrize("key", ["ka", "k-plain"])
+async def test_auto_sessions_names_are_refused_to_hand_actions_whatever_the_tenant(
+    strata_client_factory, strata_settings_factory, tmp_path, key
+):
+    client = await strata_client_factory(settings=strata_settings_factory(server=TENANTS))
+    slots = tmp_path / "slots"
+    (slots / "auto-alice--s1.bin").write_bytes(b"a parked conversation")
+    answers = {}
+    for action in ("save", "restore"):
+        for name in ("auto-alice--s1.bin", "auto-alice--nosuch.bin", "Auto-junk.bin", "tmp-auto-x-1.bin"):
+            resp = await client.post(f"/slots/0?action={action}", json={"filename": name}, headers=as_(key))
+            body = await resp.json()
+            assert_openai_error(body, 400, resp.status)
+            assert body["error"]["code"] == "reserved_filename"
+            answers[(action, name)] = without_name(body, name)
+    assert answers[("restore", "auto-alice--s1.bin")] == answers[("restore", "auto-alice--nosuch.bin")]
+    assert (slots / "auto-alice--s1.bin").read_bytes() == b"a parked conversation"
+    assert sorted(p.name for p in slots.iterdir()) == ["auto-alice--s1.bin"]
+
+
+async def test_a_name_too_long_once_namespaced_is_refused_not_failed(strata_client_factory, strata_settings_factory):
+    client = await strata_client_factory(settings=strata_settings_factory(server=TENANTS))
+    for name in ("é" * 127 + ".bin", "x" * 250 + ".bin", "\ud800.bin"):
+        resp = await client.post("/slots/0?action=save", json={"filename": name}, headers=as_("ka"))
+        assert_openai_error(await resp.json(), 400, resp.status)
+        resp = await client.post("/slots/0?action=restore", json={"filename": name}, headers=as_("ka"))
+        assert_openai_error(await resp.json(), 400, resp.status)

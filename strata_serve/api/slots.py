@@ -4,6 +4,13 @@ Save, restore and erase go through the service FIFO like any request, so they
 never interleave with another conversation. A filename must name a file directly
 inside the slot directory once real paths are resolved: the engine checks only the
 name's text, and a symlink in the directory could otherwise point anywhere.
+
+Every tenant may use it, each in a namespace of its own: a named tenant's
+``x.bin`` is ``hand-<tenant>--x.bin`` on disk, the unnamed tenant's (the plain
+``server.api_key``, or anyone when no key is set) is ``x.bin``. Names that begin
+with ``auto-``, ``tmp-`` or ``hand-`` (in any case) are refused to everyone: they are
+auto-sessions' files, plugins' temporaries and the named tenants' namespaces. So
+no tenant can name another's file, and no answer tells whether one exists.
 """
 
 from __future__ import annotations
@@ -19,23 +26,54 @@ from strata_serve.api.openai_routes import read_json, service_errors, service_of
 from strata_serve.api.schemas import SlotFile
 from strata_serve.engine.base import EngineUnavailable
 from strata_serve.exchange import EngineError, Outcome, StrataRequest
+from strata_serve.service import TENANT_SEPARATOR
 
 routes = web.RouteTableDef()
 ACTIONS = ("save", "restore", "erase")
+#: Refused as the start of a hand-saved name, whatever its case (see the module's doc).
+RESERVED_PREFIXES = ("auto-", "tmp-", "hand-")
+HAND_PREFIX = "hand-"
+#: Longest file name most file systems take, in bytes.
+MAX_NAME_BYTES = 255
 
 
-def slot_file(slot_dir: Path, filename: str) -> Path:
+def engine_filename(tenant: str | None, filename: str) -> str:
+    """The name in the slot directory of the file ``tenant`` calls ``filename``.
+
+    One-to-one, also under case folding between tenants: tenant names have no ``-``
+    and differ by more than case, and no unnamed tenant's name begins with ``hand-``.
+
+    :raises APIError: 400 for a reserved name, or one too long once namespaced.
+    """
+    if filename.casefold().startswith(RESERVED_PREFIXES):
+        raise APIError(400, f"invalid filename {filename!r}: names beginning with "
+                       f"{', '.join(RESERVED_PREFIXES)} are reserved", param="filename", code="reserved_filename")
+    prefix = "" if tenant is None else f"{HAND_PREFIX}{tenant}{TENANT_SEPARATOR}"
+    try:
+        size = len(filename.encode("utf-8"))
+    except UnicodeEncodeError:  # a lone surrogate from a JSON escape: no file can have it
+        raise APIError(400, "invalid filename: it is not valid Unicode text", param="filename",
+                       code="invalid_filename") from None
+    if len(prefix) + size > MAX_NAME_BYTES:
+        raise APIError(400, f"invalid filename: it is {size} bytes long in UTF-8; at most "
+                       f"{MAX_NAME_BYTES - len(prefix)} fit", param="filename", code="invalid_filename")
+    return prefix + filename
+
+
+def slot_file(slot_dir: Path, filename: str, shown: str | None = None) -> Path:
     """The real path of ``filename`` in ``slot_dir``.
 
+    :param shown: the name the client gave, for the messages (default ``filename``).
     :raises APIError: 400 when the name, once resolved, is not directly inside the directory.
     """
+    shown = filename if shown is None else shown
     if "\x00" in filename or "/" in filename or "\\" in filename or filename in {".", ".."}:
-        raise APIError(400, f"invalid filename {filename!r}: a plain file name is expected",
+        raise APIError(400, f"invalid filename {shown!r}: a plain file name is expected",
                        param="filename", code="invalid_filename")
     base = slot_dir.resolve()
     target = (base / filename).resolve()
     if target.parent != base:
-        raise APIError(400, f"invalid filename {filename!r}: it leads outside the slot directory",
+        raise APIError(400, f"invalid filename {shown!r}: it leads outside the slot directory",
                        param="filename", code="invalid_filename")
     return target
 
@@ -43,6 +81,9 @@ def slot_file(slot_dir: Path, filename: str) -> Path:
 @routes.get("/slots")
 async def list_slots(request: web.Request) -> web.Response:
     service = service_of(request)
+    if not service.settings.server.sees_every_tenant(request.get(TENANT)):
+        raise APIError(403, "with strict tenant isolation the engine's slots are listed only to the "
+                       "plain server.api_key", code="strict_isolation")
     try:
         await service.engine.wait_ready()
         return web.json_response(await service.engine.slots())
@@ -67,25 +108,33 @@ async def slot_action(request: web.Request) -> web.Response:
     action = request.query.get("action")
     if action not in ACTIONS:
         raise APIError(400, f"action must be one of {', '.join(ACTIONS)}", param="action")
+    tenant = request.get(TENANT)
     body: dict[str, Any] = {"action": action}
+    filename = on_disk = ""
     if action != "erase":
         slot_dir = service.engine.info.slot_save_path
         if slot_dir is None:
             raise APIError(409, "no slot directory is configured (engine.slot_save_path, --slot-save-path)",
                            code="no_slot_directory")
         filename = SlotFile.model_validate(await read_json(request, SlotFile)).filename
-        path = slot_file(Path(slot_dir), filename)
+        on_disk = engine_filename(tenant, filename)
+        path = slot_file(Path(slot_dir), on_disk, shown=filename)
         if action == "restore" and not path.is_file():
             raise APIError(404, f"no slot file named {filename!r}", param="filename", code="no_such_file")
-        body["filename"] = filename
+        body["filename"] = on_disk
 
-    sreq = StrataRequest(route="slots", body=body, headers=request.headers, tenant=request.get(TENANT))
+    sreq = StrataRequest(route="slots", body=body, headers=request.headers, tenant=tenant)
     result: dict[str, Any] = {}
 
     async def send(outcome: Outcome) -> None:
         # Through the service, so its picture of the slot follows what was done by hand.
-        call = {"save": service.save_slot, "restore": service.restore_slot}.get(action)
-        answer = await (call(body["filename"]) if call else service.erase_slot())
+        if action == "save":
+            answer = await service.save_slot(body["filename"])
+        elif action == "restore":
+            # Only the tenant's own file can be named: the slot then holds its state.
+            answer = await service.restore_slot(body["filename"], tenant=tenant)
+        else:
+            answer = await service.erase_slot()
         result.update(answer)
         outcome.status, outcome.http_status, outcome.error = "ok", 200, None
         outcome.timings = answer.get("timings")
@@ -95,5 +144,8 @@ async def slot_action(request: web.Request) -> web.Response:
             await service.process(sreq, send)
     except EngineError as exc:
         status = exc.status if exc.status and 400 <= exc.status < 500 else 502
-        raise APIError(status, f"the engine refused to {action}: {exc.message}", code="engine_refused") from None
+        message = exc.message.replace(on_disk, filename) if on_disk else exc.message
+        raise APIError(status, f"the engine refused to {action}: {message}", code="engine_refused") from None
+    if "filename" in result:
+        result["filename"] = filename  # the client's name for it, not the one on disk
     return web.json_response(result)

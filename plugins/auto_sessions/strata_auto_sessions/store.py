@@ -1,8 +1,15 @@
 """The session files: ``auto-<key>.bin`` plus a JSON sidecar, written so nothing is half-done.
 
-Only names made here are ever touched: ``auto-*.bin`` and their ``auto-*.json``
-sidecars, and ``tmp-auto-*`` temporaries. A file saved by hand through ``/slots``
-has another name and is never listed, pruned or read.
+Only files made here are ever touched: ``auto-<name>.bin`` with an ``auto-<name>.json``
+sidecar that names the same key, and ``tmp-auto-<name>-<8 hex>.bin|json`` temporaries,
+where ``<name>`` is :func:`file_key` of the key. The core refuses ``/slots`` names that
+begin with ``auto-`` or ``tmp-``, and a file without our sidecar is not ours, so a file
+saved by hand (under any name, by this version or an older one) is never listed,
+pruned or read.
+
+``<name>`` is the key with each upper-case letter written ``+`` and its lower case
+(``MyChat`` -> ``+my+chat``): two keys that differ only by case get two files on a
+case-insensitive file system (macOS) too.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -21,6 +29,31 @@ log = logging.getLogger("strata_auto_sessions")
 
 PREFIX = "auto-"
 TEMP_PREFIX = "tmp-auto-"
+#: A key as written in a file name: no upper case, ``+x`` for ``X``.
+_FILE_KEY = r"(?:[a-z0-9_-]|\+[a-z])+"
+SESSION_NAME = re.compile(rf"{PREFIX}(?P<key>{_FILE_KEY})\.(?P<ext>bin|json)")
+TEMP_NAME = re.compile(rf"{TEMP_PREFIX}[a-z0-9_+-]+\.(?:bin|json)")
+
+
+def file_key(key: str) -> str:
+    """``key`` as written in a file name, the same under case folding only for the same key.
+
+    :raises ValueError: for a key strata-serve would never make (outside ``[A-Za-z0-9_-]``).
+    """
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", key):
+        raise ValueError(f"not a conversation key: {key!r}")
+    return "".join(f"+{char.lower()}" if "A" <= char <= "Z" else char for char in key)
+
+
+def _temp_name(key: str, suffix: str) -> str:
+    return f"{TEMP_PREFIX}{file_key(key)}-{uuid.uuid4().hex[:8]}{suffix}"
+
+
+def key_of_file(name: str) -> str:
+    """The key :func:`file_key` wrote as ``name``."""
+    return re.sub(r"\+([a-z])", lambda match: match.group(1).upper(), name)
+
+
 #: Enough of the GGUF to cover its header and metadata on any model we serve.
 FINGERPRINT_BYTES = 1 << 20
 
@@ -105,7 +138,7 @@ class SessionStore:
         self.directory = directory
 
     def bin_name(self, key: str) -> str:
-        return f"{PREFIX}{key}.bin"
+        return f"{PREFIX}{file_key(key)}.bin"
 
     def bin_path(self, key: str) -> Path:
         return self.directory / self.bin_name(key)
@@ -121,19 +154,37 @@ class SessionStore:
         return path.stat().st_size == sidecar.bytes and sample_digest(path) == sidecar.digest
 
     def sidecar_path(self, key: str) -> Path:
-        return self.directory / f"{PREFIX}{key}.json"
+        return self.directory / f"{PREFIX}{file_key(key)}.json"
 
     def temp_name(self, key: str) -> str:
-        return f"{TEMP_PREFIX}{key}-{uuid.uuid4().hex[:8]}.bin"
+        return _temp_name(key, ".bin")
 
     def prepare(self) -> int:
         """Create the directory and remove temporaries a crash left behind; returns how many."""
         self.directory.mkdir(parents=True, exist_ok=True)
         removed = 0
-        for leftover in self.directory.glob(f"{TEMP_PREFIX}*"):
-            leftover.unlink(missing_ok=True)
-            removed += 1
+        for leftover in self.directory.iterdir():
+            if TEMP_NAME.fullmatch(leftover.name) and not leftover.is_symlink():
+                leftover.unlink(missing_ok=True)
+                removed += 1
         return removed
+
+    def _own(self, ext: str) -> list[tuple[str, Path, Sidecar]]:
+        """``(key, path, sidecar)`` of each ``auto-<name>.<ext>`` whose sidecar names its key.
+
+        A name alone proves nothing (an older version let ``/slots`` write any name):
+        only a file with our sidecar is ours. Symlinks are never ours.
+        """
+        found = []
+        for path in self.directory.iterdir():
+            match = SESSION_NAME.fullmatch(path.name)
+            if match is None or match["ext"] != ext or path.is_symlink():
+                continue
+            key = key_of_file(match["key"])
+            sidecar = self.sidecar(key)
+            if sidecar is not None and sidecar.key == key:
+                found.append((key, path, sidecar))
+        return found
 
     def commit(self, temp_name: str, key: str, sidecar: Sidecar) -> None:
         """Move a finished save under its real name, private to this user, with its sidecar.
@@ -148,8 +199,10 @@ class SessionStore:
         os.chmod(temp, 0o600)
         sidecar.digest = sample_digest(temp)
         _fsync(temp)  # the data is on disk before the name says it is there
-        os.replace(temp, self.bin_path(key))
+        # The sidecar first: a file is ours only with it, so a crash between the two
+        # leaves a sidecar without its file (swept by prune), never a file nobody owns.
         self.write_sidecar(sidecar)
+        os.replace(temp, self.bin_path(key))
         _fsync(self.directory)
 
     def discard(self, temp_name: str) -> None:
@@ -157,7 +210,7 @@ class SessionStore:
 
     def write_sidecar(self, sidecar: Sidecar) -> None:
         target = self.sidecar_path(sidecar.key)
-        temp = self.directory / f"{TEMP_PREFIX}{sidecar.key}-{uuid.uuid4().hex[:8]}.json"
+        temp = self.directory / _temp_name(sidecar.key, ".json")
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as handle:
             json.dump(asdict(sidecar), handle)
@@ -181,17 +234,12 @@ class SessionStore:
     def files(self) -> list[tuple[str, Path, int, float]]:
         """``(key, path, bytes, last used)`` of every session file, newest first."""
         found = []
-        for path in self.directory.glob(f"{PREFIX}*.bin"):
-            if path.is_symlink():
-                continue  # never made here: not ours to read, count or delete
-            key = path.name[len(PREFIX) : -len(".bin")]
+        for key, path, sidecar in self._own("bin"):
             try:
                 stat = path.stat()
             except FileNotFoundError:
                 continue
-            sidecar = self.sidecar(key)
-            used = max(stat.st_mtime, sidecar.last_used) if sidecar else stat.st_mtime
-            found.append((key, path, stat.st_size, used))
+            found.append((key, path, stat.st_size, max(stat.st_mtime, sidecar.last_used)))
         return sorted(found, key=lambda item: item[3], reverse=True)
 
     def prune(self, keep: int, max_bytes: int, protect: frozenset[str] = frozenset()) -> list[tuple[str, int]]:
@@ -214,9 +262,9 @@ class SessionStore:
                 removed.append((key, size))
                 total -= size
                 kept -= 1
-        for orphan in self.directory.glob(f"{PREFIX}*.json"):
-            if not orphan.with_suffix(".bin").exists():
-                orphan.unlink(missing_ok=True)
+        for key, sidecar_path, _sidecar in self._own("json"):
+            if not self.bin_path(key).exists():
+                sidecar_path.unlink(missing_ok=True)
         return removed
 
     def bytes_per_token(self, current: dict[str, Any]) -> float | None:

@@ -152,7 +152,16 @@ def _size(n: float) -> str:
 
 
 def _stats_of(request: web.Request) -> Any:
-    stats = request.app[SERVICE].state.get(NAME)
+    """This server's stats, for a caller allowed to see server-wide figures.
+
+    :raises APIError: 403 for a named tenant under strict tenant isolation (the figures
+        add up every tenant's requests), 503 before the plugin has started.
+    """
+    service = request.app[SERVICE]
+    if not service.settings.server.sees_every_tenant(request.get(TENANT)):
+        raise APIError(403, f"with strict tenant isolation {request.path} is shown only to the plain "
+                       "server.api_key: its figures add up every tenant's requests", code="strict_isolation")
+    stats = service.state.get(NAME)
     if stats is None:
         raise APIError(503, "ram cache stats are not ready (the server is still starting)")
     return stats
