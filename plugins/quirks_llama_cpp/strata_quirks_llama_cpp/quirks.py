@@ -10,10 +10,11 @@ After a failure:
 - HTTP 501 on a slot call is the engine saying "not supported": what builds
   affected by llama.cpp issue 21133 answer to slot save/restore when started
   with ``--mmproj``. ``UNSUPPORTED``, said once.
-- ``restore_reuse`` (a restore the next request did not reuse): hybrid, recurrent
-  and SWA models report a restore as done and then re-read the whole prompt
-  (issues 25913, 28194). From the ``unreused_restores_limit``-th case for one
-  model: ``UNSUPPORTED``, said once, with why.
+- ``restore_reuse`` (a restore the next request, which continued the saved
+  conversation, did not reuse): hybrid, recurrent and SWA models report a restore
+  as done and then re-read the whole prompt (issues 25913, 28194). From the
+  ``unreused_restores_limit``-th case for one model: ``UNSUPPORTED``, said once,
+  with why; auto-sessions pauses parking and tries again later.
 
 Anything else is a plain error: None. That includes HTTP 400 ``Invalid filename``,
 the engine refusing a name: the caller's mistake, not a limit of the engine, so
@@ -91,7 +92,7 @@ class LlamaCppQuirks:
         self._say_once(f"unreused:{model}", f"{self.unreused[model]} restores of {model} were not reused "
                        "by the next request; llama-server reports restores as done on hybrid, recurrent "
                        "and SWA models and then re-reads the whole prompt (llama.cpp issues 25913, "
-                       "28194): parking stops for this model")
+                       "28194): parking pauses for this model")
         return Verdict.UNSUPPORTED
 
     def _say_once(self, topic: str, message: str) -> None:

@@ -100,7 +100,7 @@ def test_second_unreused_restore_of_a_model_stops_parking_said_once(engine_for, 
     assert verdict(engine, "restore_reuse", NOT_REUSED, 900) == Verdict.UNSUPPORTED
     lines = quirk_lines(caplog)
     assert len(lines) == 1
-    assert engine.info.model_path in lines[0] and "25913" in lines[0] and "parking stops" in lines[0]
+    assert engine.info.model_path in lines[0] and "25913" in lines[0] and "parking pauses" in lines[0]
 
 
 def test_unreused_restores_are_counted_per_model(engine_for):
