@@ -22,7 +22,7 @@ log = logging.getLogger("strata_serve.service")
 
 M = TypeVar("M", bound=BaseModel)
 
-KEY_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+KEY_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class QueueFull(Exception):
@@ -154,7 +154,7 @@ class Service:
         )
         if key is None:
             return None
-        if not isinstance(key, str) or not KEY_PATTERN.match(key):
+        if not isinstance(key, str) or not KEY_PATTERN.fullmatch(key):
             log.warning("[strata] ignoring conversation key %r: not 1-64 of [A-Za-z0-9_-]", key)
             return None
         if request.tenant is not None:

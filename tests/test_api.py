@@ -1,10 +1,14 @@
 """The HTTP API against the real engine: OpenAI SDK, streaming, errors in the OpenAI shape."""
 
+import asyncio
 import json
+import logging
+from pathlib import Path
 
 import openai
 import pytest
 
+from strata_serve.api import SERVICE
 from strata_serve.testing import assert_openai_error, chat_body
 
 
@@ -170,3 +174,103 @@ async def test_api_keys_are_compared_in_constant_time(strata_client_factory, str
     assert resp.status == 200
     # Every configured key is compared, whichever matches: the time does not tell which.
     assert sorted(compared) == [b"key-a", b"key-b", b"key-c"]
+
+
+async def raw_exchange(client, head: bytes, body: bytes = b"", host: str | None = None
+                       ) -> tuple[int, dict[str, str], bytes]:
+    """Send bytes exactly as given (no client library cleaning them up) and read the answer."""
+    reader, writer = await asyncio.open_connection(client.host, client.port)
+    try:
+        host = host or f"{client.host}:{client.port}"
+        writer.write(head.rstrip(b"\r\n") + b"\r\nHost: " + host.encode()
+                     + b"\r\nConnection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 30)
+    finally:
+        writer.close()
+    assert answer, "the server dropped the connection without answering"
+    status_line, _, rest = answer.partition(b"\r\n")
+    header_block, _, payload = rest.partition(b"\r\n\r\n")
+    headers = dict(line.decode("latin-1").split(": ", 1) for line in header_block.split(b"\r\n") if b": " in line)
+    return int(status_line.split(b" ", 2)[1]), headers, payload
+
+
+@pytest.mark.parametrize("authorization, accepted", [
+    (b"Bearer \xff", False),  # not UTF-8
+    (b"Bearer \xe8\xaa\x9e", False),  # UTF-8, not ASCII
+    (b"Bearer s3cret\xff", False),
+    (b"Bearer " + b"s3cret" * 1000, False),  # huge, under the header limit
+    (b"Basic s3cret", False),
+    (b"Bearer", False),
+    (b"Bearer\ts3cret", False),
+    (b"Bearer s3cret extra", False),
+    (b"s3cret", False),
+    (b"bearer s3cret", True),  # the scheme is case-insensitive
+    (b"Bearer   s3cret", True),
+])
+async def test_malformed_authorization_headers_get_401_in_the_shape(
+    strata_client_factory, strata_settings_factory, authorization, accepted
+):
+    client = await strata_client_factory(settings=strata_settings_factory(server={"api_key": "s3cret"}))
+    status, _, payload = await raw_exchange(client, b"GET /v1/models HTTP/1.1\r\nAuthorization: " + authorization)
+    if accepted:
+        assert status == 200, payload
+    else:
+        assert_openai_error(json.loads(payload), 401, status)
+
+
+NESTED_CHAT = '{"messages": [{"role": "user", "content": "nested"}], "max_tokens": 2, "metadata": %s}'
+
+
+@pytest.mark.parametrize("raw", [
+    b"[" * 100_000,
+    b'{"a": ' * 100_000,
+    (NESTED_CHAT % ('{"a": ' * 150 + "1" + "}" * 150)).encode(),  # parses, yet deeper than allowed
+    (NESTED_CHAT % ("[" * 5000 + "]" * 5000)).encode(),
+])
+async def test_deeply_nested_bodies_get_400(client, recorder, raw):
+    resp = await client.post("/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"})
+    body = await resp.json()
+    assert_openai_error(body, 400, resp.status)
+    assert body["error"]["code"] == "too_deeply_nested"
+    assert recorder.keys == []
+
+
+async def test_nesting_within_the_limit_is_answered(client):
+    raw = (NESTED_CHAT % ('{"a": ' * 90 + "1" + "}" * 90)).encode()
+    resp = await client.post("/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"})
+    assert resp.status == 200, await resp.text()
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}',
+    b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udfffb"}]}]}',
+    b'{"messages": [{"role": "user", "content": "x"}], "user": "\\udc80"}',
+    b'{"messages": [{"role": "user", "content": "x"}], "metadata": {"\\ud83d": 1}}',
+])
+async def test_lone_surrogates_are_refused_before_any_plugin_sees_them(client, recorder, raw, caplog):
+    resp = await client.post("/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"})
+    body = await resp.json()
+    assert_openai_error(body, 400, resp.status)
+    assert body["error"]["code"] == "invalid_unicode"
+    assert recorder.keys == [], "never keyed (the keying plugins would fail to hash it), never sent"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+@pytest.mark.parametrize("action", ["save", "restore"])
+@pytest.mark.parametrize("name", ["語" * 200, "é" * 128, "a\x01.bin", "\x7f"])
+async def test_slot_file_names_no_file_system_takes_get_400(client, action, name):
+    resp = await client.post(f"/slots/0?action={action}", json={"filename": name})
+    body = await resp.json()
+    assert_openai_error(body, 400, resp.status)
+    assert body["error"]["param"] == "filename"
+
+
+async def test_the_longest_multibyte_name_a_file_system_takes_is_saved_and_restored(client):
+    await client.post("/v1/chat/completions", json=chat_body("fill the slot"))
+    name = "語" * 83 + ".bin"  # 253 bytes
+    saved = await client.post("/slots/0?action=save", json={"filename": name})
+    assert saved.status == 200, await saved.text()
+    restored = await client.post("/slots/0?action=restore", json={"filename": name})
+    assert restored.status == 200, await restored.text()
+

@@ -192,9 +192,10 @@ async def test_a_plugin_key_beats_the_default_and_bad_keys_are_dropped(strata_cl
     await client.post("/v1/chat/completions", json=chat_body())
     assert recorder.keys == ["my-session_1"]
 
-    client = await strata_client_factory(Keyed("../../etc"), recorder)
-    await client.post("/v1/chat/completions", json=chat_body())
-    assert recorder.keys[-1] is None
+    for bad in ("../../etc", "ends-in-a-newline\n", "x" * 65, ""):
+        client = await strata_client_factory(Keyed(bad), recorder)
+        await client.post("/v1/chat/completions", json=chat_body())
+        assert recorder.keys[-1] is None, repr(bad)
 
 
 class NamedKey:

@@ -100,9 +100,7 @@ def _auth_middleware(settings: Settings):
     async def check_key(request: web.Request, handler):
         if not keys or request.path in OPEN_PATHS:
             return await handler(request)
-        header = request.headers.get("Authorization", "")
-        scheme, _, given = header.partition(" ")
-        presented = given.strip().encode() if scheme.lower() == "bearer" else b""
+        presented = _bearer_token(request.headers.get("Authorization", ""))
         tenant_found = False
         # Compare against every key, in constant time each, so timing tells nothing.
         for tenant, key in keys.items():
@@ -116,3 +114,18 @@ def _auth_middleware(settings: Settings):
         return await handler(request)
 
     return check_key
+
+
+def _bearer_token(header: str) -> bytes:
+    """The token of ``Bearer <token>`` as the bytes the client sent; empty for anything else.
+
+    Header text may hold bytes that are not UTF-8 (kept as surrogates by the parser):
+    they are turned back into those bytes, which then simply match no key.
+    """
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer":
+        return b""
+    try:
+        return token.lstrip(" ").encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # not text a parser can produce from bytes; matches nothing
+        return b""

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 from typing import Any, Iterator
 
 from aiohttp import web
@@ -39,12 +40,53 @@ async def read_json(request: web.Request, model: type[BaseModel]) -> dict[str, A
         raise APIError(400, "the request body is empty; a JSON object is expected")
     try:
         body = json.loads(raw)
+    except RecursionError:
+        raise APIError(400, f"the request body is nested more than {MAX_JSON_DEPTH} levels deep",
+                       code="too_deeply_nested") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    check_json_value(body)
     model.model_validate(body)
     return body
+
+
+#: Deepest nesting of arrays and objects accepted in a request body. Python's own
+#: parser stops near 1,000 levels (a RecursionError); whatever handles the body later
+#: (validation, the relay's encoder, the engine's parser) recurses too.
+MAX_JSON_DEPTH = 100
+
+
+def check_json_value(value: Any) -> None:
+    """Refuse what parsed as JSON yet cannot be handled safely: deep nesting, lone surrogates.
+
+    JSON's ``\\ud800`` escapes can make strings that are not Unicode text; encoding
+    them (to hash a key, to name a file, to log) would fail far from here.
+
+    :raises APIError: 400 naming the problem.
+    """
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii() and _SURROGATE.search(item):
+                raise APIError(400, "the request body holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape "
+                               "outside a pair), which is not text", code="invalid_unicode")
+            continue
+        if isinstance(item, dict):
+            children = [*item.keys(), *item.values()]
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(400, f"the request body is nested more than {MAX_JSON_DEPTH} levels deep",
+                           code="too_deeply_nested")
+        stack.extend((child, depth + 1) for child in children)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @routes.post("/v1/chat/completions")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
 
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
@@ -49,7 +49,25 @@ class CompletionRequest(_Sampling):
     prompt: StrictStr | list[StrictStr] | list[int]
 
 
+#: Longest file name, in bytes, that file systems take (NAME_MAX); longer ones fail
+#: with ENAMETOOLONG in every path operation.
+NAME_MAX_BYTES = 255
+
+
 class SlotFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    filename: StrictStr = Field(min_length=1, max_length=255)
+    filename: StrictStr = Field(min_length=1, max_length=NAME_MAX_BYTES)
+
+    @field_validator("filename")
+    @classmethod
+    def _a_name_the_file_system_takes(cls, value: str) -> str:
+        try:
+            size = len(value.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise ValueError("not valid Unicode text (a lone surrogate)") from None
+        if size > NAME_MAX_BYTES:
+            raise ValueError(f"{size} bytes in UTF-8; a file name has at most {NAME_MAX_BYTES}")
+        if any(ord(char) < 0x20 or ord(char) == 0x7F for char in value):
+            raise ValueError("control characters are not allowed in a file name")
+        return value
