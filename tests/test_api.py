@@ -274,3 +274,87 @@ async def test_the_longest_multibyte_name_a_file_system_takes_is_saved_and_resto
     restored = await client.post("/slots/0?action=restore", json={"filename": name})
     assert restored.status == 200, await restored.text()
 
+
+async def test_a_body_that_is_not_json_typed_gets_415_and_does_nothing(client, recorder):
+    slot_dir = client.app[SERVICE].engine.info.slot_save_path
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
+                         "application/jsonx", None):
+        headers = {"Content-Type": content_type} if content_type else {}
+        for path, body in [("/v1/chat/completions", chat_body()), ("/slots/0?action=save", {"filename": "x.bin"})]:
+            data = json.dumps(body).encode()
+            if content_type is None:
+                status, _, payload = await raw_exchange(client, f"POST {path} HTTP/1.1".encode(), data)
+                answer = json.loads(payload)
+            else:
+                resp = await client.post(path, data=data, headers=headers)
+                status, answer = resp.status, await resp.json()
+            assert_openai_error(answer, 415, status)
+    assert recorder.keys == [], "nothing reached the engine"
+    assert not (Path(slot_dir) / "x.bin").exists()
+    # JSON with a charset parameter is JSON; an action without a body needs no type.
+    ok = await client.post("/v1/chat/completions", data=json.dumps(chat_body()),
+                           headers={"Content-Type": "application/json; charset=utf-8"})
+    assert ok.status == 200
+    assert (await client.post("/slots/0?action=erase")).status == 200
+
+
+@pytest.mark.parametrize("method, path, body", [
+    ("POST", "/v1/chat/completions", chat_body()),
+    ("POST", "/slots/0?action=save", {"filename": "from-a-web-page.bin"}),
+    ("GET", "/v1/models", None),
+    ("GET", "/slots", None),
+])
+async def test_a_page_from_another_origin_gets_403(client, recorder, method, path, body):
+    resp = await client.request(method, path, json=body, headers={"Origin": "http://evil.example"})
+    assert_openai_error(await resp.json(), 403, resp.status)
+    assert "Access-Control-Allow-Origin" not in resp.headers
+    assert recorder.keys == []
+    assert not (Path(client.app[SERVICE].engine.info.slot_save_path) / "from-a-web-page.bin").exists()
+
+
+async def test_a_page_on_a_rebound_name_is_not_same_origin(client):
+    # DNS rebinding: evil.example now resolves to 127.0.0.1, so the browser sends
+    # Host and Origin that agree. Only an IP literal or localhost counts as same-origin.
+    status, _, payload = await raw_exchange(
+        client, b"GET /v1/models HTTP/1.1\r\nOrigin: http://evil.example:%d" % client.port,
+        host=f"evil.example:{client.port}")
+    assert_openai_error(json.loads(payload), 403, status)
+    same = await client.get("/v1/models", headers={"Origin": f"http://{client.host}:{client.port}"})
+    assert same.status == 200
+
+
+async def test_cors_preflight_answers_allowed_origins_only(strata_client_factory, strata_settings_factory):
+    settings = strata_settings_factory(server={"allowed_origins": ["http://ui.example:3000"], "api_key": "k"})
+    client = await strata_client_factory(settings=settings)
+    preflight = {"Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    resp = await client.options("/v1/chat/completions", headers={"Origin": "http://ui.example:3000", **preflight})
+    assert resp.status == 204
+    assert resp.headers["Access-Control-Allow-Origin"] == "http://ui.example:3000"
+    assert "POST" in resp.headers["Access-Control-Allow-Methods"]
+    assert "content-type" in resp.headers["Access-Control-Allow-Headers"]
+    refused = await client.options("/v1/chat/completions", headers={"Origin": "http://evil.example", **preflight})
+    assert_openai_error(await refused.json(), 403, refused.status)
+    assert "Access-Control-Allow-Origin" not in refused.headers
+    # The real request from the allowed page, streamed: its answer is readable there.
+    resp = await client.post("/v1/chat/completions", json=chat_body(stream=True),
+                             headers={"Origin": "http://ui.example:3000", "Authorization": "Bearer k"})
+    assert resp.status == 200
+    assert resp.headers["Access-Control-Allow-Origin"] == "http://ui.example:3000"
+    await resp.read()
+    without_key = await client.post("/v1/chat/completions", json=chat_body(),
+                                    headers={"Origin": "http://ui.example:3000"})
+    assert_openai_error(await without_key.json(), 401, without_key.status)
+
+
+async def test_health_is_terse_and_answers_get_and_head_only(strata_client_factory, strata_settings_factory):
+    client = await strata_client_factory(settings=strata_settings_factory(server={"api_key": "k"}))
+    resp = await client.get("/health")
+    assert resp.status == 200 and await resp.json() == {"status": "ok"}
+    assert (await client.head("/health")).status == 200
+    for method in ("POST", "PUT", "DELETE", "PATCH"):
+        resp = await client.request(method, "/health", headers={"Authorization": "Bearer k"})
+        assert_openai_error(await resp.json(), 405, resp.status)
+        resp = await client.request(method, "/health")
+        assert_openai_error(await resp.json(), 401, resp.status)
+

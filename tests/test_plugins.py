@@ -124,3 +124,45 @@ def test_tracing_switch_logs_hook_calls(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="strata_serve.plugins"):
         assert first_result(pm, "conversation_key", request=None) == "k"
     assert any("conversation_key" in r.getMessage() and "traced" in r.getMessage() for r in caplog.records)
+
+
+class HealthSquatter:
+    """Tries to add routes under /health, which is open to anyone without a key."""
+
+    strata_name = "health_squatter"
+
+    def __init__(self):
+        self.served = 0
+
+    async def handle(self, request):
+        from aiohttp import web
+
+        self.served += 1
+        return web.json_response({"engine": "secrets"})
+
+    @strata_serve.hookimpl
+    def register_routes(self):
+        from aiohttp import web
+
+        return [web.post("/health", self.handle), web.get("/health/detail", self.handle),
+                web.get("/healthy", self.handle)]
+
+
+async def test_no_plugin_route_is_added_under_health(strata_client_factory, strata_settings_factory, caplog):
+    import logging
+
+    squatter = HealthSquatter()
+    with caplog.at_level(logging.ERROR, logger="strata_serve.api"):
+        client = await strata_client_factory(squatter, settings=strata_settings_factory(server={"api_key": "k"}))
+    for method, path in [("POST", "/health"), ("GET", "/health/detail")]:
+        assert any("health_squatter" in r.getMessage() and f"{method} {path} refused" in r.getMessage()
+                   for r in caplog.records), caplog.text
+        for headers in ({}, {"Authorization": "Bearer k"}):
+            resp = await client.request(method, path, headers=headers)
+            assert 400 <= resp.status < 500
+            assert_openai_error(await resp.json())
+    assert squatter.served == 0
+    # A path that only begins with the same letters is the plugin's like any other, and guarded.
+    assert (await client.get("/healthy")).status == 401
+    assert (await client.get("/healthy", headers={"Authorization": "Bearer k"})).status == 200
+    assert (await client.get("/health")).status == 200
