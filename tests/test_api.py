@@ -358,3 +358,28 @@ async def test_health_is_terse_and_answers_get_and_head_only(strata_client_facto
         resp = await client.request(method, "/health")
         assert_openai_error(await resp.json(), 401, resp.status)
 
+
+async def test_slot_directory_and_files_are_private_whatever_the_umask(strata_client_factory, strata_settings_factory,
+                                                                       tmp_path):
+    import os
+    import stat
+
+    import strata_auto_sessions
+    from strata_serve.testing import conversation
+
+    slots = tmp_path / "made" / "slots"
+    settings = strata_settings_factory(engine={"slot_save_path": str(slots)},
+                                       plugins={"auto_sessions": {"min_tokens": 100}})
+    previous = os.umask(0)  # the most permissive: every mode below is set, not inherited
+    try:
+        client = await strata_client_factory(strata_auto_sessions, settings=settings)
+        for name in ("a", "b"):  # the switch parks a
+            resp = await client.post("/v1/chat/completions", json={"messages": conversation(name), "max_tokens": 2})
+            assert resp.status == 200
+        await client.post("/slots/0?action=save", json={"filename": "by-hand.bin"})
+    finally:
+        os.umask(previous)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in slots.iterdir()}
+    assert stat.S_IMODE(slots.stat().st_mode) == 0o700
+    assert {n.rsplit(".", 1)[1] for n in modes} == {"bin", "json"} and len(modes) >= 3, modes
+    assert set(modes.values()) == {0o600}, {n: oct(m) for n, m in modes.items()}

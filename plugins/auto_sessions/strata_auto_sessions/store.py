@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from strata_serve.files import PRIVATE_FILE_MODE, make_private_dir
+
 log = logging.getLogger("strata_auto_sessions")
 
 PREFIX = "auto-"
@@ -123,7 +125,7 @@ class SessionStore:
 
     def prepare(self) -> int:
         """Create the directory and remove temporaries a crash left behind; returns how many."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+        make_private_dir(self.directory)
         removed = 0
         for leftover in self.directory.glob(f"{TEMP_PREFIX}*"):
             leftover.unlink(missing_ok=True)
@@ -140,7 +142,7 @@ class SessionStore:
         size = temp.stat().st_size
         if sidecar.bytes and size != sidecar.bytes:
             raise OSError(f"{temp_name} holds {size:,} bytes; the engine reported {sidecar.bytes:,}")
-        os.chmod(temp, 0o600)
+        os.chmod(temp, PRIVATE_FILE_MODE)
         sidecar.digest = sample_digest(temp)
         os.replace(temp, self.bin_path(key))
         self.write_sidecar(sidecar)
@@ -151,7 +153,8 @@ class SessionStore:
     def write_sidecar(self, sidecar: Sidecar) -> None:
         target = self.sidecar_path(sidecar.key)
         temp = self.directory / f"{TEMP_PREFIX}{sidecar.key}-{uuid.uuid4().hex[:8]}.json"
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
+        os.fchmod(fd, PRIVATE_FILE_MODE)  # the mode given to open passes through the umask
         with os.fdopen(fd, "w") as handle:
             json.dump(asdict(sidecar), handle)
         os.replace(temp, target)
