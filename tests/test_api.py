@@ -242,6 +242,21 @@ async def test_nesting_within_the_limit_is_answered(client):
     assert resp.status == 200, await resp.text()
 
 
+@pytest.mark.parametrize("raw, param", [
+    (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "top_k": NaN}', None),
+    (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "extra": [Infinity]}', None),
+    (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "extra": -1e999}', None),
+    (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 99999999999999999999}', "max_tokens"),
+])
+async def test_numbers_json_or_the_engine_cannot_hold_get_400_from_us(client, recorder, raw, param):
+    resp = await client.post("/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"})
+    body = await resp.json()
+    assert_openai_error(body, 400, resp.status)
+    assert isinstance(body["error"]["code"], str), "refused here, not relayed from the engine"
+    assert body["error"]["param"] == param
+    assert recorder.keys == []
+
+
 @pytest.mark.parametrize("raw", [
     b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}',
     b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udfffb"}]}]}',

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import re
 from typing import Any, Iterator
 
@@ -39,7 +40,7 @@ async def read_json(request: web.Request, model: type[BaseModel]) -> dict[str, A
     if not raw:
         raise APIError(400, "the request body is empty; a JSON object is expected")
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_not_json, parse_float=_finite_float)
     except RecursionError:
         raise APIError(400, f"the request body is nested more than {MAX_JSON_DEPTH} levels deep",
                        code="too_deeply_nested") from None
@@ -50,6 +51,18 @@ async def read_json(request: web.Request, model: type[BaseModel]) -> dict[str, A
     check_json_value(body)
     model.model_validate(body)
     return body
+
+
+def _not_json(word: str) -> Any:
+    # Python's parser takes NaN and Infinity, which JSON (and the engine) does not.
+    raise ValueError(f"{word} is not a JSON value")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999: valid JSON text, but no number a float holds
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
 
 
 #: Deepest nesting of arrays and objects accepted in a request body. Python's own

@@ -10,6 +10,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
 
+#: The engine keeps token counts in 32-bit integers and refuses larger ones.
+INT32_MAX = 2**31 - 1
+
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
@@ -30,8 +33,8 @@ class Message(_Open):
 class _Sampling(_Open):
     model: StrictStr | None = None
     stream: StrictBool = False
-    max_tokens: int | None = Field(None, ge=0)
-    max_completion_tokens: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
     n: int | None = Field(None, ge=1, le=1)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, ge=0, le=1)
