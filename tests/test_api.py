@@ -242,6 +242,54 @@ async def test_nesting_within_the_limit_is_answered(client):
     assert resp.status == 200, await resp.text()
 
 
+def chat_with(*messages, **extra) -> bytes:
+    return json.dumps({"messages": list(messages), "max_tokens": 1, **extra}).encode()
+
+
+USER = {"role": "user", "content": "x"}
+
+
+@pytest.mark.parametrize("raw, param", [
+    (chat_with({"role": "user", "content": [{"type": "text"}]}), "messages.0.content.str"),
+    (chat_with({"role": "user", "content": [{"type": "text", "text": 5}]}), "messages.0.content.str"),
+    (chat_with({"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}), "messages.0.content.str"),
+    (chat_with({"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": 1}}]}),
+     "messages.0.content.str"),
+    (chat_with(USER, {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}, USER),
+     "messages.1.tool_calls.0.type"),
+    (chat_with(USER, {"role": "assistant", "content": "a", "reasoning_content": 5}, USER),
+     "messages.1.reasoning_content"),
+    (chat_with(USER, tools=[{"type": "function"}]), "tools.0.function"),
+])
+async def test_malformed_messages_and_tools_get_400_not_the_engines_500(client, recorder, raw, param):
+    # The engine answers each of these with a 500 ("Failed to parse messages", ...),
+    # which used to reach the client as a 502 after a trip through the queue.
+    resp = await client.post("/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"})
+    body = await resp.json()
+    assert_openai_error(body, 400, resp.status)
+    assert body["error"]["param"] == param
+    assert recorder.keys == []
+
+
+async def test_well_formed_parts_tool_calls_and_tools_are_answered(client):
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    raw = chat_with({"role": "user", "content": [{"type": "text", "text": "x"}]},
+                    {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "content": "42", "tool_call_id": "c1"},
+                    tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+    resp = await client.post("/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"})
+    assert resp.status == 200, await resp.text()
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+async def test_a_body_that_cannot_be_decompressed_gets_400(client, encoding):
+    resp = await client.post("/v1/chat/completions", data=b"not compressed at all",
+                             headers={"Content-Type": "application/json", "Content-Encoding": encoding})
+    body = await resp.json()
+    assert_openai_error(body, 400, resp.status)
+    assert body["error"]["code"] == "unreadable_body"
+
+
 @pytest.mark.parametrize("raw, param", [
     (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "top_k": NaN}', None),
     (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "extra": [Infinity]}', None),

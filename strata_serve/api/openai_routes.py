@@ -11,6 +11,7 @@ import re
 from typing import Any, Iterator
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from pydantic import BaseModel
 
 from strata_serve.api.errors import APIError
@@ -37,6 +38,9 @@ async def read_json(request: web.Request, model: type[BaseModel]) -> dict[str, A
         raw = await asyncio.wait_for(request.read(), timeout)  # 413 past server.max_body_mib
     except asyncio.TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="read_timeout") from None
+    except RequestPayloadError as exc:  # e.g. Content-Encoding: gzip over bytes that are not gzip
+        raise APIError(400, f"the request body could not be read: {exc.__cause__ or exc}",
+                       code="unreadable_body") from None
     if not raw:
         raise APIError(400, "the request body is empty; a JSON object is expected")
     try:
