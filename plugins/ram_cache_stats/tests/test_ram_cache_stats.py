@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import signal
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -153,7 +154,9 @@ async def test_an_engine_restart_empties_the_ram_cache_without_counting_misses(s
         await ask(client, messages)
     generation = engine.generation
     os.kill(engine.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
     while engine.generation == generation:
+        assert time.monotonic() < deadline, "the engine was not restarted"
         await asyncio.sleep(0.05)
     reply = await ask(client, a)
     assert reply["timings"]["cache_n"] < 100
