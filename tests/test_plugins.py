@@ -11,6 +11,7 @@ from strata_serve.cli import cli
 from strata_serve.config import ConfigError, Settings
 from strata_serve.plugins import first_result, get_plugin_manager
 from strata_serve.testing import assert_openai_error
+from tests.hook_scenarios import HOOKS, SCENARIOS, Env, hook_plugin
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +167,24 @@ async def test_no_plugin_route_is_added_under_health(strata_client_factory, stra
     assert (await client.get("/healthy")).status == 401
     assert (await client.get("/healthy", headers={"Authorization": "Bearer k"})).status == 200
     assert (await client.get("/health")).status == 200
+
+
+@pytest.mark.parametrize("hook", sorted(HOOKS))
+async def test_a_plugin_that_raises_in_any_hook_never_fails_the_request(
+    hook, strata_client_factory, strata_settings_factory, recorder, caplog
+):
+    import logging
+
+    def boom(**arguments):
+        raise RuntimeError(f"boom in {hook}")
+
+    plugin = hook_plugin(hook, boom)
+    env = Env(strata_client_factory, strata_settings_factory, recorder)
+    with caplog.at_level(logging.ERROR):
+        await SCENARIOS[hook](env, plugin)
+    assert plugin.calls, f"the scenario never reached {hook}"
+    if hook == "on_config":
+        assert env.refused is not None and "only_on_config" in str(env.refused) and "boom" in str(env.refused)
+        return
+    failures = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any(plugin.strata_name in m and hook in m for m in failures), failures
