@@ -446,3 +446,13 @@ async def test_slot_directory_and_files_are_private_whatever_the_umask(strata_cl
     assert stat.S_IMODE(slots.stat().st_mode) == 0o700
     assert {n.rsplit(".", 1)[1] for n in modes} == {"bin", "json"} and len(modes) >= 3, modes
     assert set(modes.values()) == {0o600}, {n: oct(m) for n, m in modes.items()}
+
+
+@pytest.mark.parametrize("action", ["save", "restore"])
+async def test_a_symlink_loop_in_the_slot_directory_gets_400(client, action):
+    slot_dir = Path(client.app[SERVICE].engine.info.slot_save_path)
+    (slot_dir / "loop.bin").symlink_to("loop.bin")
+    resp = await client.post(f"/slots/0?action={action}", json={"filename": "loop.bin"})
+    body = await resp.json()
+    assert_openai_error(body, 400, resp.status)
+    assert body["error"]["param"] == "filename"
