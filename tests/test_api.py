@@ -375,15 +375,36 @@ async def test_a_page_from_another_origin_gets_403(client, recorder, method, pat
     assert not (Path(client.app[SERVICE].engine.info.slot_save_path) / "from-a-web-page.bin").exists()
 
 
-async def test_a_page_on_a_rebound_name_is_not_same_origin(client):
-    # DNS rebinding: evil.example now resolves to 127.0.0.1, so the browser sends
-    # Host and Origin that agree. Only an IP literal or localhost counts as same-origin.
+async def test_a_page_on_a_rebound_name_is_refused(client):
+    # DNS rebinding: evil.example now resolves to 127.0.0.1, so the browser sends Host
+    # and Origin that agree, and no Origin at all on a same-origin GET.
+    rebound = f"evil.example:{client.port}"
+    for origin in (b"Origin: http://" + rebound.encode() + b"\r\n", b""):
+        status, _, payload = await raw_exchange(client, b"GET /v1/models HTTP/1.1\r\n" + origin, host=rebound)
+        assert_openai_error(json.loads(payload), 403, status)
     status, _, payload = await raw_exchange(
-        client, b"GET /v1/models HTTP/1.1\r\nOrigin: http://evil.example:%d" % client.port,
-        host=f"evil.example:{client.port}")
+        client, b"POST /v1/chat/completions HTTP/1.1\r\nContent-Type: application/json\r\nOrigin: http://"
+        + rebound.encode(), json.dumps(chat_body()).encode(), host=rebound)
     assert_openai_error(json.loads(payload), 403, status)
-    same = await client.get("/v1/models", headers={"Origin": f"http://{client.host}:{client.port}"})
-    assert same.status == 200
+    # The server's own addresses, by IP or as localhost, are same-origin.
+    for host in (f"{client.host}:{client.port}", f"localhost:{client.port}"):
+        status, _, _ = await raw_exchange(client, b"GET /v1/models HTTP/1.1\r\nOrigin: http://" + host.encode(),
+                                          host=host)
+        assert status == 200
+
+
+async def test_names_are_trusted_when_listed_or_when_listening_beyond_loopback(strata_client_factory,
+                                                                              strata_settings_factory):
+    listed = strata_settings_factory(server={"allowed_origins": ["http://llm.home.example:8080"]})
+    client = await strata_client_factory(settings=listed)
+    status, _, _ = await raw_exchange(client, b"GET /v1/models HTTP/1.1", host="llm.home.example:8080")
+    assert status == 200
+    status, _, _ = await raw_exchange(client, b"GET /v1/models HTTP/1.1", host="other.example:8080")
+    assert status == 403
+    # Listening on every address, the server is meant to be reached by its names.
+    client = await strata_client_factory(settings=strata_settings_factory(server={"host": "0.0.0.0"}))
+    status, _, _ = await raw_exchange(client, b"GET /v1/models HTTP/1.1", host="gpu-box.lan:8080")
+    assert status == 200
 
 
 async def test_cors_preflight_answers_allowed_origins_only(strata_client_factory, strata_settings_factory):

@@ -7,6 +7,7 @@ import ipaddress
 import logging
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Iterable
+from urllib.parse import urlsplit
 
 import pluggy
 from aiohttp import web
@@ -109,6 +110,24 @@ async def health(request: web.Request) -> web.Response:
     )
 
 
+def _host_name(request: web.Request) -> str:
+    """The name in the Host header, without the port (from its text: building
+    ``request.url`` from a hostile Host can raise)."""
+    host = request.host.lower()
+    return host[1:].partition("]")[0] if host.startswith("[") else host.rpartition(":")[0] or host
+
+
+def _unrebindable(name: str) -> bool:
+    """An address no DNS answer can make point elsewhere: an IP literal or localhost."""
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
 def _same_origin(request: web.Request, origin: str) -> bool:
     """A page served by this very server, reached by an address no DNS answer can rebind.
 
@@ -116,30 +135,39 @@ def _same_origin(request: web.Request, origin: str) -> bool:
     the browser; only an IP literal or ``localhost`` is trusted here. Any other name
     goes in ``server.allowed_origins``.
     """
-    if origin.lower() != f"{request.scheme}://{request.host}".lower():
-        return False
-    # From the Host header's text: building request.url from a hostile Host can raise.
-    host = request.host.lower()
-    host = host[1:].partition("]")[0] if host.startswith("[") else host.rpartition(":")[0] or host
-    if host == "localhost":
-        return True
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
+    return origin.lower() == f"{request.scheme}://{request.host}".lower() and _unrebindable(_host_name(request))
 
 
 def _origin_allowed(request: web.Request, origin: str, allowed: frozenset[str]) -> bool:
     return origin.lower() in allowed or _same_origin(request, origin)
 
 
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def _browser_guard(settings: Settings):
     """Keep web pages from driving the server: Origin checked, JSON bodies only, CORS preflights answered."""
     allowed = frozenset(settings.server.allowed_origins)
+    # Listening on loopback, the server is reached by a loopback address. A request naming
+    # another host reached it through a name resolved to this machine: DNS rebinding, where
+    # a page's same-origin GETs carry no Origin at all. The allowed origins' names pass.
+    trusted_names = (frozenset(urlsplit(origin).hostname for origin in allowed)
+                     if _loopback(settings.server.host) else None)
 
     @web.middleware
     async def guard(request: web.Request, handler):
+        if trusted_names is not None and "Host" in request.headers:  # browsers always send one
+            name = _host_name(request)
+            if not (_unrebindable(name) or name in trusted_names):
+                return error_response(
+                    403, f"this server listens on a loopback address, and the request names the host "
+                    f"{name!r}: a web page whose name was made to resolve here is refused "
+                    "(server.allowed_origins lists the names that may be used)", code="host_not_allowed"
+                )
         origin = request.headers.get("Origin")
         if origin is not None:
             if not _origin_allowed(request, origin, allowed):
