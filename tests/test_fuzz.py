@@ -367,7 +367,7 @@ def test_openapi_document_describes_the_server(server):
 
 def test_slow_client_gets_408_and_huge_headers_get_4xx(server):
     with socket.create_connection(("127.0.0.1", server["port"])) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode()
                      + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"messa")
         sock.settimeout(10)
         began = time.monotonic()
