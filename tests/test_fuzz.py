@@ -351,6 +351,31 @@ def test_malformed_session_headers(server, session):
     assert answer.status == expected, answer.body[:300]
 
 
+@fuzz
+@given(host=st.one_of(st.binary(max_size=80), st.text(max_size=40).map(str.encode),
+                      st.sampled_from([b"[", b"[::1", b"[::1]:x", b":", b"localhost:", b"127.0.0.1:99999",
+                                       b"a..b", b"xn--", b"\xff.example"]))
+                 .map(lambda b: b.replace(b"\r", b"").replace(b"\n", b"").strip(b" \t")),
+       origin=st.booleans())
+def test_random_host_headers(server, host, origin):
+    assume(not re.search(rb"[\x00-\x08\x0a-\x1f\x7f]", host))
+    lines = [b"GET /v1/models HTTP/1.1", b"Host: " + host, b"Connection: close", b"Authorization: Bearer " + KEY.encode()]
+    if origin:
+        lines.append(b"Origin: http://" + host)
+    with socket.create_connection(("127.0.0.1", server["port"]), timeout=60) as sock:
+        sock.sendall(b"\r\n".join(lines) + b"\r\n\r\n")
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    assert raw, "the server dropped the connection without answering"
+    answer = Answer(raw)
+    check_error(answer)
+    name = host.decode("utf-8", "replace").lower().rpartition(":")[0] or host.decode("utf-8", "replace").lower()
+    if answer.status == 200:
+        assert name in ("127.0.0.1", "localhost", "") or name.startswith("[") or name.endswith(".localhost") \
+            or re.fullmatch(r"[0-9.]+", name), host
+
+
 def test_openapi_document_describes_the_server(server):
     answer = send(server, "GET", "/openapi.json")
     assert answer.status == 200
