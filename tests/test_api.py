@@ -414,7 +414,7 @@ async def test_cors_preflight_answers_allowed_origins_only(strata_client_factory
                  "Access-Control-Request-Headers": "authorization, content-type"}
     resp = await client.options("/v1/chat/completions", headers={"Origin": "http://ui.example:3000", **preflight})
     assert resp.status == 204
-    assert resp.headers["Access-Control-Allow-Origin"] == "http://ui.example:3000"
+    assert resp.headers.getall("Access-Control-Allow-Origin") == ["http://ui.example:3000"]
     assert "POST" in resp.headers["Access-Control-Allow-Methods"]
     assert "content-type" in resp.headers["Access-Control-Allow-Headers"]
     refused = await client.options("/v1/chat/completions", headers={"Origin": "http://evil.example", **preflight})

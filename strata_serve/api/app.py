@@ -206,7 +206,7 @@ def _cors_headers(settings: Settings):
 
     async def add(request: web.Request, response: web.StreamResponse) -> None:
         origin = request.headers.get("Origin")
-        if origin is not None and origin.lower() in allowed:
+        if origin is not None and origin.lower() in allowed and "Access-Control-Allow-Origin" not in response.headers:
             response.headers["Access-Control-Allow-Origin"] = origin
             response.headers.add("Vary", "Origin")
 
