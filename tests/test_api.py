@@ -415,6 +415,7 @@ async def test_cors_preflight_answers_allowed_origins_only(strata_client_factory
     resp = await client.options("/v1/chat/completions", headers={"Origin": "http://ui.example:3000", **preflight})
     assert resp.status == 204
     assert resp.headers.getall("Access-Control-Allow-Origin") == ["http://ui.example:3000"]
+    assert resp.headers.getall("Vary") == ["Origin"]
     assert "POST" in resp.headers["Access-Control-Allow-Methods"]
     assert "content-type" in resp.headers["Access-Control-Allow-Headers"]
     refused = await client.options("/v1/chat/completions", headers={"Origin": "http://evil.example", **preflight})
