@@ -40,6 +40,18 @@ def split_names(value: Any) -> Any:
     return value
 
 
+def check_api_key(key: SecretStr | None, what: str) -> SecretStr | None:
+    """Refuse a key that would let every request in, or that no client could send."""
+    if key is None:
+        return None
+    value = key.get_secret_value()
+    if not value:
+        raise ValueError(f"{what} is empty, which would turn authentication off; give a key or remove it")
+    if not re.fullmatch(r"[\x21-\x7e]+", value):
+        raise ValueError(f"{what} must be printable ASCII without spaces: it is sent as 'Authorization: Bearer <key>'")
+    return key
+
+
 class ConfigError(Exception):
     """The configuration cannot be used; the message says which key and why."""
 
@@ -57,14 +69,51 @@ class ServerSettings(BaseModel):
     def _tenant_names(cls, value: dict[str, SecretStr]) -> dict[str, SecretStr]:
         # Tenant names prefix conversation keys, which name files: keep them plain.
         folded: dict[str, str] = {}
-        for name in value:
+        for name, key in value.items():
             if not re.fullmatch(r"[A-Za-z0-9_]{1,32}", name):
                 raise ValueError(f"tenant name {name!r} must be 1-32 of letters, digits and _")
             # Their files would be one file on a case-insensitive file system (macOS).
             if name.lower() in folded:
                 raise ValueError(f"tenant names {folded[name.lower()]!r} and {name!r} differ only by case")
             folded[name.lower()] = name
+            check_api_key(key, f"the key of {name!r}")
         return value
+
+    @field_validator("api_key")
+    @classmethod
+    def _usable_key(cls, value: SecretStr | None) -> SecretStr | None:
+        return check_api_key(value, "the key")
+
+    @field_validator("allowed_origins", mode="before")
+    @classmethod
+    def _split_origins(cls, value: Any) -> Any:
+        return split_names(value)
+
+    @field_validator("allowed_origins")
+    @classmethod
+    def _plain_origins(cls, value: list[str]) -> list[str]:
+        # Compared as text with the browser's Origin header: only scheme://host[:port] can match.
+        for origin in value:
+            if not re.fullmatch(r"https?://[A-Za-z0-9.\-]+(:[0-9]{1,5})?|https?://\[[0-9A-Fa-f:.]+\](:[0-9]{1,5})?",
+                                origin):
+                raise ValueError(
+                    f"{origin!r} is not an origin: write scheme://host[:port] (no path, no '*'), "
+                    "as a browser sends it in the Origin header"
+                )
+        return [origin.lower() for origin in value]
+
+    @model_validator(mode="after")
+    def _distinct_keys(self) -> ServerSettings:
+        # With two holders of one key, the first configured would silently be the only one.
+        seen: dict[str, str] = {}
+        named = [(f"server.api_keys.{name}", key) for name, key in self.api_keys.items()]
+        if self.api_key is not None:
+            named.append(("server.api_key", self.api_key))
+        for where, key in named:
+            other = seen.setdefault(key.get_secret_value(), where)
+            if other != where:
+                raise ValueError(f"{other} and {where} are the same key; each holder needs its own")
+        return self
 
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
@@ -95,6 +144,10 @@ class ServerSettings(BaseModel):
         the plain ``api_key`` (or anyone, when no key is configured).
         """
         return self.tenant_isolation == "shared" or tenant is None
+
+    #: Browser origins (``scheme://host[:port]``) whose pages may call the API (CORS). Requests
+    #: carrying any other ``Origin`` are refused, so a web page cannot drive a local server.
+    allowed_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
 
 
 class EngineSettings(BaseModel):
@@ -201,7 +254,7 @@ def describe_validation_error(exc: ValidationError, prefix: str = "") -> str:
     lines = []
     for err in exc.errors():
         key = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
-        message = err["msg"]
+        message = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             message = "unknown key"
         lines.append(f"{key}: {message}")

@@ -151,7 +151,8 @@ def register_routes(service: Service) -> Iterable[web.RouteDef] | None:
 
     Return route definitions made with ``aiohttp.web.get(path, handler)`` and
     friends. They sit behind the same API-key check and error handling as the
-    built-in routes. Must be synchronous (routes are added while the app is built).
+    built-in routes. A route under ``/health`` (open to anyone) is refused and logged.
+    Must be synchronous (routes are added while the app is built).
 
     :param service: The service the routes will serve.
     :returns: An iterable of ``aiohttp.web.RouteDef``, or None.

@@ -74,8 +74,20 @@ def get_plugin_manager(
     except ConfigError:
         raise
     except Exception as exc:  # a plugin refusing to start with its own exception type
-        raise ConfigError(f"plugin configuration refused: {exc}") from exc
+        name = _raised_by(pm, "on_config", exc)
+        raise ConfigError(f"plugin {name or '(unknown)'} refused the configuration: {exc}") from exc
     return pm
+
+
+def _raised_by(pm: pluggy.PluginManager, hook_name: str, exc: BaseException) -> str | None:
+    """The plugin whose implementation of ``hook_name`` raised ``exc`` (pluggy does not say)."""
+    owners = {getattr(impl.function, "__code__", None): impl_plugin_name(pm, impl)
+              for impl in getattr(pm.hook, hook_name).get_hookimpls()}
+    name, frame = None, exc.__traceback__
+    while frame is not None:
+        name = owners.get(frame.tb_frame.f_code, name)
+        frame = frame.tb_next
+    return name
 
 
 def _check_sections(settings: Settings, pm: pluggy.PluginManager) -> None:

@@ -1,10 +1,14 @@
 """The HTTP API against the real engine: OpenAI SDK, streaming, errors in the OpenAI shape."""
 
+import asyncio
 import json
+import logging
+from pathlib import Path
 
 import openai
 import pytest
 
+from strata_serve.api import SERVICE
 from strata_serve.testing import assert_openai_error, chat_body
 
 
@@ -170,3 +174,307 @@ async def test_api_keys_are_compared_in_constant_time(strata_client_factory, str
     assert resp.status == 200
     # Every configured key is compared, whichever matches: the time does not tell which.
     assert sorted(compared) == [b"key-a", b"key-b", b"key-c"]
+
+
+async def raw_exchange(client, head: bytes, body: bytes = b"", host: str | None = None
+                       ) -> tuple[int, dict[str, str], bytes]:
+    """Send bytes exactly as given (no client library cleaning them up) and read the answer."""
+    reader, writer = await asyncio.open_connection(client.host, client.port)
+    try:
+        host = host or f"{client.host}:{client.port}"
+        writer.write(head.rstrip(b"\r\n") + b"\r\nHost: " + host.encode()
+                     + b"\r\nConnection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 30)
+    finally:
+        writer.close()
+    assert answer, "the server dropped the connection without answering"
+    status_line, _, rest = answer.partition(b"\r\n")
+    header_block, _, payload = rest.partition(b"\r\n\r\n")
+    headers = dict(line.decode("latin-1").split(": ", 1) for line in header_block.split(b"\r\n") if b": " in line)
+    return int(status_line.split(b" ", 2)[1]), headers, payload
+
+
+@pytest.mark.parametrize("authorization, accepted", [
+    (b"Bearer \xff", False),  # not UTF-8
+    (b"Bearer \xe8\xaa\x9e", False),  # UTF-8, not ASCII
+    (b"Bearer s3cret\xff", False),
+    (b"Bearer " + b"s3cret" * 1000, False),  # huge, under the header limit
+    (b"Basic s3cret", False),
+    (b"Bearer", False),
+    (b"Bearer\ts3cret", False),
+    (b"Bearer s3cret extra", False),
+    (b"s3cret", False),
+    (b"bearer s3cret", True),  # the scheme is case-insensitive
+    (b"Bearer   s3cret", True),
+])
+async def test_malformed_authorization_headers_get_401_in_the_shape(
+    strata_client_factory, strata_settings_factory, authorization, accepted
+):
+    client = await strata_client_factory(settings=strata_settings_factory(server={"api_key": "s3cret"}))
+    status, _, payload = await raw_exchange(client, b"GET /v1/models HTTP/1.1\r\nAuthorization: " + authorization)
+    if accepted:
+        assert status == 200, payload
+    else:
+        assert_openai_error(json.loads(payload), 401, status)
+
+
+NESTED_CHAT = '{"messages": [{"role": "user", "content": "nested"}], "max_tokens": 2, "metadata": %s}'
+
+
+@pytest.mark.parametrize("raw", [
+    b"[" * 100_000,
+    b'{"a": ' * 100_000,
+    (NESTED_CHAT % ('{"a": ' * 150 + "1" + "}" * 150)).encode(),  # parses, yet deeper than allowed
+    (NESTED_CHAT % ("[" * 5000 + "]" * 5000)).encode(),
+])
+async def test_deeply_nested_bodies_get_400(client, recorder, raw):
+    resp = await client.post("/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"})
+    body = await resp.json()
+    assert_openai_error(body, 400, resp.status)
+    assert body["error"]["code"] == "too_deeply_nested"
+    assert recorder.keys == []
+
+
+async def test_nesting_within_the_limit_is_answered(client):
+    raw = (NESTED_CHAT % ('{"a": ' * 90 + "1" + "}" * 90)).encode()
+    resp = await client.post("/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"})
+    assert resp.status == 200, await resp.text()
+
+
+def chat_with(*messages, **extra) -> bytes:
+    return json.dumps({"messages": list(messages), "max_tokens": 1, **extra}).encode()
+
+
+USER = {"role": "user", "content": "x"}
+
+
+@pytest.mark.parametrize("raw, param", [
+    (chat_with({"role": "user", "content": [{"type": "text"}]}), "messages.0.content.str"),
+    (chat_with({"role": "user", "content": [{"type": "text", "text": 5}]}), "messages.0.content.str"),
+    (chat_with({"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}), "messages.0.content.str"),
+    (chat_with({"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": 1}}]}),
+     "messages.0.content.str"),
+    (chat_with(USER, {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}, USER),
+     "messages.1.tool_calls.0.type"),
+    (chat_with(USER, {"role": "assistant", "content": "a", "reasoning_content": 5}, USER),
+     "messages.1.reasoning_content"),
+    (chat_with(USER, tools=[{"type": "function"}]), "tools.0.function"),
+])
+async def test_malformed_messages_and_tools_get_400_not_the_engines_500(client, recorder, raw, param):
+    # The engine answers each of these with a 500 ("Failed to parse messages", ...),
+    # which used to reach the client as a 502 after a trip through the queue.
+    resp = await client.post("/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"})
+    body = await resp.json()
+    assert_openai_error(body, 400, resp.status)
+    assert body["error"]["param"] == param
+    assert recorder.keys == []
+
+
+async def test_well_formed_parts_tool_calls_and_tools_are_answered(client):
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    raw = chat_with({"role": "user", "content": [{"type": "text", "text": "x"}]},
+                    {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "content": "42", "tool_call_id": "c1"},
+                    tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+    resp = await client.post("/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"})
+    assert resp.status == 200, await resp.text()
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+async def test_a_body_that_cannot_be_decompressed_gets_400(client, encoding):
+    resp = await client.post("/v1/chat/completions", data=b"not compressed at all",
+                             headers={"Content-Type": "application/json", "Content-Encoding": encoding})
+    body = await resp.json()
+    assert_openai_error(body, 400, resp.status)
+    assert body["error"]["code"] == "unreadable_body"
+
+
+@pytest.mark.parametrize("raw, param", [
+    (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "top_k": NaN}', None),
+    (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "extra": [Infinity]}', None),
+    (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "extra": -1e999}', None),
+    (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 99999999999999999999}', "max_tokens"),
+])
+async def test_numbers_json_or_the_engine_cannot_hold_get_400_from_us(client, recorder, raw, param):
+    resp = await client.post("/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"})
+    body = await resp.json()
+    assert_openai_error(body, 400, resp.status)
+    assert isinstance(body["error"]["code"], str), "refused here, not relayed from the engine"
+    assert body["error"]["param"] == param
+    assert recorder.keys == []
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}',
+    b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udfffb"}]}]}',
+    b'{"messages": [{"role": "user", "content": "x"}], "user": "\\udc80"}',
+    b'{"messages": [{"role": "user", "content": "x"}], "metadata": {"\\ud83d": 1}}',
+])
+async def test_lone_surrogates_are_refused_before_any_plugin_sees_them(client, recorder, raw, caplog):
+    resp = await client.post("/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"})
+    body = await resp.json()
+    assert_openai_error(body, 400, resp.status)
+    assert body["error"]["code"] == "invalid_unicode"
+    assert recorder.keys == [], "never keyed (the keying plugins would fail to hash it), never sent"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+@pytest.mark.parametrize("action", ["save", "restore"])
+@pytest.mark.parametrize("name", ["語" * 200, "é" * 128, "a\x01.bin", "\x7f"])
+async def test_slot_file_names_no_file_system_takes_get_400(client, action, name):
+    resp = await client.post(f"/slots/0?action={action}", json={"filename": name})
+    body = await resp.json()
+    assert_openai_error(body, 400, resp.status)
+    assert body["error"]["param"] == "filename"
+
+
+async def test_the_longest_multibyte_name_a_file_system_takes_is_saved_and_restored(client):
+    await client.post("/v1/chat/completions", json=chat_body("fill the slot"))
+    name = "語" * 83 + ".bin"  # 253 bytes
+    saved = await client.post("/slots/0?action=save", json={"filename": name})
+    assert saved.status == 200, await saved.text()
+    restored = await client.post("/slots/0?action=restore", json={"filename": name})
+    assert restored.status == 200, await restored.text()
+
+
+async def test_a_body_that_is_not_json_typed_gets_415_and_does_nothing(client, recorder):
+    slot_dir = client.app[SERVICE].engine.info.slot_save_path
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
+                         "application/jsonx", None):
+        headers = {"Content-Type": content_type} if content_type else {}
+        for path, body in [("/v1/chat/completions", chat_body()), ("/slots/0?action=save", {"filename": "x.bin"})]:
+            data = json.dumps(body).encode()
+            if content_type is None:
+                status, _, payload = await raw_exchange(client, f"POST {path} HTTP/1.1".encode(), data)
+                answer = json.loads(payload)
+            else:
+                resp = await client.post(path, data=data, headers=headers)
+                status, answer = resp.status, await resp.json()
+            assert_openai_error(answer, 415, status)
+    assert recorder.keys == [], "nothing reached the engine"
+    assert not (Path(slot_dir) / "x.bin").exists()
+    # JSON with a charset parameter is JSON; an action without a body needs no type.
+    ok = await client.post("/v1/chat/completions", data=json.dumps(chat_body()),
+                           headers={"Content-Type": "application/json; charset=utf-8"})
+    assert ok.status == 200
+    assert (await client.post("/slots/0?action=erase")).status == 200
+
+
+@pytest.mark.parametrize("method, path, body", [
+    ("POST", "/v1/chat/completions", chat_body()),
+    ("POST", "/slots/0?action=save", {"filename": "from-a-web-page.bin"}),
+    ("GET", "/v1/models", None),
+    ("GET", "/slots", None),
+])
+async def test_a_page_from_another_origin_gets_403(client, recorder, method, path, body):
+    resp = await client.request(method, path, json=body, headers={"Origin": "http://evil.example"})
+    assert_openai_error(await resp.json(), 403, resp.status)
+    assert "Access-Control-Allow-Origin" not in resp.headers
+    assert recorder.keys == []
+    assert not (Path(client.app[SERVICE].engine.info.slot_save_path) / "from-a-web-page.bin").exists()
+
+
+async def test_a_page_on_a_rebound_name_is_refused(client):
+    # DNS rebinding: evil.example now resolves to 127.0.0.1, so the browser sends Host
+    # and Origin that agree, and no Origin at all on a same-origin GET.
+    rebound = f"evil.example:{client.port}"
+    for origin in (b"Origin: http://" + rebound.encode() + b"\r\n", b""):
+        status, _, payload = await raw_exchange(client, b"GET /v1/models HTTP/1.1\r\n" + origin, host=rebound)
+        assert_openai_error(json.loads(payload), 403, status)
+    status, _, payload = await raw_exchange(
+        client, b"POST /v1/chat/completions HTTP/1.1\r\nContent-Type: application/json\r\nOrigin: http://"
+        + rebound.encode(), json.dumps(chat_body()).encode(), host=rebound)
+    assert_openai_error(json.loads(payload), 403, status)
+    # The server's own addresses, by IP or as localhost, are same-origin.
+    for host in (f"{client.host}:{client.port}", f"localhost:{client.port}"):
+        status, _, _ = await raw_exchange(client, b"GET /v1/models HTTP/1.1\r\nOrigin: http://" + host.encode(),
+                                          host=host)
+        assert status == 200
+
+
+async def test_names_are_trusted_when_listed_or_when_listening_beyond_loopback(strata_client_factory,
+                                                                              strata_settings_factory):
+    listed = strata_settings_factory(server={"allowed_origins": ["http://llm.home.example:8080"]})
+    client = await strata_client_factory(settings=listed)
+    status, _, _ = await raw_exchange(client, b"GET /v1/models HTTP/1.1", host="llm.home.example:8080")
+    assert status == 200
+    status, _, _ = await raw_exchange(client, b"GET /v1/models HTTP/1.1", host="other.example:8080")
+    assert status == 403
+    # Listening on every address, the server is meant to be reached by its names.
+    client = await strata_client_factory(settings=strata_settings_factory(server={"host": "0.0.0.0"}))
+    status, _, _ = await raw_exchange(client, b"GET /v1/models HTTP/1.1", host="gpu-box.lan:8080")
+    assert status == 200
+
+
+async def test_cors_preflight_answers_allowed_origins_only(strata_client_factory, strata_settings_factory):
+    settings = strata_settings_factory(server={"allowed_origins": ["http://ui.example:3000"], "api_key": "k"})
+    client = await strata_client_factory(settings=settings)
+    preflight = {"Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    resp = await client.options("/v1/chat/completions", headers={"Origin": "http://ui.example:3000", **preflight})
+    assert resp.status == 204
+    assert resp.headers.getall("Access-Control-Allow-Origin") == ["http://ui.example:3000"]
+    assert resp.headers.getall("Vary") == ["Origin"]
+    assert "POST" in resp.headers["Access-Control-Allow-Methods"]
+    assert "content-type" in resp.headers["Access-Control-Allow-Headers"]
+    refused = await client.options("/v1/chat/completions", headers={"Origin": "http://evil.example", **preflight})
+    assert_openai_error(await refused.json(), 403, refused.status)
+    assert "Access-Control-Allow-Origin" not in refused.headers
+    # The real request from the allowed page, streamed: its answer is readable there.
+    resp = await client.post("/v1/chat/completions", json=chat_body(stream=True),
+                             headers={"Origin": "http://ui.example:3000", "Authorization": "Bearer k"})
+    assert resp.status == 200
+    assert resp.headers["Access-Control-Allow-Origin"] == "http://ui.example:3000"
+    await resp.read()
+    without_key = await client.post("/v1/chat/completions", json=chat_body(),
+                                    headers={"Origin": "http://ui.example:3000"})
+    assert_openai_error(await without_key.json(), 401, without_key.status)
+
+
+async def test_health_is_terse_and_answers_get_and_head_only(strata_client_factory, strata_settings_factory):
+    client = await strata_client_factory(settings=strata_settings_factory(server={"api_key": "k"}))
+    resp = await client.get("/health")
+    assert resp.status == 200 and await resp.json() == {"status": "ok"}
+    assert (await client.head("/health")).status == 200
+    for method in ("POST", "PUT", "DELETE", "PATCH"):
+        resp = await client.request(method, "/health", headers={"Authorization": "Bearer k"})
+        assert_openai_error(await resp.json(), 405, resp.status)
+        resp = await client.request(method, "/health")
+        assert_openai_error(await resp.json(), 401, resp.status)
+
+
+async def test_slot_directory_and_files_are_private_whatever_the_umask(strata_client_factory, strata_settings_factory,
+                                                                       tmp_path):
+    import os
+    import stat
+
+    import strata_auto_sessions
+    from strata_serve.testing import conversation
+
+    slots = tmp_path / "made" / "slots"
+    settings = strata_settings_factory(engine={"slot_save_path": str(slots)},
+                                       plugins={"auto_sessions": {"min_tokens": 100}})
+    previous = os.umask(0)  # the most permissive: every mode below is set, not inherited
+    try:
+        client = await strata_client_factory(strata_auto_sessions, settings=settings)
+        for name in ("a", "b"):  # the switch parks a
+            resp = await client.post("/v1/chat/completions", json={"messages": conversation(name), "max_tokens": 2})
+            assert resp.status == 200
+        await client.post("/slots/0?action=save", json={"filename": "by-hand.bin"})
+    finally:
+        os.umask(previous)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in slots.iterdir()}
+    assert stat.S_IMODE(slots.stat().st_mode) == 0o700
+    assert {n.rsplit(".", 1)[1] for n in modes} == {"bin", "json"} and len(modes) >= 3, modes
+    assert set(modes.values()) == {0o600}, {n: oct(m) for n, m in modes.items()}
+
+
+@pytest.mark.parametrize("action", ["save", "restore"])
+async def test_a_symlink_loop_in_the_slot_directory_gets_400(client, action):
+    slot_dir = Path(client.app[SERVICE].engine.info.slot_save_path)
+    (slot_dir / "loop.bin").symlink_to("loop.bin")
+    resp = await client.post(f"/slots/0?action={action}", json={"filename": "loop.bin"})
+    body = await resp.json()
+    assert_openai_error(body, 400, resp.status)
+    assert body["error"]["param"] == "filename"

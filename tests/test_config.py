@@ -94,3 +94,32 @@ def test_tenant_names_must_be_plain():
     with pytest.raises(ConfigError, match="server.api_keys"):
         load_settings(server={"api_keys": {"../evil": "k"}})
     assert load_settings(server={"api_keys": {"team_a": "k"}}).server.api_keys["team_a"].get_secret_value() == "k"
+
+
+@pytest.mark.parametrize("text, named", [
+    ('[server]\napi_key = ""', "server.api_key: the key is empty, which would turn authentication off"),
+    ('[server.api_keys]\nalice = "ka"\nbob = ""', "server.api_keys: the key of 'bob' is empty"),
+    ('[server]\napi_key = "two words"', "server.api_key: the key must be printable ASCII without spaces"),
+    ('[server]\napi_key = "kéy"', "server.api_key: the key must be printable ASCII"),
+    ('[server.api_keys]\nalice = "same"\nbob = "same"', "server.api_keys.alice and server.api_keys.bob are the same"),
+    ('[server]\napi_key = "same"\n[server.api_keys]\nalice = "same"', "server.api_keys.alice and server.api_key"),
+    ('[server]\nallowed_origins = ["*"]', "server.allowed_origins: '*' is not an origin"),
+    ('[server]\nallowed_origins = ["http://ui.example/app"]', "server.allowed_origins: 'http://ui.example/app'"),
+])
+def test_keys_that_would_open_or_confuse_authentication_stop_the_start(tmp_path, text, named):
+    config = tmp_path / "strata.toml"
+    config.write_text(text + "\n")
+    with pytest.raises(ConfigError) as refused:
+        load_settings(config)
+    assert named in str(refused.value)
+
+
+def test_an_empty_key_from_the_environment_stops_the_start_too(monkeypatch):
+    monkeypatch.setenv("STRATA_SERVER__API_KEY", "")
+    with pytest.raises(ConfigError, match="server.api_key: the key is empty"):
+        load_settings()
+
+
+def test_allowed_origins_from_the_environment_and_compared_in_lower_case(monkeypatch):
+    monkeypatch.setenv("STRATA_SERVER__ALLOWED_ORIGINS", "http://UI.example:3000, https://[::1]:8443")
+    assert load_settings().server.allowed_origins == ["http://ui.example:3000", "https://[::1]:8443"]

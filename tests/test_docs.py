@@ -42,12 +42,29 @@ def test_hook_documented_in_the_guide_by_signature(name, spec):
     assert f"### `{signature}`" in GUIDE, f"docs/writing-plugins.md needs a section for {signature}"
 
 
+def test_every_hook_has_a_scenario_that_reaches_it():
+    from tests.hook_scenarios import SCENARIOS
+
+    assert set(SCENARIOS) == {name for name, _ in HOOKS}, "tests/hook_scenarios.py: one scenario per hook"
+
+
 @pytest.mark.parametrize("name, spec", HOOKS, ids=[name for name, _ in HOOKS])
-def test_hook_has_an_implementation_under_test(name, spec):
-    test_files = list((ROOT / "tests").glob("**/*.py")) + list((ROOT / "plugins").glob("*/tests/**/*.py"))
-    test_files += list((ROOT / "docs" / "examples").glob("*.py"))  # run by test_doc_examples.py
-    pattern = re.compile(rf"^\s*(async )?def {name}\(", re.M)
-    assert any(pattern.search(f.read_text()) for f in test_files), f"no test implements {name}"
+async def test_hook_is_called_with_every_documented_argument(name, spec, strata_client_factory,
+                                                             strata_settings_factory, recorder):
+    # A real run of the server, not a search of the test files: the hook must be reached,
+    # and an implementation that asks for every documented argument must get them all
+    # (one the core forgot would make the call fail, and the call would not be recorded).
+    from tests.hook_scenarios import SCENARIOS, Env, hook_plugin
+
+    plugin = hook_plugin(name, lambda **arguments: None)
+    await SCENARIOS[name](Env(strata_client_factory, strata_settings_factory, recorder), plugin)
+    assert plugin.calls, f"{name} was never called"
+    documented = list(inspect.signature(spec).parameters)
+    for arguments in plugin.calls:
+        assert list(arguments) == documented
+    required = {"settings", "service", "request", "outcome", "engine", "op", "restarted"}
+    for argument in required & set(documented):
+        assert all(arguments[argument] is not None for arguments in plugin.calls), argument
 
 
 def test_guide_examples_are_the_tested_files():

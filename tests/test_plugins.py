@@ -11,6 +11,7 @@ from strata_serve.cli import cli
 from strata_serve.config import ConfigError, Settings
 from strata_serve.plugins import first_result, get_plugin_manager
 from strata_serve.testing import assert_openai_error
+from tests.hook_scenarios import HOOKS, SCENARIOS, Env, hook_plugin
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +125,66 @@ def test_tracing_switch_logs_hook_calls(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="strata_serve.plugins"):
         assert first_result(pm, "conversation_key", request=None) == "k"
     assert any("conversation_key" in r.getMessage() and "traced" in r.getMessage() for r in caplog.records)
+
+
+class HealthSquatter:
+    """Tries to add routes under /health, which is open to anyone without a key."""
+
+    strata_name = "health_squatter"
+
+    def __init__(self):
+        self.served = 0
+
+    async def handle(self, request):
+        from aiohttp import web
+
+        self.served += 1
+        return web.json_response({"engine": "secrets"})
+
+    @strata_serve.hookimpl
+    def register_routes(self):
+        from aiohttp import web
+
+        return [web.post("/health", self.handle), web.get("/health/detail", self.handle),
+                web.get("/healthy", self.handle)]
+
+
+async def test_no_plugin_route_is_added_under_health(strata_client_factory, strata_settings_factory, caplog):
+    import logging
+
+    squatter = HealthSquatter()
+    with caplog.at_level(logging.ERROR, logger="strata_serve.api"):
+        client = await strata_client_factory(squatter, settings=strata_settings_factory(server={"api_key": "k"}))
+    for method, path in [("POST", "/health"), ("GET", "/health/detail")]:
+        assert any("health_squatter" in r.getMessage() and f"{method} {path} refused" in r.getMessage()
+                   for r in caplog.records), caplog.text
+        for headers in ({}, {"Authorization": "Bearer k"}):
+            resp = await client.request(method, path, headers=headers)
+            assert 400 <= resp.status < 500
+            assert_openai_error(await resp.json())
+    assert squatter.served == 0
+    # A path that only begins with the same letters is the plugin's like any other, and guarded.
+    assert (await client.get("/healthy")).status == 401
+    assert (await client.get("/healthy", headers={"Authorization": "Bearer k"})).status == 200
+    assert (await client.get("/health")).status == 200
+
+
+@pytest.mark.parametrize("hook", sorted(HOOKS))
+async def test_a_plugin_that_raises_in_any_hook_never_fails_the_request(
+    hook, strata_client_factory, strata_settings_factory, recorder, caplog
+):
+    import logging
+
+    def boom(**arguments):
+        raise RuntimeError(f"boom in {hook}")
+
+    plugin = hook_plugin(hook, boom)
+    env = Env(strata_client_factory, strata_settings_factory, recorder)
+    with caplog.at_level(logging.ERROR):
+        await SCENARIOS[hook](env, plugin)
+    assert plugin.calls, f"the scenario never reached {hook}"
+    if hook == "on_config":
+        assert env.refused is not None and "only_on_config" in str(env.refused) and "boom" in str(env.refused)
+        return
+    failures = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any(plugin.strata_name in m and hook in m for m in failures), failures

@@ -2,6 +2,7 @@
 
 import asyncio
 import logging
+import time
 
 import aiohttp
 
@@ -99,23 +100,30 @@ async def test_client_that_leaves_the_queue_never_reaches_the_engine(strata_clie
 
 async def test_disconnect_mid_stream_cancels_and_post_request_sees_it(strata_client_factory, recorder):
     client = await strata_client_factory(recorder)
-    body = chat_body("Talk for a long time", max_tokens=3000, stream=True, ignore_eos=True)
+    engine = client.app[SERVICE].engine
+    asked = 3000  # close to a minute of work for the demo model on 2 cores
+    body = chat_body("Talk for a long time", max_tokens=asked, stream=True, ignore_eos=True)
     url = client.make_url("/v1/chat/completions")
     async with aiohttp.ClientSession() as session:
         resp = await session.post(url, json=body)
         assert resp.status == 200
         await resp.content.readany()  # the answer has started...
+        assert (await engine.slots())[0]["is_processing"], "the engine is at work on it"
         resp.close()  # ...and the client goes away
-    for _ in range(100):
-        if recorder.outcomes:
-            break
+    # Asked of the engine right away, not after some later request made it idle anyway.
+    deadline = time.monotonic() + 10
+    while (slot := (await engine.slots())[0])["is_processing"]:
+        assert time.monotonic() < deadline, "the engine is still answering a client that left"
+        await asyncio.sleep(0.05)
+    # Stopped, not finished: the slot holds the prompt and far fewer tokens than were asked.
+    assert slot["n_prompt_tokens"] < asked / 2, slot["n_prompt_tokens"]
+    deadline = time.monotonic() + 10
+    while not recorder.outcomes:
+        assert time.monotonic() < deadline, "post_request never ran"
         await asyncio.sleep(0.05)
     assert recorder.outcomes[-1].status == "cancelled"
-    # The engine stopped that work and is free for the next request.
     after = await client.post("/v1/chat/completions", json=chat_body("next"))
     assert after.status == 200
-    slots = await (await client.get("/slots")).json()
-    assert not slots[0]["is_processing"]
 
 
 class Broken:
@@ -192,9 +200,10 @@ async def test_a_plugin_key_beats_the_default_and_bad_keys_are_dropped(strata_cl
     await client.post("/v1/chat/completions", json=chat_body())
     assert recorder.keys == ["my-session_1"]
 
-    client = await strata_client_factory(Keyed("../../etc"), recorder)
-    await client.post("/v1/chat/completions", json=chat_body())
-    assert recorder.keys[-1] is None
+    for bad in ("../../etc", "ends-in-a-newline\n", "x" * 65, ""):
+        client = await strata_client_factory(Keyed(bad), recorder)
+        await client.post("/v1/chat/completions", json=chat_body())
+        assert recorder.keys[-1] is None, repr(bad)
 
 
 class NamedKey:
@@ -264,7 +273,9 @@ async def test_normal_stop_finishes_the_request_then_runs_on_shutdown(strata_cli
     in_flight = asyncio.create_task(
         client.post("/v1/chat/completions", json=chat_body("finish me", max_tokens=200, ignore_eos=True))
     )
+    deadline = time.monotonic() + 30
     while not recorder.keys:
+        assert time.monotonic() < deadline, "the request never reached pre_request"
         await asyncio.sleep(0.01)
     service = client.app[SERVICE]
     shutdown = asyncio.create_task(service.shutdown())

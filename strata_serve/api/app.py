@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterable
+from urllib.parse import urlsplit
 
 import pluggy
 from aiohttp import web
@@ -20,8 +22,11 @@ from strata_serve.service import Service
 
 log = logging.getLogger("strata_serve.api")
 
-#: Routes anyone may call, even when API keys are configured.
-OPEN_PATHS = frozenset({"/health"})
+#: The one path anyone may call (GET and HEAD only), even when API keys are configured.
+HEALTH_PATH = "/health"
+#: What a request with a body must be: a browser form or ``text/plain`` body is refused, so a
+#: cross-site page can only send a body after a CORS preflight that names its origin.
+JSON_TYPE = "application/json"
 
 
 def create_app(settings: Settings, pm: pluggy.PluginManager, engine: Engine | None = None) -> web.Application:
@@ -40,21 +45,24 @@ def create_app(settings: Settings, pm: pluggy.PluginManager, engine: Engine | No
 
     engine.on_start = engine_started
 
+    open_routes: set[web.AbstractRoute] = set()
     app = web.Application(
-        middlewares=[error_middleware, _auth_middleware(settings)],
+        middlewares=[error_middleware, _browser_guard(settings), _auth_middleware(settings, open_routes)],
         client_max_size=int(settings.server.max_body_mib * 1024 * 1024),
     )
     app[SERVICE] = service
     app.add_routes(openai_routes.routes)
     app.add_routes(slots.routes)
-    app.router.add_get("/health", health)
+    # Open by route, not by path: another method on /health is never open.
+    open_routes.update(app.router.add_route(method, HEALTH_PATH, health) for method in ("GET", "HEAD"))
     app.router.add_get("/openapi.json", openapi.openapi)
     for name, routes in call_each_sync(pm, "register_routes", service=service):
         if routes:
             try:
-                app.add_routes(list(routes))
+                app.add_routes(_plugin_routes(name, routes))
             except (TypeError, ValueError, RuntimeError) as exc:
                 log.error("[strata] plugin %s: its routes were refused: %s", name, exc)
+    app.on_response_prepare.append(_cors_headers(settings))
     app.cleanup_ctx.append(_engine_lifecycle)
     app.on_shutdown.append(_drain)
     return app
@@ -78,18 +86,134 @@ async def _drain(app: web.Application) -> None:
     await app[SERVICE].shutdown()
 
 
+def _plugin_routes(plugin: str, routes: Iterable[web.AbstractRouteDef]) -> list[web.AbstractRouteDef]:
+    """A plugin's routes, minus any under ``/health``: that path stays open, terse and read-only."""
+    kept = []
+    for route in routes:
+        path = getattr(route, "path", getattr(route, "prefix", ""))
+        if path == HEALTH_PATH or path.startswith((HEALTH_PATH + "/", HEALTH_PATH + "{")):
+            log.error("[strata] plugin %s: route %s %s refused: nothing may be added under %s",
+                      plugin, getattr(route, "method", "*"), path, HEALTH_PATH)
+            continue
+        kept.append(route)
+    return kept
+
+
 async def health(request: web.Request) -> web.Response:
+    """Open to anyone, so it says whether the server can answer and nothing else."""
     service = request.app[SERVICE]
     if service.closing:
         return web.json_response({"status": "stopping"}, status=503)
     engine_ok = await service.engine.health()
     return web.json_response(
-        {"status": "ok" if engine_ok else "engine_unavailable", "engine": service.engine.info.url},
-        status=200 if engine_ok else 503,
+        {"status": "ok" if engine_ok else "engine_unavailable"}, status=200 if engine_ok else 503
     )
 
 
-def _auth_middleware(settings: Settings):
+def _host_name(request: web.Request) -> str:
+    """The name in the Host header, without the port (from its text: building
+    ``request.url`` from a hostile Host can raise)."""
+    host = request.host.lower()
+    return host[1:].partition("]")[0] if host.startswith("[") else host.rpartition(":")[0] or host
+
+
+def _unrebindable(name: str) -> bool:
+    """An address no DNS answer can make point elsewhere: an IP literal or localhost."""
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _same_origin(request: web.Request, origin: str) -> bool:
+    """A page served by this very server, reached by an address no DNS answer can rebind.
+
+    A name (``evil.example`` made to resolve to 127.0.0.1) would look same-origin to
+    the browser; only an IP literal or ``localhost`` is trusted here. Any other name
+    goes in ``server.allowed_origins``.
+    """
+    return origin.lower() == f"{request.scheme}://{request.host}".lower() and _unrebindable(_host_name(request))
+
+
+def _origin_allowed(request: web.Request, origin: str, allowed: frozenset[str]) -> bool:
+    return origin.lower() in allowed or _same_origin(request, origin)
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _browser_guard(settings: Settings):
+    """Keep web pages from driving the server: Origin checked, JSON bodies only, CORS preflights answered."""
+    allowed = frozenset(settings.server.allowed_origins)
+    # Listening on loopback, the server is reached by a loopback address. A request naming
+    # another host reached it through a name resolved to this machine: DNS rebinding, where
+    # a page's same-origin GETs carry no Origin at all. The allowed origins' names pass.
+    trusted_names = (frozenset(urlsplit(origin).hostname for origin in allowed)
+                     if _loopback(settings.server.host) else None)
+
+    @web.middleware
+    async def guard(request: web.Request, handler):
+        if trusted_names is not None and "Host" in request.headers:  # browsers always send one
+            name = _host_name(request)
+            if not (_unrebindable(name) or name in trusted_names):
+                return error_response(
+                    403, f"this server listens on a loopback address, and the request names the host "
+                    f"{name!r}: a web page whose name was made to resolve here is refused "
+                    "(server.allowed_origins lists the names that may be used)", code="host_not_allowed"
+                )
+        origin = request.headers.get("Origin")
+        if origin is not None:
+            if not _origin_allowed(request, origin, allowed):
+                return error_response(
+                    403, f"requests from the web page at {origin!r} are not allowed "
+                    "(server.allowed_origins lists the origins that are)", code="origin_not_allowed"
+                )
+            if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+                return _preflight(request, origin)
+        if request.body_exists and request.content_type != JSON_TYPE:
+            return error_response(
+                415, f"the request body must be JSON (Content-Type: {JSON_TYPE}), "
+                f"not {request.headers.get('Content-Type', 'unnamed')!r}", code="unsupported_media_type"
+            )
+        return await handler(request)
+
+    return guard
+
+
+def _preflight(request: web.Request, origin: str) -> web.Response:
+    headers = {
+        "Access-Control-Allow-Origin": origin,
+        "Access-Control-Allow-Methods": "GET, HEAD, POST",
+        "Access-Control-Max-Age": "600",
+        "Vary": "Origin",
+    }
+    asked = request.headers.get("Access-Control-Request-Headers")
+    if asked:
+        headers["Access-Control-Allow-Headers"] = asked
+    return web.Response(status=204, headers=headers)
+
+
+def _cors_headers(settings: Settings):
+    """Let an allowed origin's page read the answer (streamed ones too: added as headers go out)."""
+    allowed = frozenset(settings.server.allowed_origins)
+
+    async def add(request: web.Request, response: web.StreamResponse) -> None:
+        origin = request.headers.get("Origin")
+        if origin is not None and origin.lower() in allowed and "Access-Control-Allow-Origin" not in response.headers:
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers.add("Vary", "Origin")
+
+    return add
+
+
+def _auth_middleware(settings: Settings, open_routes: set[web.AbstractRoute]):
     keys: dict[str | None, bytes] = {
         name: secret.get_secret_value().encode() for name, secret in settings.server.api_keys.items()
     }
@@ -98,11 +222,9 @@ def _auth_middleware(settings: Settings):
 
     @web.middleware
     async def check_key(request: web.Request, handler):
-        if not keys or request.path in OPEN_PATHS:
+        if not keys or request.match_info.route in open_routes:
             return await handler(request)
-        header = request.headers.get("Authorization", "")
-        scheme, _, given = header.partition(" ")
-        presented = given.strip().encode() if scheme.lower() == "bearer" else b""
+        presented = _bearer_token(request.headers.get("Authorization", ""))
         tenant_found = False
         # Compare against every key, in constant time each, so timing tells nothing.
         for tenant, key in keys.items():
@@ -116,3 +238,18 @@ def _auth_middleware(settings: Settings):
         return await handler(request)
 
     return check_key
+
+
+def _bearer_token(header: str) -> bytes:
+    """The token of ``Bearer <token>`` as the bytes the client sent; empty for anything else.
+
+    Header text may hold bytes that are not UTF-8 (kept as surrogates by the parser):
+    they are turned back into those bytes, which then simply match no key.
+    """
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer":
+        return b""
+    try:
+        return token.lstrip(" ").encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # not text a parser can produce from bytes; matches nothing
+        return b""

@@ -19,6 +19,7 @@ _TYPES = {
     408: "timeout_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     502: "engine_error",
     503: "service_unavailable",
@@ -48,7 +49,8 @@ def validation_error_response(exc: ValidationError) -> web.Response:
     first = exc.errors()[0]
     param = ".".join(str(p) for p in first["loc"]) or None
     problems = "; ".join(
-        f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in exc.errors()[:5]
+        f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg'].removeprefix('Value error, ')}"
+        for err in exc.errors()[:5]
     )
     return error_response(400, f"invalid request: {problems}", param=param, code="invalid_value")
 

@@ -6,9 +6,12 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
+import re
 from typing import Any, Iterator
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from pydantic import BaseModel
 
 from strata_serve.api.errors import APIError
@@ -36,16 +39,72 @@ async def read_json(request: web.Request, model: type[BaseModel]) -> dict[str, A
         raw = await asyncio.wait_for(request.read(), timeout)  # 413 past server.max_body_mib
     except asyncio.TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="read_timeout") from None
+    except RequestPayloadError as exc:  # e.g. Content-Encoding: gzip over bytes that are not gzip
+        raise APIError(400, f"the request body could not be read: {exc.__cause__ or exc}",
+                       code="unreadable_body") from None
     if not raw:
         raise APIError(400, "the request body is empty; a JSON object is expected")
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_not_json, parse_float=_finite_float)
+    except RecursionError:
+        raise APIError(400, f"the request body is nested more than {MAX_JSON_DEPTH} levels deep",
+                       code="too_deeply_nested") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    check_json_value(body)
     model.model_validate(body)
     return body
+
+
+def _not_json(word: str) -> Any:
+    # Python's parser takes NaN and Infinity, which JSON (and the engine) does not.
+    raise ValueError(f"{word} is not a JSON value")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999: valid JSON text, but no number a float holds
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
+#: Deepest nesting of arrays and objects accepted in a request body. Python's own
+#: parser stops near 1,000 levels (a RecursionError); whatever handles the body later
+#: (validation, the relay's encoder, the engine's parser) recurses too.
+MAX_JSON_DEPTH = 100
+
+
+def check_json_value(value: Any) -> None:
+    """Refuse what parsed as JSON yet cannot be handled safely: deep nesting, lone surrogates.
+
+    JSON's ``\\ud800`` escapes can make strings that are not Unicode text; encoding
+    them (to hash a key, to name a file, to log) would fail far from here.
+
+    :raises APIError: 400 naming the problem.
+    """
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii() and _SURROGATE.search(item):
+                raise APIError(400, "the request body holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape "
+                               "outside a pair), which is not text", code="invalid_unicode")
+            continue
+        if isinstance(item, dict):
+            children = [*item.keys(), *item.values()]
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(400, f"the request body is nested more than {MAX_JSON_DEPTH} levels deep",
+                           code="too_deeply_nested")
+        stack.extend((child, depth + 1) for child in children)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @routes.post("/v1/chat/completions")

@@ -24,7 +24,7 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-_ERRORS = {"400", "401", "404", "405", "408", "409", "413", "502", "503"}
+_ERRORS = {"400", "401", "403", "404", "405", "408", "409", "413", "415", "502", "503"}
 
 
 def _json(ref: str) -> dict[str, Any]:

@@ -71,7 +71,11 @@ def slot_file(slot_dir: Path, filename: str, shown: str | None = None) -> Path:
         raise APIError(400, f"invalid filename {shown!r}: a plain file name is expected",
                        param="filename", code="invalid_filename")
     base = slot_dir.resolve()
-    target = (base / filename).resolve()
+    try:
+        target = (base / filename).resolve()
+    except (OSError, RuntimeError) as exc:  # a symlink loop (RuntimeError before Python 3.13)
+        raise APIError(400, f"invalid filename {filename!r}: it cannot be resolved ({exc})",
+                       param="filename", code="invalid_filename") from None
     if target.parent != base:
         raise APIError(400, f"invalid filename {shown!r}: it leads outside the slot directory",
                        param="filename", code="invalid_filename")

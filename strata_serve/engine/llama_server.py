@@ -23,6 +23,7 @@ import aiohttp
 from strata_serve.config import ConfigError, EngineSettings
 from strata_serve.engine.base import EngineInfo, EngineUnavailable
 from strata_serve.exchange import EngineError
+from strata_serve.files import make_private_dir
 
 log = logging.getLogger("strata_serve.engine")
 engine_log = logging.getLogger("strata_serve.engine.output")
@@ -206,7 +207,7 @@ class LlamaServer:
         try:
             if self.managed:
                 if self.settings.slot_save_path is not None:
-                    Path(self.settings.slot_save_path).mkdir(parents=True, exist_ok=True)
+                    make_private_dir(Path(self.settings.slot_save_path))
                 await self._spawn()
             else:
                 log.info("[strata] attaching to the engine at %s", self.info.url)
@@ -275,6 +276,8 @@ class LlamaServer:
             # we have drained and saved. But if we die unasked, it goes with us.
             start_new_session=True,
             preexec_fn=_die_with_parent,
+            # What it writes (slot files, their temporaries) is private, whatever our umask.
+            umask=0o077,
         )
         self._pump = asyncio.create_task(self._forward_output(self._proc), name="strata-engine-log")
         await self._wait_healthy(self._proc)

@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from strata_serve.files import PRIVATE_FILE_MODE, make_private_dir
+
 log = logging.getLogger("strata_auto_sessions")
 
 PREFIX = "auto-"
@@ -161,7 +163,7 @@ class SessionStore:
 
     def prepare(self) -> int:
         """Create the directory and remove temporaries a crash left behind; returns how many."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+        make_private_dir(self.directory)
         removed = 0
         for leftover in self.directory.iterdir():
             if TEMP_NAME.fullmatch(leftover.name) and not leftover.is_symlink():
@@ -196,7 +198,7 @@ class SessionStore:
         size = temp.stat().st_size
         if sidecar.bytes and size != sidecar.bytes:
             raise OSError(f"{temp_name} holds {size:,} bytes; the engine reported {sidecar.bytes:,}")
-        os.chmod(temp, 0o600)
+        os.chmod(temp, PRIVATE_FILE_MODE)
         sidecar.digest = sample_digest(temp)
         _fsync(temp)  # the data is on disk before the name says it is there
         # The sidecar first: a file is ours only with it, so a crash between the two
@@ -211,7 +213,8 @@ class SessionStore:
     def write_sidecar(self, sidecar: Sidecar) -> None:
         target = self.sidecar_path(sidecar.key)
         temp = self.directory / _temp_name(sidecar.key, ".json")
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
+        os.fchmod(fd, PRIVATE_FILE_MODE)  # the mode given to open passes through the umask
         with os.fdopen(fd, "w") as handle:
             json.dump(asdict(sidecar), handle)
             handle.flush()

@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import signal
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
