@@ -124,7 +124,8 @@ def report(rows: list[dict[str, Any]], load: tuple[list[float], list[float]], co
         "",
         f"Made by `{command}` on {datetime.date.today().isoformat()}; machine: {machine()}.",
         f"Load average (1, 5, 15 min) before: {', '.join(f'{x:.1f}' for x in load[0])}; "
-        f"after: {', '.join(f'{x:.1f}' for x in load[1])} (other work shares these 2 cores).",
+        f"after: {', '.join(f'{x:.1f}' for x in load[1])} (other work shares these 2 cores: prefill "
+        "speeds move several-fold with it, so read the last column rather than the absolute times).",
         "",
         "One slot, context 8,192, the engine's RAM cache off (every return goes through the disk). "
         "A, then B (A parked), then A's next turn: through strata-serve with auto-sessions "
