@@ -151,8 +151,9 @@ async def serve(settings: Settings) -> None:
                  ", ".join(sorted(name for name, p in pm.list_name_plugin() if p is not None)))
         log.info(
             "[strata] try: curl http://%s:%d/v1/chat/completions -H 'Content-Type: application/json' "
-            "-d '{\"messages\":[{\"role\":\"user\",\"content\":\"What is the capital of France?\"}],"
-            "\"max_tokens\":64}'",
+            "-d '{\"messages\":[{\"role\":\"user\","
+            "\"content\":\"What is the capital of France? Answer in one sentence.\"}],"
+            "\"max_tokens\":64,\"temperature\":0}'",
             host, port,
         )
         await stop.wait()

@@ -109,10 +109,12 @@ def test_the_readmes_first_curl_gets_a_real_answer_from_the_default_model(tmp_pa
     ) as proc:
         try:
             deadline = time.monotonic() + 120
-            while "listening on" not in log_file.read_text():
+            while "[strata] try: curl" not in log_file.read_text():
                 assert proc.poll() is None and time.monotonic() < deadline, log_file.read_text()[-3000:]
                 time.sleep(0.1)
             assert "SmolLM2-135M-Instruct.Q4_1.gguf" in log_file.read_text()
+            hint = re.search(r"\[strata\] try: (curl .*)$", log_file.read_text(), re.M).group(1)
+            assert json.loads(shlex.split(hint)[-1]) == body, "the server's hint is the README's request"
             request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
                                              headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(request, timeout=300) as resp:
