@@ -59,6 +59,8 @@ def get_plugin_manager(
         name = getattr(plugin, "strata_name", name)
         if not pm.is_blocked(name):
             pm.register(plugin, name=name)
+    _add_plugin_hookspecs(pm)
+    _refuse_wrappers(pm)
     pm.check_pending()
     _check_sections(settings, pm)
     loaded = {name for name, plugin in pm.list_name_plugin() if plugin is not None}
@@ -77,6 +79,32 @@ def get_plugin_manager(
         name = _raised_by(pm, "on_config", exc)
         raise ConfigError(f"plugin {name or '(unknown)'} refused the configuration: {exc}") from exc
     return pm
+
+
+def _add_plugin_hookspecs(pm: pluggy.PluginManager) -> None:
+    """Hooks a plugin offers others: its ``strata_hookspecs`` module or class (as pytest's
+    ``pytest_addhooks`` does). Added before pending implementations are checked."""
+    for _name, plugin in pm.list_name_plugin():
+        specs = getattr(plugin, "strata_hookspecs", None)
+        if specs is not None:
+            pm.add_hookspecs(specs)
+
+
+def _refuse_wrappers(pm: pluggy.PluginManager) -> None:
+    """Hooks are called one implementation at a time, so each plugin's failure stays its
+    own; a wrapper (``wrapper=True``, ``hookwrapper=True``) would never see the others run.
+    Refused at start rather than silently broken."""
+    for hook_name in dir(pm.hook):
+        caller = getattr(pm.hook, hook_name)
+        if not isinstance(caller, pluggy.HookCaller):
+            continue
+        for impl in caller.get_hookimpls():
+            if impl.hookwrapper or getattr(impl, "wrapper", False):
+                raise ConfigError(
+                    f"plugin {impl_plugin_name(pm, impl)}: {hook_name} is a hook wrapper; strata-serve calls "
+                    "each implementation on its own (one plugin's failure never stops the others), "
+                    "so wrappers are not supported: implement the hook plainly"
+                )
 
 
 def _raised_by(pm: pluggy.PluginManager, hook_name: str, exc: BaseException) -> str | None:

@@ -22,12 +22,16 @@ from typing import Any
 import strata_serve
 from strata_serve.config import ConfigError
 
+from strata_auto_sessions import hookspecs
 from strata_auto_sessions.parking import NAME, AutoSessions, AutoSessionsConfig, AutoSessionsStats
+from strata_auto_sessions.store import ParkingStore, SessionStore
 
-__all__ = ["AutoSessions", "AutoSessionsConfig", "AutoSessionsStats"]
+__all__ = ["AutoSessions", "AutoSessionsConfig", "AutoSessionsStats", "ParkingStore", "SessionStore"]
 
 #: The plugin's name when registered by hand (tests); the entry point gives the same.
 strata_name = NAME
+#: The hooks this plugin offers others (``auto_sessions_store``); the core adds them.
+strata_hookspecs = hookspecs
 
 
 def _parking(service: Any) -> AutoSessions | None:

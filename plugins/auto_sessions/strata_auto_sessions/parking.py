@@ -23,7 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from strata_serve.exchange import EngineError, Outcome, StrataRequest, Verdict
 from strata_serve.engine.base import EngineUnavailable
 
-from strata_auto_sessions.store import SessionStore, Sidecar, fingerprint, same_model
+from strata_serve.plugins import first_result
+
+from strata_auto_sessions.store import ParkingStore, SessionStore, Sidecar, fingerprint, same_model
 
 log = logging.getLogger("strata_auto_sessions")
 
@@ -109,7 +111,7 @@ class AutoSessionsStats:
 class AutoSessions:
     """One per service: the decisions around the slot the core describes."""
 
-    def __init__(self, config: AutoSessionsConfig, store: SessionStore | None, fingerprint: dict[str, Any]):
+    def __init__(self, config: AutoSessionsConfig, store: ParkingStore | None, fingerprint: dict[str, Any]):
         self.config = config
         self.store = store
         self.fingerprint = fingerprint
@@ -140,7 +142,8 @@ class AutoSessions:
             log.warning("[strata] auto sessions: off: no slot directory; set engine.slot_save_path "
                         "(--slot-save-path) or plugins.auto_sessions.slot_dir")
             return cls(config, None, {})
-        store = SessionStore(Path(directory))
+        store = first_result(service.pm, "auto_sessions_store", directory=Path(directory), service=service) \
+            or SessionStore(Path(directory))
         try:
             removed = store.prepare()
         except OSError as exc:
@@ -398,7 +401,7 @@ class AutoSessions:
     async def _restore(self, key: str, request: StrataRequest, service: Any) -> bool:
         assert self.store is not None
         path = self.store.bin_path(key)
-        if not self.store.restorable(key):
+        if not self.store.stage(key):
             if path.is_symlink():
                 log.warning("[strata] auto sessions: not restoring %s: it is a symlink, never followed", path.name)
             return False

@@ -23,7 +23,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from strata_serve.files import PRIVATE_FILE_MODE, make_private_dir
 
@@ -133,8 +133,48 @@ class Sidecar:
             return None
 
 
+class ParkingStore(Protocol):
+    """What auto-sessions asks of the place where parked sessions rest.
+
+    Names are file names in the engine's slot directory: the engine saves into
+    ``temp_name(key)`` there and restores from ``bin_name(key)`` there. A store that
+    keeps files elsewhere too copies them out in :meth:`commit` and back in :meth:`stage`.
+    Choose one with the ``auto_sessions_store`` hook.
+    """
+
+    directory: Path
+
+    def bin_name(self, key: str) -> str: ...
+
+    def bin_path(self, key: str) -> Path: ...
+
+    def stage(self, key: str) -> bool:
+        """Make ``bin_name(key)`` available in the slot directory; False when there is no file."""
+        ...
+
+    def sidecar(self, key: str) -> Sidecar | None: ...
+
+    def intact(self, key: str, sidecar: Sidecar) -> bool: ...
+
+    def temp_name(self, key: str) -> str: ...
+
+    def prepare(self) -> int: ...
+
+    def commit(self, temp_name: str, key: str, sidecar: Sidecar) -> None: ...
+
+    def discard(self, temp_name: str) -> None: ...
+
+    def touch(self, key: str) -> None: ...
+
+    def prune(self, keep: int, max_bytes: int, protect: frozenset[str] = frozenset()) -> list[tuple[str, int]]: ...
+
+    def usage(self) -> tuple[int, int]: ...
+
+    def bytes_per_token(self, current: dict[str, Any]) -> float | None: ...
+
+
 class SessionStore:
-    """The plugin's files in the slot directory."""
+    """The plugin's files in the slot directory: the default :class:`ParkingStore`."""
 
     def __init__(self, directory: Path):
         self.directory = directory
@@ -149,6 +189,10 @@ class SessionStore:
         """A regular file of ours, not a symlink that could lead outside the directory."""
         path = self.bin_path(key)
         return path.is_file() and not path.is_symlink()
+
+    def stage(self, key: str) -> bool:
+        """The file is in the slot directory already (or not at all)."""
+        return self.restorable(key)
 
     def intact(self, key: str, sidecar: Sidecar) -> bool:
         """The file is the one that was saved: same size, same sampled digest."""
