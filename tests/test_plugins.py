@@ -92,7 +92,9 @@ def test_plugins_command_lists_name_distribution_version_hooks_enabled(probe_ins
 def test_run_refuses_a_bad_plugin_key_with_a_message(probe_installed, tmp_path):
     config = tmp_path / "strata.toml"
     config.write_text("[plugins.entrypoint_probe]\ngreting = 'hi'\n")
-    result = CliRunner().invoke(cli, ["run", "--config", str(config)])
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")  # refused before any engine would read it
+    result = CliRunner().invoke(cli, ["run", "--config", str(config), "--model", str(model)])
     assert result.exit_code != 0
     assert "plugins.entrypoint_probe.greting: unknown key" in result.output
 
