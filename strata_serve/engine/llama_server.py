@@ -265,7 +265,18 @@ class LlamaServer:
         shown = [("***" if prev == "--api-key" else arg) for prev, arg in zip([""] + cmd, cmd)]
         log.info("[strata] starting the engine: %s", " ".join(shown))
         began = time.monotonic()
-        self._proc = await asyncio.create_subprocess_exec(
+        self._proc = await self._launch(cmd)
+        self._pump = asyncio.create_task(self._forward_output(self._proc), name="strata-engine-log")
+        await self._wait_healthy(self._proc)
+        self.start_seconds = time.monotonic() - began
+        self.generation += 1
+        log.info(
+            "[strata] engine ready at %s in %.2f s (pid %d)", self.info.url, self.start_seconds, self._proc.pid
+        )
+
+    async def _launch(self, cmd: list[str]) -> asyncio.subprocess.Process:
+        """Create the engine's process (one place, so a test can stand in for a slow or failing one)."""
+        return await asyncio.create_subprocess_exec(
             *cmd,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
@@ -275,13 +286,6 @@ class LlamaServer:
             # we have drained and saved. But if we die unasked, it goes with us.
             start_new_session=True,
             preexec_fn=_die_with_parent,
-        )
-        self._pump = asyncio.create_task(self._forward_output(self._proc), name="strata-engine-log")
-        await self._wait_healthy(self._proc)
-        self.start_seconds = time.monotonic() - began
-        self.generation += 1
-        log.info(
-            "[strata] engine ready at %s in %.2f s (pid %d)", self.info.url, self.start_seconds, self._proc.pid
         )
 
     def _engine_env(self) -> dict[str, str]:
