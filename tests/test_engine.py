@@ -7,6 +7,7 @@ import signal
 import time
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from strata_serve.api import SERVICE
@@ -110,7 +111,8 @@ async def test_engine_killed_mid_stream_ends_the_stream_with_an_error(strata_cli
 async def test_attach_to_a_running_engine_by_url(llama_server_factory, strata_client_factory,
                                                  strata_settings_factory, tmp_path):
     bare = await llama_server_factory(slot_save_path=tmp_path / "shared")
-    settings = strata_settings_factory(engine={"url": bare.info.url, "slot_save_path": str(tmp_path / "shared")})
+    settings = strata_settings_factory(engine={"url": bare.info.url, "slot_save_path": str(tmp_path / "shared"),
+                                               "api_key": bare.api_key.get_secret_value()})
     client = await strata_client_factory(settings=settings)
     engine = client.app[SERVICE].engine
     assert engine.pid is None and not engine.info.managed
@@ -295,3 +297,47 @@ async def test_a_spawn_that_raises_is_logged_and_retried(strata_client_factory, 
         assert time.monotonic() < deadline, "the engine never came back"
         await asyncio.sleep(0.2)
     assert engine.generation == 2
+
+
+# -- the engine answers strata alone -------------------------------------------------
+
+
+async def test_the_engine_answers_strata_alone(strata_client_factory, caplog):
+    """The started engine needs a key strata made for this start; no page may read its answers."""
+    caplog.set_level(logging.DEBUG)
+    client = await strata_client_factory()
+    engine = client.app[SERVICE].engine
+    evil = {"Origin": "http://evil.example"}
+    async with aiohttp.ClientSession() as direct:
+        for method, path, kwargs in [
+            ("POST", CHAT, {"json": chat_body()}),
+            ("POST", CHAT, {"data": '{"messages": [{"role": "user", "content": "hi"}]}',
+                            "headers": {**evil, "Content-Type": "text/plain"}}),
+            ("POST", "/slots/0?action=save", {"json": {"filename": "stolen.bin"}, "headers": evil}),
+            ("GET", "/slots", {"headers": evil}),
+            ("GET", "/v1/models", {"headers": evil}),
+        ]:
+            async with direct.request(method, engine.info.url + path, **kwargs) as resp:
+                assert resp.status == 401, (method, path, resp.status)
+                assert resp.headers.get("Access-Control-Allow-Origin") not in ("*", "http://evil.example")
+        async with direct.options(engine.info.url + CHAT, headers={
+                **evil, "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization, content-type"}) as preflight:
+            assert preflight.headers.get("Access-Control-Allow-Origin") not in ("*", "http://evil.example")
+    assert not (engine.info.slot_save_path / "stolen.bin").exists()
+    assert (await client.post(CHAT, json=chat_body())).status == 200  # through strata it works
+    assert "*" in str(engine.api_key), "shown as stars"
+    secret = engine.api_key.get_secret_value().encode()
+    assert len(secret) >= 32
+    assert secret not in Path(f"/proc/{engine.pid}/cmdline").read_bytes()
+    assert secret.decode() not in caplog.text
+
+
+def test_the_engine_key_is_passed_outside_the_command_line(tmp_path):
+    settings = EngineSettings(model=tmp_path / "m.gguf")
+    cmd = build_command(settings, Path("/x/llama-server"), 9999)
+    assert "--api-key" not in cmd and "--cors-origins" in cmd
+    given = EngineSettings(model=tmp_path / "m.gguf", api_key="user-given-key")
+    assert "user-given-key" not in build_command(given, Path("/x/llama-server"), 9999)
+    assert LlamaServer(given).api_key.get_secret_value() == "user-given-key"
+    assert LlamaServer(settings).api_key != LlamaServer(settings).api_key, "a new secret per start"

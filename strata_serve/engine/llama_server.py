@@ -11,6 +11,7 @@ import hashlib
 import importlib.metadata
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import aiohttp
+from pydantic import SecretStr
 
 from strata_serve.config import ConfigError, EngineSettings
 from strata_serve.engine.base import EngineInfo, EngineUnavailable
@@ -37,6 +39,9 @@ READ_CHUNK_BYTES = 64 * 1024
 #: After a failed restart, the next one is tried after this long, doubled each time up to the cap.
 RESTART_BACKOFF_S = 0.5
 RESTART_BACKOFF_MAX_S = 30.0
+#: ``--cors-origins`` for an engine we start: a value no page's origin can equal (an origin
+#: has a scheme), so no browser page may read the engine's answers.
+CORS_SHUT = "none"
 RESTARTED_DURING_CALL = "the engine was restarted during the call, which it never received; try again"
 #: prctl(2) option: the signal a process gets when its parent dies.
 PR_SET_PDEATHSIG = 1
@@ -132,7 +137,7 @@ def free_port(host: str) -> int:
 
 
 def build_command(settings: EngineSettings, binary: Path, port: int) -> list[str]:
-    """The llama-server command line for these settings."""
+    """The llama-server command line for these settings (``engine.extra_args`` last, so they win)."""
     if settings.model is None:
         raise ConfigError("engine.model: a GGUF model path is needed to start the engine (--model)")
     cmd = [
@@ -149,8 +154,9 @@ def build_command(settings: EngineSettings, binary: Path, port: int) -> list[str
         cmd += ["--cache-ram", str(settings.cache_ram_mib)]
     if settings.mmproj is not None:
         cmd += ["--mmproj", str(settings.mmproj)]
-    if settings.api_key is not None:
-        cmd += ["--api-key", settings.api_key.get_secret_value()]
+    # The key goes in the environment (see LlamaServer._engine_env), never on the command
+    # line, which any local user can read in /proc.
+    cmd += ["--cors-origins", CORS_SHUT]
     return cmd + list(settings.extra_args)
 
 
@@ -238,6 +244,11 @@ class LlamaServer:
         self._last_exit: int | None = None
         self._tail: collections.deque[str] = collections.deque(maxlen=40)
         self.start_seconds: float | None = None
+        self._api_key = settings.api_key
+        if self._api_key is None and self.managed:
+            # An engine we start answers us alone: a key of our own for each start,
+            # never logged or shown (a SecretStr prints as stars).
+            self._api_key = SecretStr(secrets.token_urlsafe(32))
         if self.managed:
             self._binary = resolve_binary(settings.binary)
             self._port = settings.port or free_port(settings.host)
@@ -262,8 +273,8 @@ class LlamaServer:
 
     async def start(self) -> None:
         headers = {}
-        if self.settings.api_key is not None:
-            headers["Authorization"] = f"Bearer {self.settings.api_key.get_secret_value()}"
+        if self._api_key is not None:
+            headers["Authorization"] = f"Bearer {self._api_key.get_secret_value()}"
         self._session = aiohttp.ClientSession(
             # llama-server may close a connection after a streamed answer; a pooled
             # connection could then fail the next request. A local connect is cheap.
@@ -324,6 +335,11 @@ class LlamaServer:
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None and self._proc.returncode is None else None
+
+    @property
+    def api_key(self) -> SecretStr | None:
+        """The key the engine asks for: ``engine.api_key``, or the one made for an engine we start."""
+        return self._api_key
 
     @property
     def ready(self) -> bool:
@@ -442,6 +458,11 @@ class LlamaServer:
         env = dict(os.environ)
         dirs = [str(d) for d in library_dirs(self._binary)]
         env["LD_LIBRARY_PATH"] = os.pathsep.join([*dirs, *filter(None, [env.get("LD_LIBRARY_PATH")])])
+        # The engine's --api-key, from its environment: /proc/<pid>/environ is readable by
+        # its owner alone, its command line by everyone.
+        env.pop("LLAMA_API_KEY", None)
+        if self._api_key is not None:
+            env["LLAMA_API_KEY"] = self._api_key.get_secret_value()
         return env
 
     async def _forward_output(self, proc: asyncio.subprocess.Process) -> None:
