@@ -329,7 +329,7 @@ class LlamaServer:
         done, _ = await asyncio.wait({self._pump}, timeout=2)
         if not done:
             self._pump.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
+        with contextlib.suppress(asyncio.CancelledError, Exception):
             await self._pump
 
     @property
@@ -550,12 +550,14 @@ class LlamaServer:
                         failures += 1
                         pause = min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** (failures - 1))
                         reason = str(exc) if isinstance(exc, EngineUnavailable) else f"{type(exc).__name__}: {exc}"
-                        log.error("[strata] engine restart failed: %s; trying again in %.1f s", reason, pause,
+                        log.error("[strata] engine restart failed: %s; trying again in %g s", reason, pause,
                                   exc_info=not isinstance(exc, (EngineUnavailable, OSError)))
                         self._set_down(EngineUnavailable(
                             f"the engine is down: its restart failed ({reason.splitlines()[0]}); "
-                            f"the next attempt is in {pause:.0f} s", retry_after=pause))
+                            f"the next attempt is in {pause:g} s", retry_after=pause))
                         await asyncio.sleep(pause)
+                if self._stopping:
+                    return
                 failures = 0
                 if self.on_start is not None:
                     try:
@@ -563,11 +565,8 @@ class LlamaServer:
                     except Exception:
                         log.exception("[strata] after the engine's restart, the start hooks failed")
                 self._set_ready()
-        except asyncio.CancelledError:
-            raise
-        except BaseException:
+        except Exception:
             log.exception("[strata] the engine's supervisor failed; the engine is no longer restarted")
-            raise
         finally:
             if not self._stopping and self._down is None:
                 self._set_down(EngineUnavailable("the engine is down and no restart is coming"))
