@@ -94,7 +94,7 @@ test: setup $(VENV)/.examples
 # Found in pyenv (PYENV_ROOT) or on PATH. The engine wheel is tagged py3-none: the one build
 # in the wheelhouse serves them all.
 TEST_PYTHONS ?= 3.12 3.13
-PYENV_ROOT ?= $(HOME)/.pyenv
+PYENV_ROOT ?= $(or $(shell pyenv root 2>/dev/null),$(HOME)/.pyenv)
 PYTHONS_TESTS := tests/test_config.py tests/test_fifo.py tests/test_service.py tests/test_engine.py \
   tests/test_api.py tests/test_slots.py tests/test_plugins.py tests/test_cli.py \
   tests/test_reliability.py::test_engine_killed_during_a_slot_operation \
