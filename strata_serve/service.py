@@ -346,6 +346,12 @@ class Service:
                 task.cancel()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.fifo.wait_idle(), 10)
+        # Take the FIFO in turn, behind whatever started before the stop. A plugin's task
+        # created just before it (a save while idle) has not asked for the FIFO yet, and
+        # on_shutdown may wait for that task: taken first, the FIFO would never be its.
+        # One turn of the loop lets every task already started ask. (Up to Python 3.11
+        # wait_for above always gave that turn; since 3.12 it returns at once when idle.)
+        await asyncio.sleep(0)
         async with self.fifo.hold():
             await broadcast(self.pm, "on_shutdown", service=self)
 

@@ -1,10 +1,13 @@
 """The llama-server backend: finding the binary, starting, attaching, surviving a crash."""
 
 import asyncio
+import logging
 import os
 import signal
+import time
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from strata_serve.api import SERVICE
@@ -12,6 +15,24 @@ from strata_serve.config import ConfigError, EngineSettings
 from strata_serve.engine import EngineUnavailable, LlamaServer
 from strata_serve.engine.llama_server import build_command, packaged_binary, resolve_binary
 from strata_serve.testing import chat_body
+
+CHAT = "/v1/chat/completions"
+
+
+async def until(condition, timeout: float = 30, what: str = "the condition") -> None:
+    """Poll ``condition()`` every 10 ms; fail the test past ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout:.0f} s"
+        await asyncio.sleep(0.01)
+
+
+def process_gone(pid: int) -> bool:
+    """Gone, or a zombie nobody will reap (then it runs no more either)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
 
 
 def test_binary_resolution_order(tmp_path, monkeypatch):
@@ -57,8 +78,7 @@ async def test_engine_killed_mid_request_is_restarted(strata_client_factory, rec
     first_pid = engine.pid
     long = chat_body("Go on and on", max_tokens=3500, ignore_eos=True)
     in_flight = asyncio.create_task(client.post("/v1/chat/completions", json=long))
-    while not recorder.keys:
-        await asyncio.sleep(0.01)
+    await until(lambda: recorder.keys, what="the request reaching the engine")
     await asyncio.sleep(0.2)
     os.kill(first_pid, signal.SIGKILL)
     resp = await in_flight
@@ -91,7 +111,8 @@ async def test_engine_killed_mid_stream_ends_the_stream_with_an_error(strata_cli
 async def test_attach_to_a_running_engine_by_url(llama_server_factory, strata_client_factory,
                                                  strata_settings_factory, tmp_path):
     bare = await llama_server_factory(slot_save_path=tmp_path / "shared")
-    settings = strata_settings_factory(engine={"url": bare.info.url, "slot_save_path": str(tmp_path / "shared")})
+    settings = strata_settings_factory(engine={"url": bare.info.url, "slot_save_path": str(tmp_path / "shared"),
+                                               "api_key": bare.api_key.get_secret_value()})
     client = await strata_client_factory(settings=settings)
     engine = client.app[SERVICE].engine
     assert engine.pid is None and not engine.info.managed
@@ -139,3 +160,184 @@ def test_the_engine_dies_with_a_killed_server(tmp_path, strata_demo_model):
         time.sleep(0.05)
     state = Path(f"/proc/{engine_pid}/stat")
     assert not state.exists() or state.read_text().split()[2] == "Z", "the engine outlived the server"
+
+
+# -- nothing wedges the server -------------------------------------------------------
+
+
+async def test_an_engine_log_line_of_any_length_wedges_nothing(strata_client_factory, strata_settings_factory,
+                                                                caplog):
+    """A client's 70 KB grammar comes back as one 70 KB line of the engine's log.
+
+    The engine's output is read in chunks and cut into lines here, so no line is too
+    long to read; what is kept of one line is capped. With ``--verbose`` the engine
+    writes so much per request that a reader that stopped would soon block it.
+    """
+    caplog.set_level(logging.DEBUG, logger="strata_serve.engine.output")
+    settings = strata_settings_factory(engine={"extra_args": ["--verbose"]})
+    client = await strata_client_factory(settings=settings)
+    resp = await client.post(CHAT, json=chat_body(grammar="root ::= " + "q" * 70_000))
+    assert resp.status == 400, await resp.text()
+
+    for n in range(5):  # each of these makes the engine write about 75 KB of log
+        after = chat_body(f"after the long line {n}", max_tokens=64, ignore_eos=True)
+        resp = await asyncio.wait_for(client.post(CHAT, json=after), 30)
+        assert resp.status == 200
+    assert (await client.get("/health")).status == 200
+    engine_lines = [r.getMessage() for r in caplog.records if r.name == "strata_serve.engine.output"]
+    cut = [line for line in engine_lines if "more bytes not shown" in line]
+    assert cut and "qqqq" in cut[0], "the grammar's line, cut"
+    assert max(len(line) for line in engine_lines) < 9000, "at most 8 KiB of a line is kept"
+    await asyncio.wait_for(client.close(), 30)
+
+
+async def test_lines_are_read_whatever_their_length():
+    from strata_serve.engine.llama_server import read_lines
+
+    stream = asyncio.StreamReader()  # the default 64 KiB limit, as for the engine's pipe
+    stream.feed_data(b"first\n" + b"x" * 1_000_000 + b"\nsplit ")
+    stream.feed_data(b"across chunks\n\nlast, no newline")
+    stream.feed_eof()
+    lines = [line async for line in read_lines(stream, max_bytes=100)]
+    assert lines == ["first", "x" * 100 + " [... 999,900 more bytes not shown]", "split across chunks", "",
+                     "last, no newline"]
+
+
+def _continue(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+
+
+async def test_a_restart_slower_than_the_start_timeout_is_killed_and_retried(
+        strata_client_factory, strata_settings_factory, caplog):
+    """The restarted engine stalls past ``start_timeout_s`` (then would finish loading late).
+
+    It is killed, a fresh one is started, requests are answered again, and ``/health``
+    never says ok while requests cannot be served.
+    """
+    settings = strata_settings_factory(engine={"start_timeout_s": 3})
+    client = await strata_client_factory(settings=settings)
+    engine = client.app[SERVICE].engine
+    launch = engine._launch
+    stalled: list[int] = []
+
+    async def first_restart_stalls(cmd):
+        proc = await launch(cmd)
+        if not stalled:
+            os.kill(proc.pid, signal.SIGSTOP)  # loads nothing, like a machine deep in swap...
+            stalled.append(proc.pid)
+            asyncio.get_running_loop().call_later(4.5, _continue, proc.pid)  # ...and is ready late
+        return proc
+
+    engine._launch = first_restart_stalls
+    os.kill(engine.pid, signal.SIGKILL)
+    await until(lambda: stalled, 10, "the restart")
+    assert (await client.get("/health")).status == 503, "no engine is ready: /health must not say ok"
+    deadline = time.monotonic() + 40
+    while True:
+        health = (await client.get("/health")).status
+        chat = (await client.post(CHAT, json=chat_body())).status
+        if health == 200:
+            assert chat == 200, "/health says ok while requests are refused"
+            break
+        assert time.monotonic() < deadline, "the engine never came back"
+        await asyncio.sleep(0.2)
+    await until(lambda: process_gone(stalled[0]), 10, "the stalled engine's end")
+    assert engine.pid != stalled[0]
+    assert "did not become healthy" in caplog.text
+
+
+async def test_with_no_restart_coming_waiting_requests_fail_at_once(
+        strata_client_factory, strata_settings_factory, recorder):
+    settings = strata_settings_factory(engine={"restart_on_crash": False, "start_timeout_s": 20})
+    client = await strata_client_factory(recorder, settings=settings)
+    service = client.app[SERVICE]
+    long = chat_body("Go on and on", max_tokens=3500, ignore_eos=True)
+    in_flight = asyncio.create_task(client.post(CHAT, json=long))
+    await until(lambda: recorder.keys, what="the first request reaching the engine")
+    queued = [asyncio.create_task(client.post(CHAT, json=chat_body(f"queued {n}"))) for n in range(3)]
+    await until(lambda: service.fifo.waiting == 3, what="three requests waiting")
+    began = time.monotonic()
+    os.kill(service.engine.pid, signal.SIGKILL)
+    answers = await asyncio.wait_for(asyncio.gather(in_flight, *queued), 15)
+    assert time.monotonic() - began < 5, "the waiting requests timed out one after another"
+    first = (await answers[0].json())["error"]["message"]
+    assert answers[0].status == 502 and "not restarted" in first and "being restarted" not in first, first
+    for resp in answers[1:]:
+        message = (await resp.json())["error"]["message"]
+        assert resp.status == 503 and "not restarted" in message and "restart_on_crash" in message, message
+    began = time.monotonic()
+    later = await client.post(CHAT, json=chat_body("later"))
+    assert later.status == 503 and time.monotonic() - began < 1
+    assert (await client.get("/health")).status == 503
+
+
+async def test_a_spawn_that_raises_is_logged_and_retried(strata_client_factory, caplog, tmp_path):
+    """The binary is gone when the engine must be restarted: the supervisor lives on."""
+    client = await strata_client_factory()
+    engine = client.app[SERVICE].engine
+    binary, engine._binary = engine._binary, tmp_path / "llama-server-gone"
+    os.kill(engine.pid, signal.SIGKILL)
+
+    def failed_restarts():
+        return [r for r in caplog.records if r.levelno >= logging.ERROR and "restart failed" in r.getMessage()]
+
+    await until(lambda: len(failed_restarts()) >= 2, 20, "two failed restarts, logged")
+    assert "llama-server-gone" in failed_restarts()[0].getMessage()
+    began = time.monotonic()
+    refused = await client.post(CHAT, json=chat_body())
+    message = (await refused.json())["error"]["message"]
+    assert refused.status == 503 and "restart failed" in message and "next attempt" in message, message
+    assert time.monotonic() - began < 1, "a request must not wait for an engine that is down"
+    engine._binary = binary  # the binary is back
+    deadline = time.monotonic() + 40
+    while (await client.post(CHAT, json=chat_body())).status != 200:
+        assert time.monotonic() < deadline, "the engine never came back"
+        await asyncio.sleep(0.2)
+    assert engine.generation == 2
+
+
+# -- the engine answers strata alone -------------------------------------------------
+
+
+async def test_the_engine_answers_strata_alone(strata_client_factory, caplog):
+    """The started engine needs a key strata made for this start; no page may read its answers."""
+    caplog.set_level(logging.DEBUG)
+    client = await strata_client_factory()
+    engine = client.app[SERVICE].engine
+    evil = {"Origin": "http://evil.example"}
+    async with aiohttp.ClientSession() as direct:
+        for method, path, kwargs in [
+            ("POST", CHAT, {"json": chat_body()}),
+            ("POST", CHAT, {"data": '{"messages": [{"role": "user", "content": "hi"}]}',
+                            "headers": {**evil, "Content-Type": "text/plain"}}),
+            ("POST", "/slots/0?action=save", {"json": {"filename": "stolen.bin"}, "headers": evil}),
+            ("GET", "/slots", {"headers": evil}),
+            ("GET", "/v1/models", {"headers": evil}),
+        ]:
+            async with direct.request(method, engine.info.url + path, **kwargs) as resp:
+                assert resp.status == 401, (method, path, resp.status)
+                assert resp.headers.get("Access-Control-Allow-Origin") not in ("*", "http://evil.example")
+        async with direct.options(engine.info.url + CHAT, headers={
+                **evil, "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization, content-type"}) as preflight:
+            assert preflight.headers.get("Access-Control-Allow-Origin") not in ("*", "http://evil.example")
+    assert not (engine.info.slot_save_path / "stolen.bin").exists()
+    assert (await client.post(CHAT, json=chat_body())).status == 200  # through strata it works
+    assert "*" in str(engine.api_key), "shown as stars"
+    secret = engine.api_key.get_secret_value().encode()
+    assert len(secret) >= 32
+    assert secret not in Path(f"/proc/{engine.pid}/cmdline").read_bytes()
+    assert secret.decode() not in caplog.text
+
+
+def test_the_engine_key_is_passed_outside_the_command_line(tmp_path):
+    settings = EngineSettings(model=tmp_path / "m.gguf")
+    cmd = build_command(settings, Path("/x/llama-server"), 9999)
+    assert "--api-key" not in cmd and "--cors-origins" in cmd
+    given = EngineSettings(model=tmp_path / "m.gguf", api_key="user-given-key")
+    assert "user-given-key" not in build_command(given, Path("/x/llama-server"), 9999)
+    assert LlamaServer(given).api_key.get_secret_value() == "user-given-key"
+    assert LlamaServer(settings).api_key != LlamaServer(settings).api_key, "a new secret per start"

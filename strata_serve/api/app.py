@@ -104,7 +104,8 @@ async def health(request: web.Request) -> web.Response:
     service = request.app[SERVICE]
     if service.closing:
         return web.json_response({"status": "stopping"}, status=503)
-    engine_ok = await service.engine.health()
+    # Ready by strata's account (started, hooks run, let through), and answering now.
+    engine_ok = service.engine.ready and await service.engine.health()
     return web.json_response(
         {"status": "ok" if engine_ok else "engine_unavailable"}, status=200 if engine_ok else 503
     )

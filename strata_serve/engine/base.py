@@ -9,11 +9,15 @@ from typing import Any, Awaitable, Callable, Protocol
 
 
 class EngineUnavailable(Exception):
-    """The engine cannot answer now (starting, restarting, or gone); maps to 502/503."""
+    """The engine cannot answer now (starting, restarting, or gone); maps to 502/503.
 
-    def __init__(self, message: str, status: int = 503):
+    ``retry_after``: seconds until the next attempt to start it, when one is planned.
+    """
+
+    def __init__(self, message: str, status: int = 503, retry_after: float | None = None):
         super().__init__(message)
         self.status = status
+        self.retry_after = retry_after
 
 
 @dataclass
@@ -46,7 +50,18 @@ class Engine(Protocol):
 
     async def stop(self) -> None: ...
 
-    async def wait_ready(self) -> None: ...
+    @property
+    def ready(self) -> bool:
+        """Started, answering, and letting requests through."""
+        ...
+
+    async def wait_ready(self) -> None:
+        """Wait until requests may go to the engine.
+
+        :raises EngineUnavailable: past the start timeout, or at once when the engine
+            is down with no start under way (the message says whether one is coming).
+        """
+        ...
 
     async def request(
         self, method: str, path: str, json: Any = None, *, op: str = "request", resend: bool = True

