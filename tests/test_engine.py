@@ -108,6 +108,17 @@ async def test_engine_killed_mid_stream_ends_the_stream_with_an_error(strata_cli
     assert (await client.post("/v1/chat/completions", json=chat_body())).status == 200
 
 
+async def test_attaching_without_the_engines_key_stops_the_start_with_a_message(
+        llama_server_factory, strata_settings_factory):
+    from strata_serve.config import ConfigError
+    from strata_serve.engine import LlamaServer
+
+    bare = await llama_server_factory()
+    attached = LlamaServer(strata_settings_factory(engine={"url": bare.info.url}).engine)
+    with pytest.raises(ConfigError, match="asks for a key: set engine.api_key"):
+        await attached.start()
+
+
 async def test_attach_to_a_running_engine_by_url(llama_server_factory, strata_client_factory,
                                                  strata_settings_factory, tmp_path):
     bare = await llama_server_factory(slot_save_path=tmp_path / "shared")

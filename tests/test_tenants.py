@@ -255,7 +255,8 @@ async def test_strict_mode_on_an_attached_engine_with_several_slots_erases_them_
 ):
     bare = await llama_server_factory(parallel=2)  # llama-server's own default runs 4
     settings = strata_settings_factory(server=STRICT, engine={
-        "url": bare.info.url, "cache_ram_mib": 0, "slot_save_path": str(bare.info.slot_save_path)})
+        "url": bare.info.url, "cache_ram_mib": 0, "slot_save_path": str(bare.info.slot_save_path),
+        "api_key": bare.api_key.get_secret_value()})
     client = await strata_client_factory(settings=settings)
     assert client.app[SERVICE].engine.info.parallel == 2
     other = conversation("xavier")[0]["content"]

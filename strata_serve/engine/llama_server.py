@@ -511,6 +511,9 @@ class LlamaServer:
     async def _read_props(self) -> None:
         with contextlib.suppress(EngineError, EngineUnavailable):
             status, props = await self.request("GET", "/props", op="props")
+            if status == 401:
+                raise ConfigError(f"the engine at {self.info.url} asks for a key: set engine.api_key "
+                                  "(STRATA_ENGINE__API_KEY) to the one it was started with")
             if status == 200 and isinstance(props, dict):
                 settings = props.get("default_generation_settings") or {}
                 self.info.n_ctx = settings.get("n_ctx") or props.get("n_ctx") or self.info.n_ctx
