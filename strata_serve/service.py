@@ -111,6 +111,52 @@ class ServiceFIFO:
             self.release()
 
 
+class IdleWork:
+    """Work a plugin asked to run once the service has been idle a while (:meth:`Service.when_idle`)."""
+
+    def __init__(self, service: Service, delay_s: float, work: Callable[[], Awaitable[Any]], name: str):
+        self._service = service
+        self._work = work
+        self.name = name
+        self.running = False
+        self._task: asyncio.Task | None = None
+        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(delay_s, self._start)
+
+    def _start(self) -> None:
+        self._timer = None
+        if self._service.fifo.idle and not self._service.closing:
+            self._task = asyncio.create_task(self._run(), name=f"strata-idle-{self.name}")
+        else:
+            self._service._idle_work.discard(self)
+
+    async def _run(self) -> None:
+        try:
+            async with self._service.fifo.hold():
+                if self._service.closing:
+                    return
+                self.running = True
+                try:
+                    await self._work()
+                except Exception:
+                    log.exception("[strata] %s (run while idle) failed", self.name)
+        finally:
+            self.running = False
+            self._service._idle_work.discard(self)
+
+    def cancel(self) -> None:
+        """Do not start it; if it waits for its turn, it leaves the line. Running, it finishes."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._task is not None and not self.running:
+            self._task.cancel()
+        self._service._idle_work.discard(self)
+
+    @property
+    def done(self) -> bool:
+        return self._timer is None and (self._task is None or self._task.done())
+
+
 class Service:
     """What hooks get as ``service``: settings, plugin manager, engine, FIFO.
 
@@ -129,6 +175,7 @@ class Service:
         self.closing = False
         self.started_at = time.time()
         self._tasks: set[asyncio.Task] = set()
+        self._idle_work: set[IdleWork] = set()
         self._plugin_configs: dict[str, BaseModel] = {}
 
     def plugin_config(self, name: str, model: type[M]) -> M:
@@ -249,6 +296,20 @@ class Service:
         outcome.duration_ms = (time.monotonic() - began) * 1000
         await broadcast(self.pm, "post_request", request=request, outcome=outcome, service=self)
 
+    def when_idle(self, delay_s: float, work: Callable[[], Awaitable[Any]], *, name: str) -> IdleWork:
+        """Run ``work`` once the service has been idle for ``delay_s``, holding the FIFO.
+
+        The sanctioned way for a plugin to use quiet time (auto-sessions saves the held
+        conversation this way): a request that arrives while ``work`` runs waits for it;
+        one that arrives before it starts comes first (it is not started if the service
+        is busy then). Cancel the returned handle when the work is no longer wanted. A
+        normal stop cancels work that has not started and waits for work that has.
+        A failure is logged with ``name``.
+        """
+        idle = IdleWork(self, delay_s, work, name)
+        self._idle_work.add(idle)
+        return idle
+
     # -- the picture of the slots ------------------------------------------------------
 
     def sync_generation(self) -> None:
@@ -336,6 +397,8 @@ class Service:
         if self.closing:
             return
         self.closing = True
+        for idle in list(self._idle_work):
+            idle.cancel()  # not started: never will; running: finishes before the FIFO is ours
         grace = self.settings.server.shutdown_grace_s
         try:
             await asyncio.wait_for(self.fifo.wait_idle(), grace)

@@ -78,7 +78,7 @@ def post_request(request, outcome, service):
 async def on_shutdown(service):
     parking = _parking(service)
     if parking is not None:
-        await parking.stop_idle_save()
+        # An idle save not started was cancelled by the stop; one that ran is done.
         if parking.active:
             await parking.park_held(service, 0, reason="shutdown")
 

@@ -9,7 +9,6 @@ made it so), because the RAM cache's eviction cannot be seen from outside.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import logging
@@ -127,8 +126,7 @@ class AutoSessions:
         self._restore_speed = [0, 0.0]
         #: The prompt signature of the last request that ran, by conversation key.
         self.prompts: dict[str, dict[str, Any]] = {}
-        self._idle_timer: asyncio.TimerHandle | None = None
-        self._idle_task: asyncio.Task | None = None
+        self._idle: Any = None
 
     @classmethod
     def start(cls, config: AutoSessionsConfig, service: Any) -> AutoSessions:
@@ -272,31 +270,17 @@ class AutoSessions:
         if self.config.idle_save_s <= 0 or held.key is None or held.file_current or held.empty:
             return
         self._cancel_idle_save()
-        loop = asyncio.get_running_loop()
-        self._idle_timer = loop.call_later(self.config.idle_save_s, self._start_idle_save, service)
-
-    def _start_idle_save(self, service: Any) -> None:
-        self._idle_timer = None
-        if service.fifo.idle and not service.closing and self.active:
-            self._idle_task = asyncio.create_task(self._idle_save(service), name="strata-idle-save")
+        self._idle = service.when_idle(self.config.idle_save_s, lambda: self._idle_save(service),
+                                       name="auto-sessions' save while idle")
 
     async def _idle_save(self, service: Any) -> None:
-        # Holding the FIFO: a request arriving now waits for this one save at most.
-        async with service.fifo.hold():
-            if await self.park_held(service, 0, reason="idle"):
-                self.stats.idle_saves += 1
+        if self.active and await self.park_held(service, 0, reason="idle"):
+            self.stats.idle_saves += 1
 
     def _cancel_idle_save(self) -> None:
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
-
-    async def stop_idle_save(self) -> None:
-        """At shutdown: no new idle save, and the one running (if any) finished."""
-        self._cancel_idle_save()
-        if self._idle_task is not None:
-            await self._idle_task
-            self._idle_task = None
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
 
     # -- the engine calls ----------------------------------------------------
 

@@ -1,0 +1,74 @@
+"""service.when_idle: work a plugin runs while the service is quiet, holding the FIFO."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import strata_serve
+from strata_serve.api import SERVICE
+from strata_serve.testing import chat_body
+
+
+class QuietWork:
+    """A plugin that asks, after each request, for work once the server is idle."""
+
+    strata_name = "quiet_work"
+
+    def __init__(self, delay_s: float, fail: bool = False):
+        self.delay_s, self.fail = delay_s, fail
+        self.ran: list[bool] = []
+        self.handle = None
+
+    @strata_serve.hookimpl
+    def post_request(self, service):
+        async def work():
+            self.ran.append(service.fifo.holders == 1)
+            await asyncio.sleep(0.2)
+            if self.fail:
+                raise RuntimeError("the quiet work broke")
+
+        self.handle = service.when_idle(self.delay_s, work, name="quiet work")
+
+
+async def wait_for(condition, deadline_s=10):
+    deadline = asyncio.get_running_loop().time() + deadline_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_it_runs_holding_the_fifo_and_a_request_waits_for_it(strata_client_factory):
+    plugin = QuietWork(0.05)
+    client = await strata_client_factory(plugin)
+    assert (await client.post("/v1/chat/completions", json=chat_body())).status == 200
+    await wait_for(lambda: plugin.handle.running)
+    assert plugin.ran == [True], "it held the FIFO"
+    resp = await client.post("/v1/chat/completions", json=chat_body())
+    assert resp.status == 200 and plugin.ran == [True]
+
+
+async def test_a_busy_service_never_starts_it_and_cancel_stops_it(strata_client_factory):
+    plugin = QuietWork(0.3)
+    client = await strata_client_factory(plugin)
+    await client.post("/v1/chat/completions", json=chat_body())
+    first = plugin.handle
+    first.cancel()
+    await asyncio.sleep(0.5)
+    assert plugin.ran == [] and first.done
+
+
+async def test_a_failure_is_logged_by_name_and_a_stop_cancels_what_has_not_started(
+        strata_client_factory, caplog):
+    plugin = QuietWork(0.01, fail=True)
+    client = await strata_client_factory(plugin)
+    with caplog.at_level(logging.ERROR, logger="strata_serve.service"):
+        await client.post("/v1/chat/completions", json=chat_body())
+        await wait_for(lambda: plugin.handle.done)
+    assert any("quiet work (run while idle) failed" in r.getMessage() for r in caplog.records)
+    plugin.delay_s = 30
+    await client.post("/v1/chat/completions", json=chat_body())
+    pending = plugin.handle
+    service = client.app[SERVICE]
+    await asyncio.wait_for(service.shutdown(), 10)
+    assert pending.done and len(plugin.ran) == 1, "the stop cancelled it, and did not wait 30 s"
