@@ -45,9 +45,33 @@ def on_config(settings: Settings) -> None:
     """
 
 
+@hookspec(firstresult=True)
+def engine_backend(settings: Settings) -> Engine | None:
+    """Give the engine backend the server drives (:class:`strata_serve.engine.base.Engine`).
+
+    The built-in ``llama_server`` plugin answers last (``trylast``) with llama.cpp's
+    llama-server, started or attached as ``engine.*`` says; a plugin for another
+    engine answers first. The backend declares what it can do in
+    ``engine.capabilities`` (see :data:`strata_serve.engine.base.CAPABILITIES`);
+    plugins check them instead of the backend's type. Must be synchronous; do not
+    start anything here (the service calls ``engine.start()``).
+
+    Stops at the first non-None result; return None to defer.
+
+    :param settings: The complete, validated server settings.
+    :returns: An engine backend, or None to leave the choice to others.
+    """
+
+
 @hookspec
 def on_startup(service: Service) -> Any:
     """Prepare once the engine is up, before the first request is admitted.
+
+    The life cycle, in order: the engine starts (``service.engine.info`` is filled
+    in), ``on_startup`` once, ``on_engine_start(restarted=False)``, then requests are
+    let through. After a crash and restart of the engine: ``on_engine_start(restarted=True)``
+    (requests wait meanwhile). On a normal stop: requests drain, ``on_shutdown``, the
+    engine stops.
 
     :param service: The running service (engine, settings, plugin manager).
     """
@@ -57,7 +81,8 @@ def on_startup(service: Service) -> Any:
 def on_engine_start(service: Service, restarted: bool) -> Any:
     """The engine (re)started: whatever it held in its slots and RAM is gone.
 
-    Called after the first start too, with ``restarted=False``.
+    Called after the first start too, with ``restarted=False``, right after
+    ``on_startup``: what a plugin built there is ready.
 
     :param service: The running service.
     :param restarted: True when this start follows a crash of the engine.
@@ -122,7 +147,7 @@ def on_shutdown(service: Service) -> Any:
 
 @hookspec(firstresult=True)
 def engine_verdict(
-    op: str, error: EngineError | None, engine: Engine, held_tokens: int | None
+    op: str, error: EngineError | None, engine: Engine, held_tokens: int | None, service: Service
 ) -> Verdict | None:
     """Turn an engine's behaviour into a verdict others act on, without string matching.
 
@@ -141,6 +166,7 @@ def engine_verdict(
     :param error: The failure, or None when asked before the call.
     :param engine: The engine backend (its ``info`` tells model, build, flags).
     :param held_tokens: Tokens the slot holds, when known.
+    :param service: The running service (keep per-server state in ``service.state``).
     :returns: A :class:`strata_serve.Verdict`, or None when this plugin has no opinion.
     """
 

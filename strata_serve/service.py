@@ -168,6 +168,8 @@ class Service:
         self.settings = settings
         self.pm = pm
         self.engine = engine
+        engine.on_start = self._engine_started
+        self._started = False
         self.fifo = ServiceFIFO(settings.engine.parallel, settings.server.queue_limit)
         self.state: dict[str, Any] = {}
         #: What each engine slot holds: recorded here for every request and slot call.
@@ -233,7 +235,8 @@ class Service:
     ) -> Verdict | None:
         """Ask the quirk plugins what an engine failure (or a planned call) means."""
         result = first_result(
-            self.pm, "engine_verdict", op=op, error=error, engine=self.engine, held_tokens=held_tokens
+            self.pm, "engine_verdict", op=op, error=error, engine=self.engine, held_tokens=held_tokens,
+            service=self,
         )
         if result is None:
             return None
@@ -295,6 +298,31 @@ class Service:
     async def _post(self, request: StrataRequest, outcome: Outcome, began: float) -> None:
         outcome.duration_ms = (time.monotonic() - began) * 1000
         await broadcast(self.pm, "post_request", request=request, outcome=outcome, service=self)
+
+    # -- the life cycle ---------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the engine, then tell the plugins, before any request is let through.
+
+        The order, documented in :mod:`strata_serve.hookspecs`: the engine is up (its
+        ``info`` read), ``on_startup`` once, ``on_engine_start(restarted=False)``; after
+        every later restart of the engine, ``on_engine_start(restarted=True)``.
+        """
+        await self.engine.start()
+
+    async def _engine_started(self, restarted: bool) -> None:
+        self.sync_generation()
+        if not self._started:
+            self._started = True
+            await broadcast(self.pm, "on_startup", service=self)
+        await broadcast(self.pm, "on_engine_start", service=self, restarted=restarted)
+
+    async def stop(self) -> None:
+        """A normal stop: drain, ``on_shutdown`` (FIFO held, engine up), then the engine stops."""
+        try:
+            await self.shutdown()
+        finally:
+            await self.engine.stop()
 
     def when_idle(self, delay_s: float, work: Callable[[], Awaitable[Any]], *, name: str) -> IdleWork:
         """Run ``work`` once the service has been idle for ``delay_s``, holding the FIFO.

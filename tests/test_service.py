@@ -307,9 +307,9 @@ async def test_startup_hooks_run_in_order_before_the_first_request(strata_client
     client = await strata_client_factory(recorder)
     await client.post("/v1/chat/completions", json=chat_body())
     kinds = [e[0] for e in recorder.events]
-    assert kinds[:3] == ["engine_start", "startup", "pre"]
-    assert recorder.events[0] == ("engine_start", False)
-    assert recorder.events[1] == ("startup", True), "the engine is up during on_startup"
+    assert kinds[:3] == ["startup", "engine_start", "pre"], "on_startup first, then on_engine_start"
+    assert recorder.events[0] == ("startup", True), "the engine is up during on_startup"
+    assert recorder.events[1] == ("engine_start", False)
 
 
 class BrokenStats:

@@ -15,9 +15,9 @@ from aiohttp import web
 from strata_serve.api import openai_routes, openapi, slots
 from strata_serve.api.errors import error_middleware, error_response
 from strata_serve.api.keys import SERVICE, TENANT
-from strata_serve.config import Settings
-from strata_serve.engine import Engine, LlamaServer
-from strata_serve.plugins import broadcast, call_each_sync
+from strata_serve.config import ConfigError, Settings
+from strata_serve.engine import Engine
+from strata_serve.plugins import call_each_sync, first_result
 from strata_serve.service import Service
 
 log = logging.getLogger("strata_serve.api")
@@ -32,18 +32,17 @@ JSON_TYPE = "application/json"
 def create_app(settings: Settings, pm: pluggy.PluginManager, engine: Engine | None = None) -> web.Application:
     """The strata-serve application.
 
-    The engine starts with the app (``cleanup_ctx``) and stops after a drained,
-    normal shutdown that ran every plugin's ``on_shutdown``. Pass ``engine`` to
-    use another backend (tests pass a test double here).
+    The service starts with the app (``cleanup_ctx``) and stops after a drained,
+    normal shutdown that ran every plugin's ``on_shutdown``. The engine backend is
+    the ``engine_backend`` hook's answer (llama-server by default); pass ``engine`` to
+    use a given one.
     """
     if engine is None:
-        engine = LlamaServer(settings.engine)
+        engine = first_result(pm, "engine_backend", settings=settings)
+        if engine is None:
+            raise ConfigError("no engine backend: the engine_backend hook gave none "
+                              "(is the built-in llama_server plugin disabled?)")
     service = Service(settings, pm, engine)
-
-    async def engine_started(restarted: bool) -> None:
-        await broadcast(pm, "on_engine_start", service=service, restarted=restarted)
-
-    engine.on_start = engine_started
 
     open_routes: set[web.AbstractRoute] = set()
     app = web.Application(
@@ -71,15 +70,13 @@ def create_app(settings: Settings, pm: pluggy.PluginManager, engine: Engine | No
 @asynccontextmanager
 async def _engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
     service = app[SERVICE]
-    await service.engine.start()
-    await broadcast(service.pm, "on_startup", service=service)
+    await service.start()
     try:
         yield
     finally:
-        # A normal stop went through _drain already; this covers an app that
-        # is cleaned up without a shutdown signal (e.g. a failed start).
-        await service.shutdown()
-        await service.engine.stop()
+        # A normal stop went through _drain already (shutdown runs once); this also
+        # covers an app cleaned up without a shutdown signal (e.g. a failed start).
+        await service.stop()
 
 
 async def _drain(app: web.Application) -> None:

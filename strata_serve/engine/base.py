@@ -39,8 +39,17 @@ class EngineInfo:
     managed: bool = False
 
 
+#: What a backend may declare in ``capabilities``:
+#: ``slots`` (``slots()`` reports what each slot holds), ``slot_files`` (``save``,
+#: ``restore`` and ``erase`` of a slot, into files in ``info.slot_save_path``),
+#: ``ram_cache`` (the engine keeps prompts in a RAM cache of its own).
+CAPABILITIES = frozenset({"slots", "slot_files", "ram_cache"})
+
+
 class Engine(Protocol):
     info: EngineInfo
+    #: What this backend can do (a subset of :data:`CAPABILITIES`); plugins check these.
+    capabilities: frozenset[str]
     #: Increases by one at every (re)start: state held by an older generation is gone.
     generation: int
     #: Awaited with ``restarted`` after every start, before requests are let through.

@@ -220,6 +220,8 @@ class LlamaServer:
     ``on_start(restarted)`` is awaited after every successful (re)start.
     """
 
+    capabilities = frozenset({"slots", "slot_files", "ram_cache"})
+
     def __init__(
         self,
         settings: EngineSettings,

@@ -4,14 +4,12 @@ The rules are in :mod:`strata_quirks_llama_cpp.quirks`. They apply to engines
 driven by strata-serve's llama-server backend (:class:`strata_serve.engine.LlamaServer`),
 started or attached; another backend is not llama.cpp and gets no answer.
 
-Each engine has its own rules object (it counts restores and remembers what it
-said), made at ``on_startup`` with this plugin's settings and looked up by the
-engine the hook is asked about.
+Each server has its own rules object (it counts restores and remembers what it
+said), made at ``on_startup`` with this plugin's settings and kept in
+``service.state["quirks_llama_cpp"]``.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import strata_serve
 from strata_serve.engine import LlamaServer
@@ -23,10 +21,6 @@ __all__ = ["LlamaCppQuirks", "LlamaCppQuirksConfig"]
 #: The plugin's name when registered by hand (tests); the entry point gives the same.
 strata_name = NAME
 
-#: One rules object per engine; it goes when its engine goes.
-_quirks: weakref.WeakKeyDictionary[LlamaServer, LlamaCppQuirks] = weakref.WeakKeyDictionary()
-
-
 @strata_serve.hookimpl
 def on_config(settings):
     settings.plugin_config(NAME, LlamaCppQuirksConfig)
@@ -35,14 +29,14 @@ def on_config(settings):
 @strata_serve.hookimpl
 def on_startup(service):
     if isinstance(service.engine, LlamaServer):
-        _quirks[service.engine] = LlamaCppQuirks(service.settings.plugin_config(NAME, LlamaCppQuirksConfig))
+        service.state[NAME] = LlamaCppQuirks(service.plugin_config(NAME, LlamaCppQuirksConfig))
 
 
 @strata_serve.hookimpl
-def engine_verdict(op, error, engine, held_tokens):
+def engine_verdict(op, error, engine, held_tokens, service):
     if not isinstance(engine, LlamaServer):
         return None  # not llama.cpp: these quirks are not its quirks
-    quirks = _quirks.get(engine)
+    quirks = service.state.get(NAME)
     if quirks is None:  # asked before on_startup: the default settings
-        quirks = _quirks.setdefault(engine, LlamaCppQuirks(LlamaCppQuirksConfig()))
+        quirks = service.state.setdefault(NAME, LlamaCppQuirks(LlamaCppQuirksConfig()))
     return quirks.verdict(op, error, engine.info, held_tokens)

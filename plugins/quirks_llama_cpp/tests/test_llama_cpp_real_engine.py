@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 
@@ -50,7 +51,8 @@ async def test_engine_refusing_a_filename_is_a_plain_error(llama_server_factory)
     with pytest.raises(EngineError) as refused:
         await engine.save("../outside.bin")
     assert (refused.value.status, refused.value.message) == (400, "Invalid filename")
-    verdict = strata_quirks_llama_cpp.engine_verdict(op="save", error=refused.value, engine=engine, held_tokens=None)
+    verdict = strata_quirks_llama_cpp.engine_verdict(op="save", error=refused.value, engine=engine, held_tokens=None,
+                                                     service=SimpleNamespace(state={}))
     assert verdict is None
     assert await engine.health()
     assert (await engine.save("inside.bin"))["filename"] == "inside.bin", "the engine carries on"

@@ -25,8 +25,14 @@ def engine_for(strata_demo_model, tmp_path):
     return make
 
 
+#: One stand-in service per engine: the plugin keeps its counts in ``service.state``.
+_services: dict[int, SimpleNamespace] = {}
+
+
 def verdict(engine, op, error=None, held_tokens=None):
-    return strata_quirks_llama_cpp.engine_verdict(op=op, error=error, engine=engine, held_tokens=held_tokens)
+    service = _services.setdefault(id(engine), SimpleNamespace(state={}))
+    return strata_quirks_llama_cpp.engine_verdict(op=op, error=error, engine=engine, held_tokens=held_tokens,
+                                                  service=service)
 
 
 def quirk_lines(caplog) -> list[str]:
@@ -133,17 +139,19 @@ def test_another_backend_gets_no_answer():
 ])
 def test_registered_it_answers_disabled_it_does_not(engine_for, plugins_config, expected):
     pm = get_plugin_manager(Settings(plugins=plugins_config), entrypoints=False, plugins=[strata_quirks_llama_cpp])
-    assert first_result(pm, "engine_verdict", op="save", error=None, engine=engine_for(), held_tokens=0) == expected
+    assert first_result(pm, "engine_verdict", op="save", error=None, engine=engine_for(), held_tokens=0,
+                        service=SimpleNamespace(state={})) == expected
 
 
 def test_the_limit_comes_from_the_settings(engine_for):
     settings = Settings(plugins={"quirks_llama_cpp": {"unreused_restores_limit": 1}})
     pm = get_plugin_manager(settings, entrypoints=False, plugins=[strata_quirks_llama_cpp])
     engine = engine_for()
-    service = SimpleNamespace(settings=settings, engine=engine)
+    service = SimpleNamespace(settings=settings, engine=engine, state={},
+                              plugin_config=lambda name, model: settings.plugin_config(name, model))
     pm.hook.on_startup(service=service)
     assert first_result(pm, "engine_verdict", op="restore_reuse", error=NOT_REUSED, engine=engine,
-                        held_tokens=900) == Verdict.UNSUPPORTED
+                        held_tokens=900, service=service) == Verdict.UNSUPPORTED
 
 
 @pytest.mark.parametrize("section, message", [

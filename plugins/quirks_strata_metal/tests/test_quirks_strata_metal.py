@@ -81,7 +81,8 @@ def test_anything_else_is_not_mine(op, error):
 def test_registered_it_answers_disabled_it_does_not(plugins_config, expected):
     pm = get_plugin_manager(Settings(plugins=plugins_config), entrypoints=False,
                             plugins=[strata_quirks_strata_metal])
-    answer = first_result(pm, "engine_verdict", op="save", error=save_error(), engine=None, held_tokens=500)
+    answer = first_result(pm, "engine_verdict", op="save", error=save_error(), engine=None, held_tokens=500,
+                          service=None)
     assert answer == expected
 
 

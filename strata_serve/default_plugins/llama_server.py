@@ -1,0 +1,16 @@
+"""The default engine backend: llama.cpp's llama-server, started and supervised, or attached.
+
+A plugin for another engine implements ``engine_backend`` too and answers first; this
+one answers last.
+"""
+
+from __future__ import annotations
+
+import strata_serve
+from strata_serve.config import Settings
+from strata_serve.engine.llama_server import LlamaServer
+
+
+@strata_serve.hookimpl(trylast=True)
+def engine_backend(settings: Settings) -> LlamaServer:
+    return LlamaServer(settings.engine)
