@@ -1,12 +1,55 @@
-"""strata-serve: an OpenAI-compatible server in front of llama.cpp's llama-server.
+"""strata-serve: a server in front of llama.cpp's llama-server, with plugins that act between requests.
 
 Plugins import this package and decorate their hook implementations with
 ``@strata_serve.hookimpl``; the hooks themselves are documented in
-:mod:`strata_serve.hookspecs`.
+:mod:`strata_serve.hookspecs`. Everything a plugin may use is exported here (and,
+for tests, from :mod:`strata_serve.testing`); other modules are the core's own and
+may change. The heavier names load on first use.
 """
 
-from strata_serve.hookspecs import hookimpl
-from strata_serve.exchange import EngineError, KeyRefused, Outcome, StrataRequest, Verdict
+from __future__ import annotations
 
-__all__ = ["hookimpl", "EngineError", "KeyRefused", "Outcome", "StrataRequest", "Verdict"]
+import importlib
+from typing import Any
+
+from strata_serve.exchange import EngineError, KeyRefused, Outcome, StrataRequest, Verdict
+from strata_serve.hookspecs import hookimpl
+
 __version__ = "0.1.0"
+
+#: The rest of the plugin API: name -> the module that defines it, imported on first use.
+_LAZY = {
+    "ConfigError": "strata_serve.config",
+    "Settings": "strata_serve.config",
+    "Engine": "strata_serve.engine.base",
+    "EngineInfo": "strata_serve.engine.base",
+    "EngineUnavailable": "strata_serve.engine.base",
+    "CAPABILITIES": "strata_serve.engine.base",
+    "LlamaServer": "strata_serve.engine.llama_server",
+    "SlotState": "strata_serve.slot_state",
+    "Service": "strata_serve.service",
+    "APIError": "strata_serve.api.errors",
+    "SERVICE": "strata_serve.api.keys",
+    "TENANT": "strata_serve.api.keys",
+    "first_result": "strata_serve.plugins",
+    "call_each_sync": "strata_serve.plugins",
+    "message_text": "strata_serve.default_plugins.conversation_key",
+    "first_user_text": "strata_serve.default_plugins.conversation_key",
+    "PRIVATE_FILE_MODE": "strata_serve.files",
+    "make_private_dir": "strata_serve.files",
+}
+
+__all__ = ["hookimpl", "EngineError", "KeyRefused", "Outcome", "StrataRequest", "Verdict", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'strata_serve' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

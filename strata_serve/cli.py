@@ -200,7 +200,11 @@ def models_command() -> None:
 @click.option("--force", is_flag=True, help="Write even if the file exists.")
 def demo_model(path: Path, size: str, force: bool) -> None:
     """Write a small random-weight GGUF model (meaningless text; for tests and demos)."""
-    from strata_serve.demo_model import write_demo_model
+    try:
+        from strata_serve.demo_model import write_demo_model
+    except ImportError as exc:
+        raise click.ClickException(f"demo models need the demo extra ({exc.name} is missing): "
+                                   "pip install 'strata-serve[demo]'") from None
 
     if path.exists() and not force:
         click.echo(f"{path} exists; keeping it (--force to rewrite)")

@@ -15,7 +15,7 @@ import hashlib
 from pydantic import BaseModel, ConfigDict, Field
 
 import strata_serve
-from strata_serve.default_plugins.conversation_key import first_user_text
+from strata_serve import first_user_text
 
 NAME = "prefix_key"
 #: The plugin's name when registered by hand (tests); the entry point gives the same.

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import strata_serve
-from strata_serve.config import ConfigError
+from strata_serve import ConfigError
 
 from strata_auto_sessions import hookspecs
 from strata_auto_sessions.parking import NAME, AutoSessions, AutoSessionsConfig, AutoSessionsStats

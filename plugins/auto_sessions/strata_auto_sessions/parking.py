@@ -19,10 +19,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from strata_serve.exchange import EngineError, Outcome, StrataRequest, Verdict
-from strata_serve.engine.base import EngineUnavailable
+from strata_serve import EngineError, Outcome, StrataRequest, Verdict
+from strata_serve import EngineUnavailable
 
-from strata_serve.plugins import first_result
+from strata_serve import first_result
 
 from strata_auto_sessions.store import ParkingStore, SessionStore, Sidecar, fingerprint, same_model
 

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from strata_serve.files import PRIVATE_FILE_MODE, make_private_dir
+from strata_serve import PRIVATE_FILE_MODE, make_private_dir
 
 log = logging.getLogger("strata_auto_sessions")
 

@@ -12,7 +12,7 @@ said), made at ``on_startup`` with this plugin's settings and kept in
 from __future__ import annotations
 
 import strata_serve
-from strata_serve.engine import LlamaServer
+from strata_serve import LlamaServer
 
 from strata_quirks_llama_cpp.quirks import NAME, LlamaCppQuirks, LlamaCppQuirksConfig
 

@@ -37,7 +37,7 @@ import logging
 from pydantic import BaseModel, ConfigDict, Field
 
 from strata_serve import EngineError, Verdict
-from strata_serve.engine.base import EngineInfo
+from strata_serve import EngineInfo
 
 log = logging.getLogger("strata_quirks_llama_cpp")
 

@@ -8,8 +8,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from strata_serve.api import SERVICE, TENANT
-from strata_serve.api.errors import APIError
+from strata_serve import SERVICE, TENANT
+from strata_serve import APIError
 
 from strata_ram_cache_stats.ledger import AUTO_SESSIONS, NAME, Ledger
 from strata_ram_cache_stats.peers import plugin_numbers

@@ -26,7 +26,7 @@ from typing import Any, Callable
 from prometheus_client import Histogram
 from pydantic import BaseModel, ConfigDict, Field
 
-from strata_serve.exchange import Outcome, StrataRequest
+from strata_serve import Outcome, StrataRequest
 
 NAME = "ram_cache_stats"
 #: The plugin whose numbers give the engine's bytes per token of state (from its saves).

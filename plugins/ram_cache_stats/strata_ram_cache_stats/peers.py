@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from strata_serve.plugins import call_each_sync
+from strata_serve import call_each_sync
 
 from strata_ram_cache_stats.ledger import AUTO_SESSIONS
 

@@ -24,7 +24,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 import strata_serve
-from strata_serve.exchange import StrataRequest
+from strata_serve import StrataRequest
 
 NAME = "session_header"
 #: The plugin's name when registered by hand (tests); the entry point gives the same.

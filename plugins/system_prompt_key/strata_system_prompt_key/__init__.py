@@ -16,8 +16,8 @@ import json
 from typing import Any
 
 import strata_serve
-from strata_serve.default_plugins.conversation_key import message_text
-from strata_serve.exchange import StrataRequest
+from strata_serve import message_text
+from strata_serve import StrataRequest
 
 NAME = "system_prompt_key"
 #: The plugin's name when registered by hand (tests); the entry point gives the same.
