@@ -35,6 +35,8 @@ _LAZY = {
     "call_each_sync": "strata_serve.plugins",
     "message_text": "strata_serve.default_plugins.conversation_key",
     "first_user_text": "strata_serve.default_plugins.conversation_key",
+    "opening": "strata_serve.default_plugins.conversation_key",
+    "text_key": "strata_serve.default_plugins.conversation_key",
     "PRIVATE_FILE_MODE": "strata_serve.files",
     "make_private_dir": "strata_serve.files",
 }

@@ -61,9 +61,11 @@ CHAT_TEMPLATE = (
 )
 
 _SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+#: Fill-in-the-middle markers (``fim=True``), for the engine's ``/infill``.
+_FIM_TOKENS = {"pre": "<|fim_prefix|>", "suf": "<|fim_suffix|>", "mid": "<|fim_middle|>"}
 
 
-def _vocab() -> tuple[list[str], list[int]]:
+def _vocab(fim: bool = False) -> tuple[list[str], list[int]]:
     """Return the token strings and their gguf.TokenType values."""
     tokens = list(_SPECIAL_TOKENS)
     # A real SentencePiece vocab marks <unk> UNKNOWN rather than CONTROL:
@@ -78,6 +80,9 @@ def _vocab() -> tuple[list[str], list[int]]:
     # unreachable; "▁" takes its place.
     tokens += [chr(c) for c in range(0x21, 0x7F)] + ["\u2581"]
     types += [gguf.TokenType.NORMAL] * (0x7F - 0x21 + 1)
+    if fim:  # appended, so every other token keeps its id
+        tokens += list(_FIM_TOKENS.values())
+        types += [gguf.TokenType.CONTROL] * len(_FIM_TOKENS)
     return tokens, [int(t) for t in types]
 
 
@@ -86,9 +91,11 @@ def _tensor_name(tensor: gguf.MODEL_TENSOR, bid: int | None = None) -> str:
 
 
 def write_demo_model(
-    path: str | os.PathLike[str], size: str = "tiny", seed: int = 0
+    path: str | os.PathLike[str], size: str = "tiny", seed: int = 0, *, fim: bool = False
 ) -> pathlib.Path:
     """Write a random-weight llama GGUF model to ``path`` and return its path.
+
+    ``fim`` adds fill-in-the-middle tokens, so the engine serves ``/infill`` with it.
 
     The output is byte-for-byte deterministic for a given ``size`` and
     ``seed``. The file appears atomically: a reader never sees a partial model.
@@ -104,7 +111,7 @@ def write_demo_model(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
 
-    tokens, token_types = _vocab()
+    tokens, token_types = _vocab(fim)
     head_dim = shape.n_embd // shape.n_head
     rng = np.random.default_rng(seed)
 
@@ -146,6 +153,9 @@ def write_demo_model(
     writer.add_add_eos_token(False)
     writer.add_add_space_prefix(False)
     writer.add_chat_template(CHAT_TEMPLATE)
+    if fim:
+        for kind, token in _FIM_TOKENS.items():
+            writer.add_uint32(getattr(gguf.Keys.Tokenizer, f"FIM_{kind.upper()}_ID"), tokens.index(token))
 
     q_dim = shape.n_head * head_dim
     kv_dim = shape.n_head_kv * head_dim

@@ -25,7 +25,8 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from strata_serve.api.openapi import ErrorResponse
+from strata_serve.api.errors import shape_of
+from strata_serve.api.openapi import AnthropicErrorResponse, ErrorResponse
 from strata_serve.api.schemas import ChatCompletionRequest
 from strata_serve.engine.llama_server import free_port
 
@@ -35,7 +36,8 @@ KEY = "fuzz-key"
 MAX_BODY = int(0.05 * 1024 * 1024)
 PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/slots", "/slots/0",
          "/slots/1", "/slots/x", "/openapi.json", "/stats", "/metrics", "/nope", "/v1",
-         "/slots/0/../../etc", "/health/x"]
+         "/slots/0/../../etc", "/health/x", "/v1/messages", "/v1/messages/count_tokens", "/v1/messages/x",
+         "/v1/responses", "/v1/embeddings", "/infill", "/tokenize", "/detokenize", "/apply-template", "/props"]
 METHODS = ["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]
 ACTIONS = ["save", "restore", "erase"]
 #: Where the server's own files go; everything else under the temporary tree must stay as it was.
@@ -128,10 +130,12 @@ def send(server, method: str, path: str, body: bytes = b"", headers: list[tuple[
     return Answer(raw)
 
 
-def check_error(answer: Answer) -> None:
+def check_error(answer: Answer, path: str = "/") -> None:
     assert answer.status < 500, (answer.status, answer.body[:300])
     if answer.status >= 400 and answer.body:
-        ErrorResponse.model_validate_json(answer.body)  # the OpenAI error shape, every time
+        # The OpenAI error shape every time, Anthropic's under /v1/messages.
+        shape = AnthropicErrorResponse if shape_of(path.partition("?")[0]) == "anthropic" else ErrorResponse
+        shape.model_validate_json(answer.body)
 
 
 json_values = st.recursive(
@@ -223,7 +227,7 @@ def test_chat_bodies_never_fail_the_server(server, body):
        content_type=st.sampled_from([b"application/json", b"text/plain", None]))
 def test_raw_bytes_on_any_route_and_method(server, raw, path, method, content_type):
     answer = send(server, method, path, raw, content_type=content_type)
-    check_error(answer)
+    check_error(answer, path)
     if raw and content_type != b"application/json":
         assert answer.status == 415
 
@@ -236,11 +240,14 @@ nesting = st.builds(
 
 
 @fuzz
-@given(raw=nesting, path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/slots/0?action=save"]))
+@given(raw=nesting, path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/slots/0?action=save",
+                                          "/v1/messages", "/v1/messages/count_tokens", "/v1/responses",
+                                          "/v1/embeddings", "/infill", "/tokenize", "/detokenize",
+                                          "/apply-template"]))
 def test_deep_nesting_is_refused_on_every_route_with_a_body(server, raw, path):
     assume(len(raw) < MAX_BODY)
     answer = send(server, "POST", path, raw)
-    check_error(answer)
+    check_error(answer, path)
     assert answer.status == 400
 
 
@@ -386,7 +393,7 @@ def test_openapi_document_describes_the_server(server):
         for method, operation in operations.items():
             answer = send(server, method.upper(), concrete, b"{}")
             assert str(answer.status) in operation["responses"], (method, path, answer.status, answer.body[:200])
-            check_error(answer)
+            check_error(answer, concrete)
     assert send(server, "GET", "/openapi.json", auth=False).status == 401, "the description is guarded"
 
 

@@ -12,8 +12,8 @@ from urllib.parse import urlsplit
 import pluggy
 from aiohttp import web
 
-from strata_serve.api import openai_routes, openapi, slots
-from strata_serve.api.errors import error_middleware, error_response
+from strata_serve.api import anthropic_routes, llama_routes, openai_routes, openapi, slots
+from strata_serve.api.errors import APIError, error_middleware
 from strata_serve.api.keys import SERVICE, TENANT
 from strata_serve.config import ConfigError, Settings
 from strata_serve.engine import Engine
@@ -51,6 +51,8 @@ def create_app(settings: Settings, pm: pluggy.PluginManager, engine: Engine | No
     )
     app[SERVICE] = service
     app.add_routes(openai_routes.routes)
+    app.add_routes(anthropic_routes.routes)
+    app.add_routes(llama_routes.routes)
     app.add_routes(slots.routes)
     # Open by route, not by path: another method on /health is never open.
     open_routes.update(app.router.add_route(method, HEALTH_PATH, health) for method in ("GET", "HEAD"))
@@ -161,7 +163,7 @@ def _browser_guard(settings: Settings):
         if trusted_names is not None and "Host" in request.headers:  # browsers always send one
             name = _host_name(request)
             if not (_unrebindable(name) or name in trusted_names):
-                return error_response(
+                raise APIError(
                     403, f"this server listens on a loopback address, and the request names the host "
                     f"{name!r}: a web page whose name was made to resolve here is refused "
                     "(server.allowed_origins lists the names that may be used)", code="host_not_allowed"
@@ -169,14 +171,14 @@ def _browser_guard(settings: Settings):
         origin = request.headers.get("Origin")
         if origin is not None:
             if not _origin_allowed(request, origin, allowed):
-                return error_response(
+                raise APIError(
                     403, f"requests from the web page at {origin!r} are not allowed "
                     "(server.allowed_origins lists the origins that are)", code="origin_not_allowed"
                 )
             if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
                 return _preflight(request, origin)
         if request.body_exists and request.content_type != JSON_TYPE:
-            return error_response(
+            raise APIError(
                 415, f"the request body must be JSON (Content-Type: {JSON_TYPE}), "
                 f"not {request.headers.get('Content-Type', 'unnamed')!r}", code="unsupported_media_type"
             )
@@ -222,7 +224,7 @@ def _auth_middleware(settings: Settings, open_routes: set[web.AbstractRoute]):
     async def check_key(request: web.Request, handler):
         if not keys or request.match_info.route in open_routes:
             return await handler(request)
-        presented = _bearer_token(request.headers.get("Authorization", ""))
+        presented = _presented_key(request)
         tenant_found = False
         # Compare against every key, in constant time each, so timing tells nothing.
         for tenant, key in keys.items():
@@ -230,12 +232,27 @@ def _auth_middleware(settings: Settings, open_routes: set[web.AbstractRoute]):
                 tenant_found = True
                 request[TENANT] = tenant
         if not tenant_found:
-            return error_response(
-                401, "missing or invalid API key (Authorization: Bearer <key>)", code="invalid_api_key"
+            raise APIError(
+                401, "missing or invalid API key (Authorization: Bearer <key>, or X-Api-Key: <key>)",
+                code="invalid_api_key",
             )
         return await handler(request)
 
     return check_key
+
+
+def _presented_key(request: web.Request) -> bytes:
+    """The key a request presents: ``Authorization: Bearer <key>``, else ``X-Api-Key: <key>``.
+
+    Anthropic's clients send the second (Claude Code with ``ANTHROPIC_API_KEY``); the
+    engine takes both as well.
+    """
+    if "Authorization" in request.headers:
+        return _bearer_token(request.headers["Authorization"])
+    try:
+        return request.headers.get("X-Api-Key", "").strip(" ").encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return b""
 
 
 def _bearer_token(header: str) -> bytes:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from aiohttp import web
 from pydantic import BaseModel
 
 from strata_serve import __version__
-from strata_serve.api.schemas import ChatCompletionRequest, CompletionRequest, SlotFile
+from strata_serve.api.schemas import (AnthropicCountTokensRequest, AnthropicMessagesRequest, ApplyTemplateRequest,
+                                      ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                      EmbeddingsRequest, InfillRequest, ResponsesRequest, SlotFile,
+                                      TokenizeRequest)
 
 
 class ErrorDetail(BaseModel):
@@ -24,6 +27,18 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Anthropic's error shape, in which every failure under ``/v1/messages`` is answered."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
 _ERRORS = {"400", "401", "403", "404", "405", "408", "409", "413", "415", "502", "503"}
 
 
@@ -32,11 +47,11 @@ def _json(ref: str) -> dict[str, Any]:
 
 
 def _operation(summary: str, body: str | None = None, ok: str = "the engine's answer",
-               params: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+               params: list[dict[str, Any]] | None = None, error: str = "ErrorResponse") -> dict[str, Any]:
     operation: dict[str, Any] = {
         "summary": summary,
         "responses": {"200": {"description": ok}} | {
-            code: {"description": "error", **_json("ErrorResponse")} for code in sorted(_ERRORS)
+            code: {"description": "error", **_json(error)} for code in sorted(_ERRORS)
         },
     }
     if body:
@@ -48,7 +63,9 @@ def _operation(summary: str, body: str | None = None, ok: str = "the engine's an
 
 def build(extra_paths: list[tuple[str, str]] = ()) -> dict[str, Any]:
     """The OpenAPI 3.1 document; ``extra_paths`` are plugin routes as ``(method, path)``."""
-    models = [ChatCompletionRequest, CompletionRequest, SlotFile, ErrorResponse]
+    models = [ChatCompletionRequest, CompletionRequest, ResponsesRequest, EmbeddingsRequest,
+              AnthropicMessagesRequest, AnthropicCountTokensRequest, InfillRequest, TokenizeRequest,
+              DetokenizeRequest, ApplyTemplateRequest, SlotFile, ErrorResponse, AnthropicErrorResponse]
     schemas: dict[str, Any] = {}
     for model in models:
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
@@ -61,6 +78,20 @@ def build(extra_paths: list[tuple[str, str]] = ()) -> dict[str, Any]:
         "/v1/chat/completions": {"post": _operation("Chat completion (stream with SSE or not)",
                                                     "ChatCompletionRequest")},
         "/v1/completions": {"post": _operation("Text completion", "CompletionRequest")},
+        "/v1/responses": {"post": _operation("OpenAI Responses API (stream with SSE or not)", "ResponsesRequest")},
+        "/v1/embeddings": {"post": _operation("Embeddings (the engine started with --embeddings)",
+                                              "EmbeddingsRequest")},
+        "/v1/messages": {"post": _operation("Anthropic Messages API (stream with SSE or not)",
+                                            "AnthropicMessagesRequest", error="AnthropicErrorResponse")},
+        "/v1/messages/count_tokens": {"post": _operation("Anthropic token count (touches no slot)",
+                                                         "AnthropicCountTokensRequest",
+                                                         error="AnthropicErrorResponse")},
+        "/infill": {"post": _operation("Code infill (fill in the middle; stream with SSE or not)", "InfillRequest")},
+        "/tokenize": {"post": _operation("Text to token ids (touches no slot)", "TokenizeRequest")},
+        "/detokenize": {"post": _operation("Token ids to text (touches no slot)", "DetokenizeRequest")},
+        "/apply-template": {"post": _operation("The prompt the chat template makes (touches no slot)",
+                                               "ApplyTemplateRequest")},
+        "/props": {"get": _operation("The engine's properties")},
         "/v1/models": {"get": _operation("The engine's models")},
         "/health": {"get": _operation("200 when the engine answers", ok="healthy")},
         "/slots": {"get": _operation("The engine's slots")},

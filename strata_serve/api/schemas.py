@@ -6,7 +6,7 @@ passed through to the engine untouched (``extra="allow"``).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator, model_validator
 
@@ -96,6 +96,171 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: StrictStr | list[StrictStr] | list[int]
+
+
+class EmbeddingsRequest(_Open):
+    model: StrictStr | None = None
+    input: StrictStr | list[StrictStr] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] | None = None
+    user: StrictStr | None = None
+
+
+# -- Anthropic's Messages API ---------------------------------------------------------
+
+#: What each kind of Anthropic content block must carry (the engine answers a text block
+#: without its text with a 500).
+_ANTHROPIC_BLOCK_FIELDS = {
+    "text": ("text", "a string", lambda v: isinstance(v, str)),
+    "image": ("source", "an object", lambda v: isinstance(v, dict)),
+    "document": ("source", "an object", lambda v: isinstance(v, dict)),
+    "tool_use": ("name", "a string", lambda v: isinstance(v, str)),
+    "tool_result": ("tool_use_id", "a string", lambda v: isinstance(v, str)),
+}
+
+
+class AnthropicBlock(_Open):
+    type: StrictStr
+
+    @model_validator(mode="after")
+    def _carries_what_its_type_needs(self) -> AnthropicBlock:
+        if self.type in _ANTHROPIC_BLOCK_FIELDS:
+            field, expected, valid = _ANTHROPIC_BLOCK_FIELDS[self.type]
+            if not valid((self.model_extra or {}).get(field)):
+                raise ValueError(f"a {self.type!r} block needs {field!r}: {expected}")
+        return self
+
+
+class AnthropicTextBlock(_Open):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class AnthropicMessage(_Open):
+    role: Literal["user", "assistant"]
+    content: StrictStr | list[AnthropicBlock]
+
+
+class AnthropicTool(_Open):
+    name: StrictStr = Field(min_length=1)
+    description: StrictStr | None = None
+
+
+class _AnthropicPrompt(_Open):
+    model: StrictStr | None = None
+    system: StrictStr | list[AnthropicTextBlock] | None = None
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    tools: list[AnthropicTool] | None = None
+    tool_choice: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class AnthropicMessagesRequest(_AnthropicPrompt):
+    # Anthropic requires it; without it the engine would write until the context is full.
+    max_tokens: int = Field(ge=1, le=INT32_MAX)
+    stream: StrictBool = False
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=0, le=INT32_MAX)
+    stop_sequences: list[StrictStr] | None = None
+
+
+class AnthropicCountTokensRequest(_AnthropicPrompt):
+    pass
+
+
+# -- OpenAI's Responses API ------------------------------------------------------------
+
+_RESPONSES_PART_FIELDS = {
+    "input_text": ("text", "a string", lambda v: isinstance(v, str)),
+    "output_text": ("text", "a string", lambda v: isinstance(v, str)),
+    "input_image": ("image_url", "a string", lambda v: v is None or isinstance(v, str)),
+}
+
+
+class ResponsesPart(_Open):
+    type: StrictStr
+
+    @model_validator(mode="after")
+    def _carries_what_its_type_needs(self) -> ResponsesPart:
+        if self.type in _RESPONSES_PART_FIELDS:
+            field, expected, valid = _RESPONSES_PART_FIELDS[self.type]
+            if not valid((self.model_extra or {}).get(field)):
+                raise ValueError(f"a {self.type!r} part needs {field!r}: {expected}")
+        return self
+
+
+class ResponsesItem(_Open):
+    type: StrictStr | None = None
+    role: StrictStr | None = None
+    content: StrictStr | list[ResponsesPart] | None = None
+
+
+class ResponsesTool(_Open):
+    type: StrictStr
+
+    @model_validator(mode="after")
+    def _a_function_has_a_name(self) -> ResponsesTool:
+        name = (self.model_extra or {}).get("name")
+        if self.type == "function" and not (isinstance(name, str) and name):
+            raise ValueError("a 'function' tool needs 'name': a non-empty string")  # else the engine's 500
+        return self
+
+
+class ResponsesRequest(_Open):
+    model: StrictStr | None = None
+    input: StrictStr | list[ResponsesItem]
+    instructions: StrictStr | None = None
+    stream: StrictBool = False
+    max_output_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, ge=0, le=1)
+    tools: list[ResponsesTool] | None = None
+    metadata: dict[str, Any] | None = None
+    prompt_cache_key: StrictStr | None = None
+    user: StrictStr | None = None
+
+
+# -- the engine's own routes -------------------------------------------------------------
+
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
+class InfillChunk(_Open):
+    text: StrictStr
+    filename: StrictStr | None = None
+
+
+class InfillRequest(_Open):
+    input_prefix: StrictStr
+    input_suffix: StrictStr
+    input_extra: list[InfillChunk] | None = None
+    prompt: StrictStr | None = None
+    stream: StrictBool = False
+    n_predict: int | None = Field(None, ge=-1, le=INT32_MAX)
+    max_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=0, le=INT32_MAX)
+    stop: StrictStr | list[StrictStr] | None = None
+    cache_prompt: StrictBool | None = None
+    # The service chooses the slot: a client's choice would put the request where the
+    # core's picture does not expect it. -1 is the engine's "any".
+    id_slot: Literal[-1] | None = None
+
+
+class TokenizeRequest(_Open):
+    content: StrictStr | list[StrictStr | TokenId]
+    add_special: StrictBool | None = None
+    parse_special: StrictBool | None = None
+    with_pieces: StrictBool | None = None
+
+
+class DetokenizeRequest(_Open):
+    tokens: list[TokenId]
+
+
+class ApplyTemplateRequest(_Open):
+    messages: list[Message]
 
 
 #: Longest file name, in bytes, that file systems take (NAME_MAX); longer ones fail

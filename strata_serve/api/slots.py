@@ -22,7 +22,7 @@ from aiohttp import web
 
 from strata_serve.api.errors import APIError
 from strata_serve.api.keys import TENANT
-from strata_serve.api.openai_routes import read_json, service_errors, service_of
+from strata_serve.api.relay import read_json, service_errors, service_of
 from strata_serve.api.schemas import SlotFile
 from strata_serve.engine.base import EngineUnavailable
 from strata_serve.exchange import EngineError, Outcome, StrataRequest

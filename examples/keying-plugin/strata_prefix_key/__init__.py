@@ -6,16 +6,18 @@ each turn looks like a new conversation. This key hashes only its first ``chars`
 characters (``plugins.prefix_key.chars``), so the turns stay one conversation while
 the instruction stays the same. A message no longer than ``chars`` gets the built-in
 key, since the same text is hashed.
+
+Every API that holds a conversation is understood (OpenAI chat, Anthropic's Messages,
+the Responses API), through the built-in key's ``opening``; images in the first user
+message count as they do there.
 """
 
 from __future__ import annotations
 
-import hashlib
-
 from pydantic import BaseModel, ConfigDict, Field
 
 import strata_serve
-from strata_serve import first_user_text
+from strata_serve import opening, text_key
 
 NAME = "prefix_key"
 #: The plugin's name when registered by hand (tests); the entry point gives the same.
@@ -36,10 +38,8 @@ def on_config(settings):
 
 @strata_serve.hookimpl
 def conversation_key(request, service):
-    if request.route != "chat":
-        return None
-    text = first_user_text(request.body)
-    if text is None:
+    start = opening(request.route, request.body)
+    if start is None or start.user is None:
         return None  # defer: another plugin, or in the end the built-in default, decides
     chars = service.plugin_config(NAME, PrefixKeyConfig).chars
-    return hashlib.sha1(text[:chars].encode("utf-8")).hexdigest()[:16]
+    return text_key(start.user[:chars], start.media)

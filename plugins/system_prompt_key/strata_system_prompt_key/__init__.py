@@ -5,8 +5,11 @@ system prompt keeps the old key, and the new conversation would be parked over t
 old one. This key hashes both, so an edited system prompt starts a new conversation.
 
 The system prompt is every ``system`` or ``developer`` message before the first user
-message. Without one the plugin defers, so the built-in key (the same hash of the
-first user message) still names those conversations, and their files stay valid.
+message; on Anthropic's Messages API, its top-level ``system``; on the Responses API,
+``instructions`` and the system and developer items before the first user one. Without
+one the plugin defers, so the built-in key (the same hash of the first user message)
+still names those conversations, and their files stay valid. Images and files in the
+first user message count, as in the built-in key.
 """
 
 from __future__ import annotations
@@ -16,36 +19,21 @@ import json
 from typing import Any
 
 import strata_serve
-from strata_serve import message_text
-from strata_serve import StrataRequest
+from strata_serve import StrataRequest, opening
 
 NAME = "system_prompt_key"
 #: The plugin's name when registered by hand (tests); the entry point gives the same.
 strata_name = NAME
 
-SYSTEM_ROLES = frozenset({"system", "developer"})
-
-
-def opening(messages: list[Any]) -> tuple[list[str], str | None]:
-    """The system prompt's parts and the first user message's text (None without one)."""
-    system = []
-    for message in messages:
-        if not isinstance(message, dict):
-            continue
-        if message.get("role") == "user":
-            return system, message_text(message.get("content")) or None
-        if message.get("role") in SYSTEM_ROLES:
-            system.append(message_text(message.get("content")))
-    return system, None
-
 
 @strata_serve.hookimpl
 def conversation_key(request: StrataRequest) -> str | None:
-    if request.route != "chat":
-        return None
-    system, user = opening(request.body.get("messages") or [])
-    if user is None or not any(system):
+    start = opening(request.route, request.body)
+    if start is None or (start.user is None and not start.media) or not any(start.system):
         return None
     # JSON keeps the parts apart: ("ab", "c") and ("a", "bc") must not hash alike.
-    framed = json.dumps({"system": system, "user": user}, ensure_ascii=False)
+    framed_parts: dict[str, Any] = {"system": start.system, "user": start.user}
+    if start.media:  # text-only openings keep the key they always had
+        framed_parts["media"] = start.media
+    framed = json.dumps(framed_parts, ensure_ascii=False)
     return hashlib.sha1(framed.encode("utf-8")).hexdigest()[:16]

@@ -1,0 +1,207 @@
+"""What each API the engine speaks says about its work, and how it ends a stream.
+
+The relay is the same for every API; what differs is where the engine's numbers are
+(``timings`` on OpenAI chat and the engine's own routes; ``usage`` alone on Anthropic's
+Messages and on the Responses API's plain answers), which event ends a stream, and how
+an error is told inside a stream whose headers are already gone. The core needs three
+numbers from every answer that ran in a slot: ``cache_n`` (prompt tokens reused),
+``prompt_n`` (prompt tokens read anew) and ``predicted_n`` (tokens generated); where the
+engine sends no ``timings``, they are read from ``usage``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from strata_serve.api.errors import ErrorShape
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+class ApiFormat:
+    """OpenAI chat and completions (and embeddings): ``timings`` as the engine sends them."""
+
+    name = "openai"
+    error_shape: ErrorShape = "openai"
+    #: Bytes that mark an SSE event worth parsing; a plain token event is passed by unparsed.
+    markers: tuple[bytes, ...] = (b'"timings"', b'"usage"', b'"error"', b'"finish_reason":"',
+                                  b'"finish_reason": "')
+
+    def timings(self, answer: Any) -> dict[str, Any] | None:
+        """The ``timings`` of a whole (non-streamed) answer, read from ``usage`` if need be."""
+        if not isinstance(answer, dict):
+            return None
+        if isinstance(answer.get("timings"), dict):
+            return answer["timings"]
+        return self.timings_from_usage(answer.get("usage"))
+
+    def timings_from_usage(self, usage: Any) -> dict[str, Any] | None:
+        return None  # OpenAI chat answers carry ``timings``; usage alone says nothing of reuse
+
+    def read_event(self, event: dict[str, Any], seen: StreamSeen) -> None:
+        """Learn what one parsed SSE event says."""
+        if isinstance(event.get("timings"), dict):
+            seen.timings = event["timings"]
+        if isinstance(event.get("usage"), dict):
+            seen.usage = event["usage"]
+        if "error" in event:
+            seen.error = str(event["error"])
+        for choice in event.get("choices") or []:
+            if isinstance(choice, dict) and choice.get("finish_reason"):
+                seen.finished = True
+
+    def done(self, data: bytes, seen: StreamSeen) -> bool:
+        """Whether a ``data:`` line that is not JSON ends the stream (OpenAI's ``[DONE]``)."""
+        return data == b"[DONE]"
+
+    def stream_error(self, message: str, kind: str) -> bytes:
+        """An event telling the client, inside the stream, that it ended in an error."""
+        event = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+        return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+
+class LlamaFormat(ApiFormat):
+    """The engine's own completion routes (``/infill``): the last event says ``"stop": true``."""
+
+    name = "llama"
+    markers = (b'"timings"', b'"error"', b'"stop":true', b'"stop": true')
+
+    def read_event(self, event: dict[str, Any], seen: StreamSeen) -> None:
+        super().read_event(event, seen)
+        if event.get("stop") is True:
+            seen.finished = True
+
+
+class AnthropicFormat(ApiFormat):
+    """Anthropic's Messages API.
+
+    The engine sends no ``timings`` here, only ``usage``: ``input_tokens`` (read anew),
+    ``cache_read_input_tokens`` (reused) and ``output_tokens``. A stream gives the first
+    two in ``message_start`` and the last in ``message_delta``, and ends with
+    ``message_stop``.
+    """
+
+    name = "anthropic"
+    error_shape: ErrorShape = "anthropic"
+    markers = (b'"usage"', b'"timings"', b'"message_stop"', b'"error"')
+
+    def timings_from_usage(self, usage: Any) -> dict[str, Any] | None:
+        if not isinstance(usage, dict):
+            return None
+        prompt, reused = _int(usage.get("input_tokens")), _int(usage.get("cache_read_input_tokens"))
+        predicted = _int(usage.get("output_tokens"))
+        if prompt is None and reused is None:
+            return None
+        return {"cache_n": reused or 0, "prompt_n": prompt or 0, "predicted_n": predicted or 0}
+
+    def read_event(self, event: dict[str, Any], seen: StreamSeen) -> None:
+        kind = event.get("type")
+        if isinstance(event.get("timings"), dict):
+            seen.timings = event["timings"]
+        usage = event.get("usage")
+        if kind == "message_start" and isinstance(event.get("message"), dict):
+            usage = event["message"].get("usage")
+        if isinstance(usage, dict):
+            seen.usage = {**(seen.usage or {}), **usage}  # message_delta adds output_tokens
+        if kind == "message_stop":
+            seen.finished = True
+        elif kind == "error":
+            seen.error = str(event.get("error"))
+
+    def done(self, data: bytes, seen: StreamSeen) -> bool:
+        return False
+
+    def stream_error(self, message: str, kind: str) -> bytes:
+        kind = "overloaded_error" if kind == "service_unavailable" else "api_error"
+        event = {"type": "error", "error": {"type": kind, "message": message}}
+        return b"event: error\ndata: " + json.dumps(event).encode() + b"\n\n"
+
+
+class ResponsesFormat(ApiFormat):
+    """OpenAI's Responses API.
+
+    A plain answer has only ``usage`` (``input_tokens`` counts the reused ones too, as
+    ``input_tokens_details.cached_tokens``); a stream's ``response.completed`` event
+    carries the engine's ``timings`` besides.
+    """
+
+    name = "responses"
+    markers = (b'"response.completed"', b'"response.incomplete"', b'"response.failed"', b'"error"',
+               b'"timings"')
+
+    def timings_from_usage(self, usage: Any) -> dict[str, Any] | None:
+        if not isinstance(usage, dict) or _int(usage.get("input_tokens")) is None:
+            return None
+        details = usage.get("input_tokens_details")
+        reused = _int(details.get("cached_tokens")) if isinstance(details, dict) else None
+        reused = min(reused or 0, usage["input_tokens"])
+        return {"cache_n": reused, "prompt_n": usage["input_tokens"] - reused,
+                "predicted_n": _int(usage.get("output_tokens")) or 0}
+
+    def read_event(self, event: dict[str, Any], seen: StreamSeen) -> None:
+        kind = event.get("type")
+        if isinstance(event.get("timings"), dict):
+            seen.timings = event["timings"]
+        response = event.get("response")
+        if isinstance(response, dict) and isinstance(response.get("usage"), dict):
+            seen.usage = response["usage"]
+        if kind in ("response.completed", "response.incomplete"):
+            seen.finished = True
+        elif kind in ("response.failed", "error"):
+            seen.error = str(event.get("error") or event.get("message") or event)
+
+    def done(self, data: bytes, seen: StreamSeen) -> bool:
+        return data == b"[DONE]"
+
+    def stream_error(self, message: str, kind: str) -> bytes:
+        event = {"type": "error", "code": kind, "message": message, "param": None}
+        return b"event: error\ndata: " + json.dumps(event).encode() + b"\n\n"
+
+
+class StreamSeen:
+    """What the relay learnt from a stream's events as they passed."""
+
+    def __init__(self, api: ApiFormat) -> None:
+        self.api = api
+        self._buffer = b""
+        self._timings: dict[str, Any] | None = None
+        self.usage: dict[str, Any] | None = None
+        self.finished = False
+        self.error: str | None = None
+
+    @property
+    def timings(self) -> dict[str, Any] | None:
+        return self._timings if self._timings is not None else self.api.timings_from_usage(self.usage)
+
+    @timings.setter
+    def timings(self, value: dict[str, Any]) -> None:
+        self._timings = value
+
+    def feed(self, chunk: bytes) -> None:
+        self._buffer += chunk
+        *lines, self._buffer = self._buffer.split(b"\n")
+        for line in lines:
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue  # ``event:`` lines name what the data says again in its ``type``
+            data = line[5:].strip()
+            if self.api.done(data, self):
+                self.finished = True
+                continue
+            if not any(marker in data for marker in self.api.markers):
+                continue  # a plain token: nothing to learn, and parsing each one costs speed
+            try:
+                event = json.loads(data)
+            except ValueError:
+                continue
+            if isinstance(event, dict):
+                self.api.read_event(event, self)
+
+
+OPENAI = ApiFormat()
+LLAMA = LlamaFormat()
+ANTHROPIC = AnthropicFormat()
+RESPONSES = ResponsesFormat()

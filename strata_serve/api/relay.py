@@ -1,0 +1,292 @@
+"""The path every request takes to the engine: read, checked, through the FIFO, relayed back.
+
+One relay for every API the engine speaks; what differs between them (where the
+engine's numbers are, how a stream ends, the error shape) is an
+:class:`~strata_serve.api.formats.ApiFormat`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import re
+from typing import Any, Iterator
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
+from pydantic import BaseModel
+
+from strata_serve.api.errors import APIError
+from strata_serve.api.formats import OPENAI, ApiFormat, StreamSeen
+from strata_serve.api.keys import SERVICE, TENANT
+from strata_serve.engine.base import EngineUnavailable
+from strata_serve.exchange import KeyRefused, Outcome, StrataRequest
+from strata_serve.service import QueueFull, Service, ShuttingDown
+from strata_serve.slot_state import state_source
+
+log = logging.getLogger("strata_serve.api")
+
+#: How long a client told "queue full" should wait before trying again.
+RETRY_AFTER_S = 5
+
+
+def service_of(request: web.Request) -> Service:
+    return request.app[SERVICE]
+
+
+async def read_json(request: web.Request, model: type[BaseModel]) -> dict[str, Any]:
+    """The body as a dict, checked against ``model`` (raises errors the middleware shapes)."""
+    timeout = service_of(request).settings.server.read_timeout_s
+    try:
+        raw = await asyncio.wait_for(request.read(), timeout)  # 413 past server.max_body_mib
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="read_timeout") from None
+    except RequestPayloadError as exc:  # e.g. Content-Encoding: gzip over bytes that are not gzip
+        raise APIError(400, f"the request body could not be read: {exc.__cause__ or exc}",
+                       code="unreadable_body") from None
+    if not raw:
+        raise APIError(400, "the request body is empty; a JSON object is expected")
+    try:
+        body = json.loads(raw, parse_constant=_not_json, parse_float=_finite_float)
+    except RecursionError:
+        raise APIError(400, f"the request body is nested more than {MAX_JSON_DEPTH} levels deep",
+                       code="too_deeply_nested") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    check_json_value(body)
+    model.model_validate(body)
+    return body
+
+
+def _not_json(word: str) -> Any:
+    # Python's parser takes NaN and Infinity, which JSON (and the engine) does not.
+    raise ValueError(f"{word} is not a JSON value")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999: valid JSON text, but no number a float holds
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
+#: Deepest nesting of arrays and objects accepted in a request body. Python's own
+#: parser stops near 1,000 levels (a RecursionError); whatever handles the body later
+#: (validation, the relay's encoder, the engine's parser) recurses too.
+MAX_JSON_DEPTH = 100
+
+
+def check_json_value(value: Any) -> None:
+    """Refuse what parsed as JSON yet cannot be handled safely: deep nesting, lone surrogates.
+
+    JSON's ``\\ud800`` escapes can make strings that are not Unicode text; encoding
+    them (to hash a key, to name a file, to log) would fail far from here.
+
+    :raises APIError: 400 naming the problem.
+    """
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii() and _SURROGATE.search(item):
+                raise APIError(400, "the request body holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape "
+                               "outside a pair), which is not text", code="invalid_unicode")
+            continue
+        if isinstance(item, dict):
+            children = [*item.keys(), *item.values()]
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(400, f"the request body is nested more than {MAX_JSON_DEPTH} levels deep",
+                           code="too_deeply_nested")
+        stack.extend((child, depth + 1) for child in children)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+@contextlib.contextmanager
+def service_errors(service: Service) -> Iterator[None]:
+    """Turn the service's refusals into errors (shaped for the route by the middleware)."""
+    try:
+        yield
+    except QueueFull:
+        raise APIError(
+            503,
+            f"the server is busy: {service.settings.server.queue_limit} requests are already waiting",
+            code="queue_full",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        ) from None
+    except ShuttingDown:
+        raise APIError(503, "the server is shutting down", code="shutting_down") from None
+    except EngineUnavailable as exc:
+        raise APIError(exc.status, str(exc), code="engine_unavailable") from None
+
+
+#: An engine's "not supported" (501: embeddings without ``--embeddings``, infill on a model
+#: without fill-in-the-middle tokens) is told as the client's 400: asking again will not help.
+_NOT_SUPPORTED = 501
+
+
+def engine_answer(status: int, body: Any) -> web.Response:
+    """The engine's answer as ours; an error is raised as :class:`APIError` for the route's shape.
+
+    The engine's own 4xx error object keeps its fields (its numeric ``code``, its type,
+    the token counts of a context overflow) in the OpenAI shape.
+    """
+    if status < 400:
+        return web.json_response(body, status=status)
+    error = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(error, dict):
+        raise APIError(status if status < 500 else 502, f"the engine answered HTTP {status}: {str(body)[:300]}")
+    message = str(error.get("message") or f"HTTP {status}")
+    if status == _NOT_SUPPORTED:
+        raise APIError(400, f"the engine does not serve this: {message}", code="not_supported")
+    if status >= 500:
+        raise APIError(502, f"the engine failed: {message}")
+    extra = {k: v for k, v in error.items() if k not in ("message", "type", "param", "code")}
+    raise APIError(status, message, param=error.get("param"), code=error.get("code"),
+                   type_=error.get("type") or "invalid_request_error", extra=extra)
+
+
+async def direct(request: web.Request, method: str, path: str, body: Any = None) -> web.Response:
+    """Ask the engine outside the FIFO, for routes that touch no slot.
+
+    Tokenizing, applying the chat template, counting tokens and reading ``/props`` are
+    answered by the engine from its vocabulary and settings, beside whatever runs in
+    the slot: nothing is evicted, nothing needs saving. Sent through the FIFO, they
+    would wait behind a long prefill for an answer that takes a millisecond, and the
+    plugins' ``pre_request`` would take them for a switch (auto-sessions parks the held
+    conversation before any request without a conversation key).
+    """
+    service = service_of(request)
+    with service_errors(service):
+        await service.engine.wait_ready()
+        status, answer = await service.engine.request(method, path, json=body, op=path.strip("/"))
+    return engine_answer(status, answer)
+
+
+async def relay(request: web.Request, route: str, path: str, body: dict[str, Any], *,
+                api: ApiFormat = OPENAI, keyed: bool = True) -> web.StreamResponse:
+    """Send one request through the FIFO to the engine and hand back its answer.
+
+    ``keyed=False`` for requests that hold no conversation (embeddings): no keying
+    plugin is asked, so none can name one the slot will not hold afterwards.
+    """
+    service = service_of(request)
+    sreq = StrataRequest(
+        route=route,  # type: ignore[arg-type]
+        body=body,
+        headers=request.headers,
+        stream=bool(body.get("stream")),
+        tenant=request.get(TENANT),
+    )
+    if keyed:
+        try:
+            sreq.conversation_key = service.conversation_key(sreq)
+        except KeyRefused as exc:
+            raise APIError(400, str(exc), param=exc.param, code="invalid_conversation_key") from None
+    answer: web.StreamResponse | None = None
+
+    async def send(outcome: Outcome) -> None:
+        nonlocal answer
+        if sreq.stream:
+            answer = await _relay_stream(request, service, path, sreq.body, outcome, sreq, api)
+        else:
+            answer = await _relay_json(service, path, sreq.body, outcome, api)
+            answer.headers.update(state_headers(sreq, outcome.timings))
+
+    with service_errors(service):
+        await service.process(sreq, send)
+    assert answer is not None
+    return answer
+
+
+def state_headers(sreq: StrataRequest, timings: dict[str, Any] | None) -> dict[str, str]:
+    """What strata did for this request, for the client to see without reading logs."""
+    if sreq.conversation_key is None:
+        return {"X-Strata-State": "unkeyed"}
+    return {
+        "X-Strata-Conversation": sreq.conversation_key,
+        "X-Strata-State": state_source(sreq, timings),
+        "X-Strata-Restored-Tokens": str(sreq.restored_tokens),
+    }
+
+
+async def _relay_json(service: Service, path: str, body: dict[str, Any], outcome: Outcome,
+                      api: ApiFormat) -> web.StreamResponse:
+    status, answer = await service.engine.request("POST", path, json=body, op="completion")
+    outcome.http_status = status
+    if isinstance(answer, dict) and 200 <= status < 300:
+        outcome.timings = api.timings(answer)
+        outcome.usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else None
+    if 200 <= status < 300:
+        outcome.status = "ok"
+        outcome.error = None
+    else:
+        outcome.status = "error"
+        outcome.error = f"engine answered HTTP {status}"
+    return engine_answer(status, answer)
+
+
+async def _end_with_error(response: web.StreamResponse, message: str, kind: str, api: ApiFormat) -> None:
+    await response.write(api.stream_error(message, kind))
+    await response.write_eof()
+
+
+async def _relay_stream(
+    request: web.Request, service: Service, path: str, body: dict[str, Any], outcome: Outcome,
+    sreq: StrataRequest, api: ApiFormat,
+) -> web.StreamResponse:
+    async with service.engine.stream(path, body) as upstream:
+        outcome.http_status = upstream.status
+        if upstream.status != 200:
+            answer = await upstream.body()
+            outcome.error = f"engine answered HTTP {upstream.status}"
+            return engine_answer(upstream.status, answer)
+        response = web.StreamResponse(
+            status=200,
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                     **state_headers(sreq, None)},
+        )
+        await response.prepare(request)
+        seen = StreamSeen(api)
+        try:
+            async for chunk in upstream.chunks():
+                seen.feed(chunk)
+                await response.write(chunk)
+            await response.write_eof()
+        except EngineUnavailable as exc:
+            # Headers are gone already: tell the client in the stream itself.
+            outcome.error = str(exc)
+            with contextlib.suppress(ConnectionError):
+                await _end_with_error(response, str(exc), "engine_error", api)
+            return response
+        except ConnectionError:
+            # The client closed its end (often right after the last event): leaving now
+            # drops the engine's connection, which stops its work if any is left.
+            outcome.status, outcome.error = "cancelled", "the client went away"
+            return response
+        except asyncio.CancelledError:
+            if service.closing:
+                # Cut at the end of the shutdown grace: end the stream properly, saying why.
+                outcome.error = "cut: the server is shutting down"
+                with contextlib.suppress(ConnectionError, RuntimeError):
+                    await _end_with_error(response, outcome.error, "service_unavailable", api)
+            raise
+        finally:
+            # Whatever the client did, what the engine said it did is known: the slot's
+            # picture needs it (a stream closed after its last event ran to the end).
+            outcome.timings, outcome.usage = seen.timings, seen.usage
+        if seen.finished and seen.error is None:
+            outcome.status, outcome.error = "ok", None
+        else:
+            outcome.error = seen.error or "the engine ended the stream early"
+        return response
