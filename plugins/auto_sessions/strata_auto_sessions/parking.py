@@ -488,12 +488,17 @@ def _threshold(config: AutoSessionsConfig) -> str:
 
 
 def prompt_units(body: dict[str, Any]) -> list[Any] | str:
-    """What a request's prompt is made of: its messages, or its prompt text."""
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        return messages
+    """What a request's prompt is made of, in order: its instructions or system prompt
+    (Responses, Anthropic) and its messages or input items; or a completion's prompt text."""
+    units: list[Any] = [{field: body[field]} for field in ("instructions", "system") if field in body]
+    for field in ("messages", "input"):
+        value = body.get(field)
+        if isinstance(value, list):
+            return units + value
+        if isinstance(value, str):
+            return units + [value]
     prompt = body.get("prompt")
-    return prompt if isinstance(prompt, str) else ""
+    return prompt if isinstance(prompt, str) and not units else units
 
 
 def _digest(units: list[Any] | str) -> str:

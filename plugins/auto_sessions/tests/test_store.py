@@ -105,3 +105,24 @@ def test_symlinks_are_never_listed_or_restorable(tmp_path):
     assert store.files() == [] and not store.restorable("evil")
     store.prune(keep=1, max_bytes=1)
     assert outside.read_bytes() == b"secret"
+
+
+def test_a_continuation_is_recognised_in_every_format():
+    from strata_auto_sessions.parking import continues, prompt_signature
+
+    cases = [
+        ({"messages": [{"role": "user", "content": "a"}]},
+         {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+         {"messages": [{"role": "user", "content": "edited"}]}),
+        ({"system": "s", "messages": [{"role": "user", "content": "a"}]},
+         {"system": "s", "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "c"}]},
+         {"system": "other", "messages": [{"role": "user", "content": "a"}]}),
+        ({"instructions": "i", "input": [{"role": "user", "content": "a"}]},
+         {"instructions": "i", "input": [{"role": "user", "content": "a"}, {"role": "user", "content": "c"}]},
+         {"instructions": "i", "input": [{"role": "user", "content": "z"}]}),
+        ({"prompt": "Once upon"}, {"prompt": "Once upon a time"}, {"prompt": "Twice"}),
+    ]
+    for saved, continued, changed in cases:
+        signature = prompt_signature(saved)
+        assert continues(signature, continued), saved
+        assert not continues(signature, changed), changed
