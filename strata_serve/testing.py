@@ -12,6 +12,11 @@ installed gets them:
   plugin: helpers to build requests, check errors and see which key each request got.
 - ``llama_server_factory``: ``await make(**engine_settings)`` -> a started bare
   :class:`~strata_serve.engine.LlamaServer`, for comparing against the engine alone.
+- ``strata_memory_client_factory``: like ``strata_client_factory``, on the in-memory
+  engine double (:class:`~strata_serve.testing_engine.MemoryEngine`, chosen through the
+  ``engine_backend`` hook by the :class:`MemoryBackend` plugin): a keying or quirk
+  plugin's unit tests run in milliseconds. The real engine stays the judge of what the
+  engine does.
 
 Async tests need pytest-asyncio (``asyncio_mode = "auto"`` or ``@pytest.mark.asyncio``).
 """
@@ -57,6 +62,22 @@ def conversation(name: str, turns: int = 1) -> list[dict[str, Any]]:
         messages += [{"role": "assistant", "content": f"reply {n}"},
                      {"role": "user", "content": f"and then {name} {n}?"}]
     return messages
+
+
+class MemoryBackend:
+    """A plugin that makes the server drive the in-memory engine double (``engine_backend``)."""
+
+    strata_name = "memory_backend"
+
+    def __init__(self) -> None:
+        self.engine: Any = None
+
+    @hookimpl(tryfirst=True)
+    def engine_backend(self, settings: Settings) -> Any:
+        from strata_serve.testing_engine import MemoryEngine
+
+        self.engine = MemoryEngine(settings.engine.slot_save_path, settings.engine.ctx_size)
+        return self.engine
 
 
 class KeyRecorder:
@@ -140,6 +161,16 @@ def strata_client_factory(aiohttp_client: Any, strata_settings_factory: Callable
         pm = get_plugin_manager(settings, entrypoints=entrypoints, plugins=plugins)
         app = create_app(settings, pm, engine=engine)
         return await aiohttp_client(app)
+
+    return make
+
+
+@pytest.fixture
+def strata_memory_client_factory(strata_client_factory: Any):
+    """``await make(*plugins, settings=None)``: a test client on the in-memory engine double."""
+
+    async def make(*plugins: object, settings: Settings | None = None):
+        return await strata_client_factory(MemoryBackend(), *plugins, settings=settings)
 
     return make
 

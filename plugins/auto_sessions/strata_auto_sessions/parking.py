@@ -135,6 +135,9 @@ class AutoSessions:
             log.warning("[strata] auto sessions: off: the engine runs %d slots in parallel; "
                         "parking needs a single-slot engine (engine.parallel = 1)", max(info.parallel, 2))
             return cls(config, None, {})
+        if "slot_files" not in getattr(service.engine, "capabilities", {"slot_files"}):
+            log.warning("[strata] auto sessions: off: the engine backend cannot save and restore slots")
+            return cls(config, None, {})
         directory = config.slot_dir or info.slot_save_path
         if directory is None:
             log.warning("[strata] auto sessions: off: no slot directory; set engine.slot_save_path "
