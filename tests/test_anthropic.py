@@ -38,9 +38,22 @@ def parked_client(strata_client_factory, strata_settings_factory):
     return make
 
 
+#: SDK clients made by a test, closed after it (an unclosed one leaks its sockets).
+_made: list[anthropic.Anthropic] = []
+
+
+@pytest.fixture(autouse=True)
+def close_sdk_clients():
+    yield
+    while _made:
+        _made.pop().close()
+
+
 def sdk(client, **options) -> anthropic.Anthropic:
     options = {"api_key": "unused", "max_retries": 0, **options}
-    return anthropic.Anthropic(base_url=str(client.make_url("")).rstrip("/"), **options)
+    made = anthropic.Anthropic(base_url=str(client.make_url("")).rstrip("/"), **options)
+    _made.append(made)
+    return made
 
 
 def assert_anthropic_error(body, kind: str | None = None) -> None:

@@ -24,7 +24,8 @@ async def parked(strata_client_factory, strata_settings_factory):
                                        plugins={"auto_sessions": {"min_tokens": 100, "idle_save_s": 0}})
     client = await strata_client_factory(strata_auto_sessions, settings=settings)
     sdk = openai.OpenAI(base_url=str(client.make_url("/v1")), api_key="unused", max_retries=0)
-    return client, sdk
+    yield client, sdk
+    sdk.close()
 
 
 async def test_responses_through_a_switch_and_back_reuse_the_parked_state(parked):
