@@ -301,6 +301,7 @@ async def test_a_spawn_that_raises_is_logged_and_retried(strata_client_factory, 
     refused = await client.post(CHAT, json=chat_body())
     message = (await refused.json())["error"]["message"]
     assert refused.status == 503 and "restart failed" in message and "next attempt" in message, message
+    assert int(refused.headers["Retry-After"]) >= 1, "the client is told when to come back"
     assert time.monotonic() - began < 1, "a request must not wait for an engine that is down"
     engine._binary = binary  # the binary is back
     deadline = time.monotonic() + 40

@@ -127,7 +127,9 @@ def service_errors(service: Service) -> Iterator[None]:
     except ShuttingDown:
         raise APIError(503, "the server is shutting down", code="shutting_down") from None
     except EngineUnavailable as exc:
-        raise APIError(exc.status, str(exc), code="engine_unavailable") from None
+        # When a restart is planned, say when to come back (at least a second, as HTTP counts).
+        headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after)))} if exc.retry_after else None
+        raise APIError(exc.status, str(exc), code="engine_unavailable", headers=headers) from None
 
 
 #: An engine's "not supported" (501: embeddings without ``--embeddings``, infill on a model
