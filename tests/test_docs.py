@@ -92,3 +92,18 @@ async def test_readme_python_example_runs(strata_client_factory, capsys):
     await asyncio.to_thread(exec, compile(code, "README.md", "exec"), {})
     out = capsys.readouterr().out
     assert "cache_n" in out and "prompt_n" in out
+
+
+def test_the_readmes_switch_back_figures_are_those_of_the_committed_results():
+    """The README quotes bench/results/README.md; a new run without a new quote fails here."""
+    import re
+
+    table = (ROOT / "bench" / "results" / "README.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| ([^|]+?) \| [^|]+ \| ([\d.]+) \([^|]*\) \| ([\d.]+)x faster \|", table, re.M)
+    largest = max(int(size) for size, *_ in rows)
+    by_setup = {setup: (seconds, ratio) for size, setup, seconds, ratio in rows if int(size) == largest}
+    bare = by_setup["llama-server, RAM cache off"][0]
+    parked, ratio = by_setup["strata + auto-sessions, RAM cache off"]
+    said = (f"returning to a conversation of {largest} tokens after another one took the bare engine with its "
+            f"RAM cache off {bare} s (a full re-read); with auto-sessions, {parked} s ({ratio}x faster).")
+    assert said in " ".join(README.split()), said
