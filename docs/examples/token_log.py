@@ -7,7 +7,6 @@ from pydantic import BaseModel, ConfigDict
 import strata_serve
 
 log = logging.getLogger("token_log")
-settings_seen = {}
 
 
 class TokenLogConfig(BaseModel):
@@ -17,7 +16,7 @@ class TokenLogConfig(BaseModel):
 
 @strata_serve.hookimpl
 def on_config(settings):
-    settings_seen["config"] = settings.plugin_config("token_log", TokenLogConfig)
+    settings.plugin_config("token_log", TokenLogConfig)  # a bad section stops the start, named
 
 
 @strata_serve.hookimpl
@@ -26,8 +25,8 @@ def pre_request(request):
 
 
 @strata_serve.hookimpl
-async def post_request(request, outcome):
+async def post_request(request, outcome, service):
     if outcome.timings:
-        prefix = settings_seen["config"].prefix
+        prefix = service.plugin_config("token_log", TokenLogConfig).prefix  # validated once per server
         log.info("%s: %s reused %d of %d prompt tokens", prefix, request.state["token_log"]["key"],
                  outcome.timings["cache_n"], outcome.prompt_tokens)

@@ -26,8 +26,6 @@ class EngineInfo:
 
     url: str
     model_path: str | None = None
-    model_size: int | None = None
-    model_mtime: float | None = None
     n_ctx: int | None = None
     parallel: int = 1
     build: str | None = None

@@ -244,7 +244,6 @@ class LlamaServer:
         #: Why the engine is down while no start is under way, or None.
         self._down: EngineUnavailable | None = None
         self._stopping = False
-        self._last_exit: int | None = None
         self._tail: collections.deque[str] = collections.deque(maxlen=40)
         self.start_seconds: float | None = None
         self._api_key = settings.api_key
@@ -267,10 +266,7 @@ class LlamaServer:
             managed=self.managed,
         )
         if settings.model is not None and Path(settings.model).is_file():
-            stat = Path(settings.model).stat()
             self.info.model_path = str(Path(settings.model).resolve())
-            self.info.model_size = stat.st_size
-            self.info.model_mtime = stat.st_mtime
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -538,7 +534,7 @@ class LlamaServer:
                 await _exited(proc, every=0.1)
                 if self._stopping:
                     return
-                code = self._last_exit = proc.returncode
+                code = proc.returncode
                 if not self.settings.restart_on_crash:
                     log.error("[strata] engine exited with code %s; restart_on_crash is off", code)
                     self._set_down(EngineUnavailable(

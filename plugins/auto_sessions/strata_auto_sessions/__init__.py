@@ -60,6 +60,13 @@ def on_startup(service):
 
 
 @strata_serve.hookimpl
+def on_engine_start(service, restarted):
+    parking = _parking(service)
+    if parking is not None and restarted:
+        parking.engine_restarted(service)
+
+
+@strata_serve.hookimpl
 async def pre_request(request, service):
     parking = _parking(service)
     if parking is not None and parking.active:

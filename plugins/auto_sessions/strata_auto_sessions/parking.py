@@ -171,6 +171,13 @@ class AutoSessions:
             log.info("[strata] auto sessions: parking resumes")
         return True
 
+    def engine_restarted(self, service: Any) -> None:
+        """A new engine process: the model file may have been replaced in place meanwhile,
+        so the fingerprint files are checked against is taken again."""
+        info = service.engine.info
+        if self.store is not None:
+            self.fingerprint = fingerprint(info.model_path, info.n_ctx)
+
     # -- around each request -------------------------------------------------
 
     async def before(self, request: StrataRequest, service: Any) -> None:

@@ -201,3 +201,33 @@ async def test_post_request_sees_a_client_that_left_during_the_switch(auto_clien
 
 def _request(messages):
     return StrataRequest(route="chat", body={"messages": messages})
+
+
+async def test_a_model_replaced_in_place_before_a_restart_gets_no_file_of_the_old_one(
+        auto_settings, strata_client_factory, tmp_path, caplog):
+    import asyncio
+    import os
+    import shutil
+    import signal
+    import strata_auto_sessions
+    from strata_serve.demo_model import write_demo_model
+
+    model = tmp_path / "model.gguf"
+    write_demo_model(model, size="tiny")
+    client = await strata_client_factory(strata_auto_sessions, settings=auto_settings({"model": str(model)}))
+    a, b = conversation("swap-a"), conversation("swap-b")
+    await ask(client, a)
+    await ask(client, b)  # A's file: made by the first model
+    other = write_demo_model(tmp_path / "other.gguf", size="tiny", seed=7)
+    shutil.copyfile(other, model)  # the same path, another model
+    engine = client.app[SERVICE].engine
+    generation = engine.generation
+    os.kill(engine.pid, signal.SIGKILL)
+    deadline = asyncio.get_running_loop().time() + 60
+    while engine.generation == generation or not engine.ready:
+        assert asyncio.get_running_loop().time() < deadline, "the engine did not come back"
+        await asyncio.sleep(0.05)
+    reply = await ask(client, a)
+    stats = parking(client).stats
+    assert stats.restores == 0 and stats.restores_refused_other_model == 1
+    assert reply["timings"]["cache_n"] < 50
