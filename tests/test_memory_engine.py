@@ -7,6 +7,7 @@ the real engine elsewhere.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import strata_auto_sessions
@@ -56,3 +57,27 @@ async def test_parking_is_off_on_a_backend_without_slot_files(strata_memory_clie
     client = await strata_memory_client_factory(strata_auto_sessions, settings=settings)
     assert not client.app[SERVICE].state["auto_sessions"].active
     assert any("cannot save and restore slots" in r.getMessage() for r in caplog.records)
+
+
+async def test_min_prefill_s_parks_only_what_takes_long_to_read_again(strata_memory_client_factory,
+                                                                      strata_settings_factory, caplog):
+    """The double prefills 100,000 tokens/s: 0.005 s is worth a file from 500 tokens on."""
+    caplog.set_level(logging.INFO, logger="strata_auto_sessions")
+    settings = strata_settings_factory(plugins={"auto_sessions": {"min_prefill_s": 0.005}})
+    client = await strata_memory_client_factory(strata_auto_sessions, settings=settings)
+    parking = client.app[SERVICE].state["auto_sessions"]
+    short, long_, other = [{"role": "user", "content": "hi " * 40}], conversation("long"), conversation("other")
+    for messages in (short, long_, other):
+        assert (await client.post("/v1/chat/completions", json=body(messages))).status == 200
+    assert parking.stats.saves == 1 and parking.stats.save_skips_below_min == 1
+    assert any("less than min_prefill_s (0.005 s)" in r.getMessage() for r in caplog.records)
+
+
+def test_min_tokens_alone_is_the_only_threshold():
+    from strata_auto_sessions import AutoSessionsConfig
+
+    assert AutoSessionsConfig().min_prefill_s == 2.0 and AutoSessionsConfig().min_tokens == 0
+    alone = AutoSessionsConfig(min_tokens=4000)
+    assert alone.min_prefill_s == 0 and alone.min_tokens == 4000
+    both = AutoSessionsConfig(min_tokens=4000, min_prefill_s=3)
+    assert both.min_prefill_s == 3
