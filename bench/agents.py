@@ -16,7 +16,7 @@ from typing import Any
 
 import requests
 
-from bench.harness import bare_engine, conversation, strata
+from bench.harness import BENCH_ENGINE_KEY, bare_engine, conversation, strata
 
 #: The engine's RAM prompt cache: off, limited below the working set, and at its default.
 RAM_SETTINGS = ("off", "limited", "default")
@@ -26,7 +26,10 @@ def stream_until_timings(url: str, messages: list[dict], max_tokens: int = 4) ->
     """Stream one answer; close the connection right after the event with the timings."""
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     text = []
-    with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=600) as reply:
+    # The bare engine asks for its key; strata-serve, run here without keys, ignores it.
+    headers = {"Authorization": f"Bearer {BENCH_ENGINE_KEY}"}
+    with requests.post(url + "/v1/chat/completions", json=body, headers=headers, stream=True,
+                       timeout=600) as reply:
         if reply.status_code != 200:
             raise RuntimeError(f"{url}: HTTP {reply.status_code}: {reply.text}")
         for line in reply.iter_lines():
