@@ -389,7 +389,7 @@ class Service:
     async def save_slot(self, filename: str, *, slot: int = 0) -> dict[str, Any]:
         """Save a slot to ``filename`` in the slot directory, and record it."""
         answer = await self.engine.save(filename, slot)
-        self.slots.saved(slot, int(answer.get("n_saved", 0)), as_own_file=False)
+        self.slots.saved(slot, int(answer.get("n_saved", 0)))
         return answer
 
     async def restore_slot(self, filename: str, *, slot: int = 0, key: str | None = None,
@@ -402,8 +402,7 @@ class Service:
             answer = await self.engine.restore(filename, slot)
         except BaseException:
             # A failed restore may have cleared the slot, or not: nothing nameable is held.
-            self.slots.restored(slot, None, None, 0, from_own_file=False)
-            self.slots.unknown(slot)
+            self.slots.unknown(slot, nameable=False)
             raise
         n_restored = int(answer.get("n_restored", 0))
         self.slots.restored(slot, key, tenant, n_restored, from_own_file=key is not None)

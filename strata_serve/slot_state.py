@@ -67,10 +67,6 @@ class SlotState:
     def empty(self) -> bool:
         return self.tokens == 0
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "key": self.key, "tenant": self.tenant, "tokens": self.tokens,
-                "file_current": self.file_current, "generation": self.generation}
-
 
 @dataclass
 class SlotPicture:
@@ -107,8 +103,7 @@ class SlotPicture:
         """
         before = replace(self.slots[slot])
         state = self.slots[slot]
-        if state.key != request.conversation_key or state.tenant != request.tenant:
-            state.key, state.tenant = request.conversation_key, request.tenant
+        state.key, state.tenant = request.conversation_key, request.tenant
         state.tokens = None  # known once the engine says
         state.file_current = False
         state.last_request = request.id
@@ -122,12 +117,10 @@ class SlotPicture:
         """The engine refused the request before touching the slot (a 4xx): as it was."""
         self.slots[slot] = before
 
-    def saved(self, slot: int, n_saved: int, *, as_own_file: bool) -> None:
-        """The slot was saved; ``as_own_file`` when into its conversation's own file."""
-        state = self.slots[slot]
-        state.tokens = n_saved
-        if as_own_file and state.key is not None:
-            state.file_current = True
+    def saved(self, slot: int, n_saved: int) -> None:
+        """The slot was saved: the engine counted what it holds. (The plugin whose file it
+        was sets ``file_current`` once the file is in place under its name.)"""
+        self.slots[slot].tokens = n_saved
 
     def restored(self, slot: int, key: str | None, tenant: str | None, n_restored: int,
                  *, from_own_file: bool) -> None:
@@ -141,11 +134,14 @@ class SlotPicture:
         state = self.slots[slot]
         state.key, state.tenant, state.tokens, state.file_current = None, None, 0, False
 
-    def unknown(self, slot: int) -> None:
-        """Something happened to the slot that cannot be named (a failed call)."""
+    def unknown(self, slot: int, *, nameable: bool = True) -> None:
+        """Something happened to the slot that cannot be counted (a failed call); with
+        ``nameable=False`` what it holds cannot be named either (a failed restore)."""
         state = self.slots[slot]
         state.tokens = None
         state.file_current = False
+        if not nameable:
+            state.key = state.tenant = None
 
     # -- the engine's word -------------------------------------------------------------
 
