@@ -71,10 +71,13 @@ def slot_file(slot_dir: Path, filename: str, shown: str | None = None) -> Path:
         raise APIError(400, f"invalid filename {shown!r}: a plain file name is expected",
                        param="filename", code="invalid_filename")
     base = slot_dir.resolve()
+    path = base / filename
     try:
-        target = (base / filename).resolve()
-    except (OSError, RuntimeError) as exc:  # a symlink loop (RuntimeError before Python 3.13)
-        raise APIError(400, f"invalid filename {filename!r}: it cannot be resolved ({exc})",
+        # A symlink must lead somewhere real: strictly, a loop or a dangling link fails here
+        # (without strict, Python 3.13 returns a looping path as it is).
+        target = path.resolve(strict=path.is_symlink())
+    except (OSError, RuntimeError):  # RuntimeError: a symlink loop before Python 3.13
+        raise APIError(400, f"invalid filename {shown!r}: it is a link that leads nowhere",
                        param="filename", code="invalid_filename") from None
     if target.parent != base:
         raise APIError(400, f"invalid filename {shown!r}: it leads outside the slot directory",

@@ -25,12 +25,21 @@ def engine_for(strata_demo_model, tmp_path):
     return make
 
 
-#: One stand-in service per engine: the plugin keeps its counts in ``service.state``.
-_services: dict[int, SimpleNamespace] = {}
+#: One stand-in service per engine object: the plugin keeps its counts in ``service.state``.
+_services: list[tuple[object, SimpleNamespace]] = []
+
+
+@pytest.fixture(autouse=True)
+def fresh_services():
+    yield
+    _services.clear()
 
 
 def verdict(engine, op, error=None, held_tokens=None):
-    service = _services.setdefault(id(engine), SimpleNamespace(state={}))
+    service = next((service for known, service in _services if known is engine), None)
+    if service is None:
+        service = SimpleNamespace(state={})
+        _services.append((engine, service))
     return strata_quirks_llama_cpp.engine_verdict(op=op, error=error, engine=engine, held_tokens=held_tokens,
                                                   service=service)
 
