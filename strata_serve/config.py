@@ -59,9 +59,9 @@ class ConfigError(Exception):
 class ServerSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    @field_validator("conversation_key_order", mode="before")
+    @field_validator("conversation_key_order", "allowed_origins", mode="before")
     @classmethod
-    def _split_order(cls, value: Any) -> Any:
+    def _split_lists(cls, value: Any) -> Any:
         return split_names(value)
 
     @field_validator("api_keys")
@@ -83,11 +83,6 @@ class ServerSettings(BaseModel):
     @classmethod
     def _usable_key(cls, value: SecretStr | None) -> SecretStr | None:
         return check_api_key(value, "the key")
-
-    @field_validator("allowed_origins", mode="before")
-    @classmethod
-    def _split_origins(cls, value: Any) -> Any:
-        return split_names(value)
 
     @field_validator("allowed_origins")
     @classmethod

@@ -6,7 +6,7 @@ passed through to the engine untouched (``extra="allow"``).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator, model_validator
 
@@ -118,16 +118,28 @@ _ANTHROPIC_BLOCK_FIELDS = {
 }
 
 
-class AnthropicBlock(_Open):
+class _TypedPart(_Open):
+    """A content part whose ``type`` says which field it must carry (one table per API)."""
+
+    #: type -> (the field it needs, what that field must be, the check)
+    required: ClassVar[dict[str, tuple[str, str, Callable[[Any], bool]]]] = {}
+    #: What the API calls such a part, for the message.
+    noun: ClassVar[str] = "part"
     type: StrictStr
 
     @model_validator(mode="after")
-    def _carries_what_its_type_needs(self) -> AnthropicBlock:
-        if self.type in _ANTHROPIC_BLOCK_FIELDS:
-            field, expected, valid = _ANTHROPIC_BLOCK_FIELDS[self.type]
+    def _carries_what_its_type_needs(self) -> _TypedPart:
+        rule = self.required.get(self.type)
+        if rule is not None:
+            field, expected, valid = rule
             if not valid((self.model_extra or {}).get(field)):
-                raise ValueError(f"a {self.type!r} block needs {field!r}: {expected}")
+                raise ValueError(f"a {self.type!r} {self.noun} needs {field!r}: {expected}")
         return self
+
+
+class AnthropicBlock(_TypedPart):
+    required = _ANTHROPIC_BLOCK_FIELDS
+    noun = "block"
 
 
 class AnthropicTextBlock(_Open):
@@ -177,16 +189,8 @@ _RESPONSES_PART_FIELDS = {
 }
 
 
-class ResponsesPart(_Open):
-    type: StrictStr
-
-    @model_validator(mode="after")
-    def _carries_what_its_type_needs(self) -> ResponsesPart:
-        if self.type in _RESPONSES_PART_FIELDS:
-            field, expected, valid = _RESPONSES_PART_FIELDS[self.type]
-            if not valid((self.model_extra or {}).get(field)):
-                raise ValueError(f"a {self.type!r} part needs {field!r}: {expected}")
-        return self
+class ResponsesPart(_TypedPart):
+    required = _RESPONSES_PART_FIELDS
 
 
 class ResponsesItem(_Open):
