@@ -109,9 +109,16 @@ class PictureMatchesTheEngine(RuleBasedStateMachine):
         self.count_known = True
 
     def settle(self, deadline_s: float = 30) -> None:
+        """Wait until every request has run or left, and the engine is up.
+
+        A request whose client closed right after sending it may not have reached the
+        FIFO yet when the FIFO looks idle: its connection is still open on the server's
+        side until its handler has finished, so that is waited for too.
+        """
         deadline = time.monotonic() + deadline_s
         service = self.server.service
-        while not (service.fifo.idle and service.engine._ready.is_set()):
+        server = self.server.runner.server
+        while not (service.fifo.idle and service.engine._ready.is_set() and not server.connections):
             assert time.monotonic() < deadline, "the server never settled"
             time.sleep(0.02)
 
