@@ -40,6 +40,11 @@ class StrataRequest:
     state: dict[str, Any] = field(default_factory=dict)
     #: The engine slot the request runs in.
     slot: int = 0
+    #: False when the engine chooses the slot itself: on a multi-slot engine, a route
+    #: the backend cannot place in a given slot (``Engine.pinned_routes``). The service
+    #: then holds every slot for it, and learns from the engine afterwards which slot
+    #: ran it (``slot`` is set to that one before ``post_request``).
+    pinned: bool = True
     #: Tokens a plugin restored into the slot for this request (0: none).
     restored_tokens: int = 0
     #: True when the slot already held this request's conversation as it was sent.

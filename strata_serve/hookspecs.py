@@ -113,11 +113,13 @@ def conversation_key(request: StrataRequest, service: Service) -> str | None:
 
 @hookspec
 def pre_request(request: StrataRequest, service: Service) -> Any:
-    """Act before the request reaches the engine, while holding the service FIFO.
+    """Act before the request reaches the engine, while holding its slot.
 
-    No other request reaches the engine until every ``pre_request`` and
-    ``post_request`` implementation has finished, so slot operations done here
-    cannot interleave with another conversation.
+    No other request reaches ``request.slot`` until every ``pre_request`` and
+    ``post_request`` implementation has finished, so slot operations done there
+    cannot interleave with another conversation. On a multi-slot engine, requests
+    run meanwhile in the other slots; a request the engine places itself
+    (``request.pinned`` False) holds them all.
 
     :param request: The request about to be sent; ``request.conversation_key`` is set.
     :param service: The running service.
@@ -126,7 +128,8 @@ def pre_request(request: StrataRequest, service: Service) -> Any:
 
 @hookspec
 def post_request(request: StrataRequest, outcome: Outcome, service: Service) -> Any:
-    """Act after the engine answered (or failed), still holding the service FIFO.
+    """Act after the engine answered (or failed), still holding its slot (``request.slot``:
+    the slot it ran in).
 
     Always called once per request that reached ``pre_request``, including when
     the client disconnected mid-stream (``outcome.status == "cancelled"``).

@@ -8,6 +8,7 @@ import contextlib
 import logging
 import re
 import time
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import pluggy
@@ -38,61 +39,146 @@ class ShuttingDown(Exception):
     """The server is stopping and takes no new requests."""
 
 
+@dataclass(frozen=True)
+class Claim:
+    """What a holder of the FIFO asks for.
+
+    ``key``: the conversation (tenant-qualified) it runs; two claims of one key never
+    hold at once. ``slot``: one slot by number (a slot action by hand, a save while
+    that slot is idle). ``exclusive``: every slot (work that needs the engine to
+    itself: ``on_shutdown``, plugins' work while the service is idle).
+    """
+
+    key: str | None = None
+    slot: int | None = None
+    exclusive: bool = False
+
+
+#: Chooses the slot for a claim among the free ones (None: wait). See :meth:`Service.choose_slot`.
+SlotChooser = Callable[[Claim, list[int]], "int | None"]
+
+
 class ServiceFIFO:
-    """Admits ``capacity`` holders at a time, strictly in arrival order.
+    """Admits requests to the engine's ``capacity`` slots, in arrival order.
+
+    With one slot it is a plain FIFO. With several, each waiter in arrival order is
+    given a slot as soon as one it may use is free (``chooser`` says which: the slot
+    that holds its conversation, or the cheapest to displace), so a request waiting
+    for its conversation's slot does not hold back those behind it; an exclusive
+    waiter does hold back everyone behind it, so it cannot be starved.
 
     At most ``limit`` requests may wait; a waiter that is cancelled (its client
     went away) leaves the line without taking a turn.
     """
 
-    def __init__(self, capacity: int = 1, limit: int = 64):
+    def __init__(self, capacity: int = 1, limit: int = 64, chooser: SlotChooser | None = None):
         self.capacity = capacity
         self.limit = limit
-        self.holders = 0
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self.chooser = chooser
+        #: Busy slots and the conversation key each runs (None: none).
+        self.busy: dict[int, str | None] = {}
+        self.exclusive = False
+        self._waiters: collections.deque[tuple[asyncio.Future[int], Claim]] = collections.deque()
         self._idle = asyncio.Event()
         self._idle.set()
 
     @property
+    def holders(self) -> int:
+        return 1 if self.exclusive else len(self.busy)
+
+    @property
     def waiting(self) -> int:
-        return sum(1 for w in self._waiters if not w.done())
+        return sum(1 for w, _ in self._waiters if not w.done())
 
     @property
     def idle(self) -> bool:
         return self.holders == 0 and self.waiting == 0
 
-    async def acquire(self) -> None:
-        if self.holders < self.capacity and not self._waiters:
-            self._take()
-            return
+    def slot_free(self, slot: int) -> bool:
+        """No one holds ``slot``. (A waiter that could use it would have been given it.)"""
+        return not self.exclusive and slot not in self.busy
+
+    def resize(self, capacity: int) -> None:
+        """The engine turned out to run ``capacity`` slots (an attached engine)."""
+        self.capacity = capacity
+        self._grant()
+
+    def _place(self, claim: Claim) -> int | None:
+        if self.exclusive:
+            return None
+        if claim.exclusive:
+            return -1 if not self.busy else None
+        if claim.key is not None and claim.key in self.busy.values():
+            return None  # one conversation runs in one slot at a time
+        free = [n for n in range(self.capacity) if n not in self.busy]
+        if claim.slot is not None:
+            return claim.slot if claim.slot in free else None
+        if not free:
+            return None
+        if self.chooser is None:
+            return free[0]
+        return self.chooser(claim, free)
+
+    def _take(self, slot: int, claim: Claim) -> None:
+        if slot == -1:
+            self.exclusive = True
+        else:
+            self.busy[slot] = claim.key
+        self._idle.clear()
+
+    def _grant(self) -> None:
+        for entry in list(self._waiters):
+            waiter, claim = entry
+            if waiter.done():
+                self._waiters.remove(entry)
+                continue
+            slot = self._place(claim)
+            if slot is None:
+                if claim.exclusive or self.exclusive:
+                    break  # nobody passes a waiting exclusive claim
+                continue
+            self._waiters.remove(entry)
+            self._take(slot, claim)
+            waiter.set_result(slot)
+
+    async def acquire(self, claim: Claim | None = None, *, exclusive: bool = False) -> int:
+        """Wait for a turn; the slot granted (-1: all of them, ``exclusive``).
+
+        :raises QueueFull: when ``limit`` requests wait already.
+        """
+        claim = claim or Claim(exclusive=exclusive)
+        if not self._waiters:
+            slot = self._place(claim)
+            if slot is not None:
+                self._take(slot, claim)
+                return slot
         if self.waiting >= self.limit:
             raise QueueFull()
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
+        waiter: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._waiters.append((waiter, claim))
         self._idle.clear()
+        self._grant()
         try:
-            await waiter
+            return await waiter
         except asyncio.CancelledError:
             if waiter.done() and not waiter.cancelled():
                 # The turn was handed to us just as we were cancelled: pass it on.
-                self.release()
+                self.release(waiter.result())
             else:
-                with contextlib.suppress(ValueError):
-                    self._waiters.remove(waiter)
+                self._waiters = collections.deque(e for e in self._waiters if e[0] is not waiter)
+                self._grant()
                 self._update_idle()
             raise
 
-    def _take(self) -> None:
-        self.holders += 1
-        self._idle.clear()
-
-    def release(self) -> None:
-        self.holders -= 1
-        while self._waiters and self.holders < self.capacity:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                self._take()
-                waiter.set_result(None)
+    def release(self, slot: int | None = None) -> None:
+        """End a turn: ``slot`` as granted by :meth:`acquire` (None: the last one granted)."""
+        if slot is None:
+            slot = -1 if self.exclusive else next(reversed(self.busy))
+        if slot == -1:
+            self.exclusive = False
+        else:
+            del self.busy[slot]
+        self._grant()
         self._update_idle()
 
     def _update_idle(self) -> None:
@@ -103,35 +189,41 @@ class ServiceFIFO:
         await self._idle.wait()
 
     @contextlib.asynccontextmanager
-    async def hold(self) -> AsyncIterator[None]:
-        await self.acquire()
+    async def hold(self, claim: Claim | None = None, *, exclusive: bool = False) -> AsyncIterator[int]:
+        slot = await self.acquire(claim, exclusive=exclusive)
         try:
-            yield
+            yield slot
         finally:
-            self.release()
+            self.release(slot)
 
 
 class IdleWork:
     """Work a plugin asked to run once the service has been idle a while (:meth:`Service.when_idle`)."""
 
-    def __init__(self, service: Service, delay_s: float, work: Callable[[], Awaitable[Any]], name: str):
+    def __init__(self, service: Service, delay_s: float, work: Callable[[], Awaitable[Any]], name: str,
+                 slot: int | None = None):
         self._service = service
         self._work = work
         self.name = name
+        #: The slot whose idleness is awaited (None: the whole service).
+        self.slot = slot
         self.running = False
         self._task: asyncio.Task | None = None
         self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(delay_s, self._start)
 
     def _start(self) -> None:
         self._timer = None
-        if self._service.fifo.idle and not self._service.closing:
+        fifo = self._service.fifo
+        quiet = fifo.idle if self.slot is None else fifo.slot_free(self.slot)
+        if quiet and not self._service.closing:
             self._task = asyncio.create_task(self._run(), name=f"strata-idle-{self.name}")
         else:
             self._service._idle_work.discard(self)
 
     async def _run(self) -> None:
+        claim = Claim(exclusive=True) if self.slot is None else Claim(slot=self.slot)
         try:
-            async with self._service.fifo.hold():
+            async with self._service.fifo.hold(claim):
                 if self._service.closing:
                     return
                 self.running = True
@@ -170,7 +262,7 @@ class Service:
         self.engine = engine
         engine.on_start = self._engine_started
         self._started = False
-        self.fifo = ServiceFIFO(settings.engine.parallel, settings.server.queue_limit)
+        self.fifo = ServiceFIFO(settings.engine.parallel, settings.server.queue_limit, self.choose_slot)
         self.state: dict[str, Any] = {}
         #: What each engine slot holds: recorded here for every request and slot call.
         self.slots = SlotPicture.for_engine(settings.engine.parallel)
@@ -193,7 +285,34 @@ class Service:
 
     @property
     def single_slot(self) -> bool:
-        return self.settings.engine.parallel == 1
+        return len(self.slots) == 1
+
+    def choose_slot(self, claim: Claim, free: list[int]) -> int | None:
+        """The slot a request runs in, among the ``free`` ones (None: wait for another).
+
+        The slot that holds its conversation, when one does (and if it is busy, the
+        request waits for it: a conversation is never in two slots). Otherwise the free
+        slot whose state is the least valuable: an empty one, then one holding nothing
+        nameable, then one whose conversation's file is current (displacing it costs
+        nothing), then the least recently used. A plugin parks the displaced
+        conversation in ``pre_request``.
+        """
+        if claim.key is not None:
+            for state in self.slots:
+                if state.key == claim.key and not state.empty:
+                    return state.id if state.id in free else None
+
+        def cost(slot: int) -> tuple[int, int]:
+            state = self.slots[slot]
+            if state.empty:
+                return (0, 0)
+            if state.key is None:
+                return (1, 0)
+            if state.file_current:
+                return (2, state.last_request or 0)
+            return (3, state.last_request or 0)
+
+        return min(free, key=cost)
 
     def conversation_key(self, request: StrataRequest) -> str | None:
         """Ask the ``conversation_key`` hook, then namespace the key by tenant.
@@ -265,9 +384,26 @@ class Service:
         if task is not None:
             self._tasks.add(task)
         try:
-            async with self.fifo.hold():
+            multi = len(self.slots) > 1
+            if request.route == "slots":
+                claim = Claim(slot=request.slot)
+            elif multi and request.route not in getattr(self.engine, "pinned_routes", frozenset()):
+                request.pinned = False
+                claim = Claim(exclusive=True)
+            else:
+                claim = Claim(key=request.conversation_key)
+            async with self.fifo.hold(claim) as slot:
+                if slot == -1:
+                    # The engine will choose; the likeliest is the slot holding the conversation.
+                    slot = self.choose_slot(Claim(key=request.conversation_key), list(range(len(self.slots))))
+                    assert slot is not None
+                elif multi and request.route != "slots":
+                    request.body["id_slot"] = slot  # the engine runs it in the slot chosen here
+                request.slot = slot
                 await self.engine.wait_ready()
                 self.sync_generation()
+                if multi and self.engine.info.clears_idle_slots is not False:
+                    await self.check_slots()  # the engine may have emptied idle slots itself
                 began = time.monotonic()
                 outcome = Outcome(status="error", error="not sent")
                 try:
@@ -289,6 +425,8 @@ class Service:
                     raise
                 finally:
                     self._answered(request, outcome, before)
+                    if not request.pinned and before is not None:
+                        await _to_the_end(self._find_slot(request))
                     await _to_the_end(self._post(request, outcome, began))
                 return outcome
         finally:
@@ -311,6 +449,7 @@ class Service:
         await self.engine.start()
 
     async def _engine_started(self, restarted: bool) -> None:
+        self._size_slots()
         self.sync_generation()
         if not self._started:
             self._started = True
@@ -324,8 +463,26 @@ class Service:
         finally:
             await self.engine.stop()
 
-    def when_idle(self, delay_s: float, work: Callable[[], Awaitable[Any]], *, name: str) -> IdleWork:
+    def _size_slots(self) -> None:
+        """As many slots as the engine runs (an attached engine says how many in ``/props``).
+
+        Strict tenant isolation uses one: the engine would choose among the others by
+        their contents. A change is logged; the picture of the slots starts anew.
+        """
+        n = max(1, self.engine.info.parallel or self.settings.engine.parallel)
+        if self.settings.server.tenant_isolation == "strict":
+            n = 1
+        if n != len(self.slots):
+            log.info("[strata] the engine runs %d slot(s); requests go to %d at a time", n, n)
+            self.slots = SlotPicture.for_engine(n)
+            self.fifo.resize(n)
+
+    def when_idle(self, delay_s: float, work: Callable[[], Awaitable[Any]], *, name: str,
+                  slot: int | None = None) -> IdleWork:
         """Run ``work`` once the service has been idle for ``delay_s``, holding the FIFO.
+
+        With ``slot``, once that slot has been idle for ``delay_s`` (others may be
+        busy), holding that slot only.
 
         The sanctioned way for a plugin to use quiet time (auto-sessions saves the held
         conversation this way): a request that arrives while ``work`` runs waits for it;
@@ -334,7 +491,7 @@ class Service:
         normal stop cancels work that has not started and waits for work that has.
         A failure is logged with ``name``.
         """
-        idle = IdleWork(self, delay_s, work, name)
+        idle = IdleWork(self, delay_s, work, name, slot)
         self._idle_work.add(idle)
         return idle
 
@@ -367,6 +524,29 @@ class Service:
             self.slots.untouched(request.slot, before)
         else:
             self.slots.finished(request.slot, None)  # cut off: ask the engine when it matters
+
+    async def _find_slot(self, request: StrataRequest) -> None:
+        """Which slot the engine chose for a request it was not told where to run.
+
+        The slot whose last task is the newest (``id_task``) ran it; the picture moves
+        the request's record there. The slot chosen beforehand keeps its tokens with no
+        name: a conversation is never recorded in two slots.
+        """
+        try:
+            answer = await self.engine.slots()
+        except (EngineError, EngineUnavailable) as exc:
+            log.info("[strata] could not ask the engine which slot ran request %d: %s", request.id, exc)
+            self.slots.unknown(request.slot, nameable=False)
+            return
+        tasks = [(e["id_task"], e["id"]) for e in answer if isinstance(e, dict)
+                 and isinstance(e.get("id_task"), int) and isinstance(e.get("id"), int)
+                 and 0 <= e["id"] < len(self.slots)]
+        if tasks:
+            ran = max(tasks)[1]
+            if ran != request.slot:
+                self.slots.moved(request.slot, ran)
+                request.slot = ran
+        self.slots.check(answer)
 
     async def slot(self, slot: int = 0) -> SlotState:
         """What the slot holds, asking the engine first when the picture is not sure."""
@@ -442,7 +622,7 @@ class Service:
         # One turn of the loop lets every task already started ask. (Up to Python 3.11
         # wait_for above always gave that turn; since 3.12 it returns at once when idle.)
         await asyncio.sleep(0)
-        async with self.fifo.hold():
+        async with self.fifo.hold(exclusive=True):
             await broadcast(self.pm, "on_shutdown", service=self)
 
 

@@ -129,6 +129,14 @@ class SlotPicture:
         state.key, state.tenant, state.tokens = key, tenant, n_restored
         state.file_current = from_own_file and key is not None
 
+    def moved(self, slot: int, to: int) -> None:
+        """The engine ran the request recorded in ``slot`` in slot ``to`` instead."""
+        here, there = self.slots[slot], self.slots[to]
+        there.key, there.tenant, there.tokens = here.key, here.tenant, here.tokens
+        there.file_current, there.last_request = False, here.last_request
+        here.key = here.tenant = None  # whatever it holds, it is no longer that conversation's
+        here.tokens, here.file_current = None, False  # counted by the engine's answer
+
     def emptied(self, slot: int) -> None:
         """Erased, or a failed restore that may have cleared it."""
         state = self.slots[slot]

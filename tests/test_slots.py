@@ -2,6 +2,7 @@
 
 import pytest
 
+from strata_serve.api.keys import SERVICE
 from strata_serve.testing import assert_openai_error, chat_body
 
 PROMPT = "Tell me about the sea and the ships that sail on it"
@@ -79,15 +80,26 @@ async def test_slots_listing(strata_client_factory):
     assert len(slots) == 1 and slots[0]["id"] == 0 and slots[0]["n_ctx"] > 0
 
 
-async def test_parallel_engine_refuses_slot_actions_with_409(strata_client_factory, strata_settings_factory):
-    settings = strata_settings_factory(engine={"parallel": 2})
+async def test_every_slot_of_a_parallel_engine_takes_slot_actions(strata_client_factory, strata_settings_factory,
+                                                                  tmp_path):
+    settings = strata_settings_factory(engine={"parallel": 2, "slot_save_path": tmp_path})
     client = await strata_client_factory(settings=settings)
-    resp = await client.post("/slots/0?action=save", json={"filename": "x.bin"})
-    body = await resp.json()
-    assert_openai_error(body, 409, resp.status)
-    assert "parallel" in body["error"]["message"]
+    service = client.app[SERVICE]
     ok = await client.post("/v1/chat/completions", json=chat_body())
     assert ok.status == 200
+    holder = next(s.id for s in service.slots if s.key == ok.headers["X-Strata-Conversation"])
+    saved = {}
+    for n in (0, 1):
+        resp = await client.post(f"/slots/{n}?action=save", json={"filename": f"s{n}.bin"})
+        assert resp.status == 200, await resp.text()
+        saved[n] = (await resp.json())["n_saved"]
+    # Each action reached its own slot: only the one that ran the request holds tokens.
+    assert saved[holder] > 0 and saved[1 - holder] == 0
+    for bad in ("2", "-1", "x", "\u0663"):
+        resp = await client.post(f"/slots/{bad}?action=save", json={"filename": "y.bin"})
+        body = await resp.json()
+        assert_openai_error(body, 404, resp.status)
+        assert body["error"]["code"] == "no_such_slot" and "2 slot(s)" in body["error"]["message"]
 
 
 TENANTS = {"api_key": "k-plain", "api_keys": {"alice": "ka", "bob": "kb"}}

@@ -213,12 +213,14 @@ async def relay(request: web.Request, route: str, path: str, body: dict[str, Any
 
 def state_headers(sreq: StrataRequest, timings: dict[str, Any] | None) -> dict[str, str]:
     """What strata did for this request, for the client to see without reading logs."""
+    slot = {"X-Strata-Slot": str(sreq.slot)}
     if sreq.conversation_key is None:
-        return {"X-Strata-State": "unkeyed"}
+        return {"X-Strata-State": "unkeyed", **slot}
     return {
         "X-Strata-Conversation": sreq.conversation_key,
         "X-Strata-State": state_source(sreq, timings),
         "X-Strata-Restored-Tokens": str(sreq.restored_tokens),
+        **slot,
     }
 
 

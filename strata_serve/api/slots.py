@@ -103,15 +103,12 @@ async def list_slots(request: web.Request) -> web.Response:
 @routes.post("/slots/{slot_id}")
 async def slot_action(request: web.Request) -> web.Response:
     service = service_of(request)
-    if not service.single_slot:
-        raise APIError(
-            409,
-            f"slot actions need a single-slot engine; this one runs {service.settings.engine.parallel} "
-            "slots in parallel, so a slot does not belong to one conversation",
-            code="parallel_slots",
-        )
-    if request.match_info["slot_id"] != "0":
-        raise APIError(404, "only slot 0 exists on a single-slot engine", code="no_such_slot")
+    slots = len(service.slots)
+    slot_id = request.match_info["slot_id"]
+    if not slot_id.isascii() or not slot_id.isdigit() or int(slot_id) >= slots:
+        raise APIError(404, f"no slot {slot_id!r}: the engine runs {slots} slot(s), 0 to {slots - 1}",
+                       code="no_such_slot")
+    slot = int(slot_id)
     action = request.query.get("action")
     if action not in ACTIONS:
         raise APIError(400, f"action must be one of {', '.join(ACTIONS)}", param="action")
@@ -130,18 +127,18 @@ async def slot_action(request: web.Request) -> web.Response:
             raise APIError(404, f"no slot file named {filename!r}", param="filename", code="no_such_file")
         body["filename"] = on_disk
 
-    sreq = StrataRequest(route="slots", body=body, headers=request.headers, tenant=tenant)
+    sreq = StrataRequest(route="slots", body=body, headers=request.headers, tenant=tenant, slot=slot)
     result: dict[str, Any] = {}
 
     async def send(outcome: Outcome) -> None:
         # Through the service, so its picture of the slot follows what was done by hand.
         if action == "save":
-            answer = await service.save_slot(body["filename"])
+            answer = await service.save_slot(body["filename"], slot=slot)
         elif action == "restore":
             # Only the tenant's own file can be named: the slot then holds its state.
-            answer = await service.restore_slot(body["filename"], tenant=tenant)
+            answer = await service.restore_slot(body["filename"], slot=slot, tenant=tenant)
         else:
-            answer = await service.erase_slot()
+            answer = await service.erase_slot(slot)
         result.update(answer)
         outcome.status, outcome.http_status, outcome.error = "ok", 200, None
         outcome.timings = answer.get("timings")

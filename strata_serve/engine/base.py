@@ -35,6 +35,11 @@ class EngineInfo:
     multimodal: bool = False
     #: True when strata-serve started (and supervises) the engine process.
     managed: bool = False
+    #: Whether the engine may empty an idle slot on its own when another slot gets a
+    #: task (llama-server with ``--kv-unified``, its RAM cache on and
+    #: ``--cache-idle-slots``); None: not known (attached). Unless False, a multi-slot
+    #: service asks the engine what its slots hold before each request.
+    clears_idle_slots: bool | None = False
 
 
 #: What a backend may declare in ``capabilities``:
@@ -48,6 +53,10 @@ class Engine(Protocol):
     info: EngineInfo
     #: What this backend can do (a subset of :data:`CAPABILITIES`); plugins check these.
     capabilities: frozenset[str]
+    #: Routes (``StrataRequest.route``) whose requests the backend runs in the slot the
+    #: service chose (``id_slot`` in the body). On a multi-slot engine, a request on
+    #: another route holds every slot, since the engine picks one itself.
+    pinned_routes: frozenset[str]
     #: Increases by one at every (re)start: state held by an older generation is gone.
     generation: int
     #: Awaited with ``restarted`` after every start, before requests are let through.

@@ -161,6 +161,29 @@ def build_command(settings: EngineSettings, binary: Path, port: int) -> list[str
     return cmd + list(settings.extra_args)
 
 
+def clears_idle_slots(settings: EngineSettings) -> bool:
+    """Whether llama-server started with these settings empties idle slots on its own.
+
+    With one KV buffer shared by the slots (``--kv-unified``) and its RAM cache on, it
+    moves every idle slot into the RAM cache when a task starts (``--cache-idle-slots``,
+    on by default). Without ``--kv-unified`` (what an explicit ``-np`` gives) it only
+    copies them there, and the slots keep what they hold.
+    """
+    args = [arg.split("=", 1)[0] for arg in settings.extra_args]
+    last = {flag: n for n, flag in enumerate(args)}
+
+    def on(yes: tuple[str, ...], no: tuple[str, ...], default: bool) -> bool:
+        said_yes = max((last[f] for f in yes if f in last), default=-1)
+        said_no = max((last[f] for f in no if f in last), default=-1)
+        return default if said_yes == said_no else said_yes > said_no
+
+    ram = settings.cache_ram_mib != 0 and not any(
+        flag in ("-cram", "--cache-ram") and value.strip() == "0"
+        for flag, value in zip(settings.extra_args, settings.extra_args[1:]))
+    return (settings.parallel > 1 and ram and on(("-kvu", "--kv-unified"), ("-no-kvu", "--no-kv-unified"), False)
+            and on(("--cache-idle-slots",), ("--no-cache-idle-slots",), True))
+
+
 async def read_lines(stream: asyncio.StreamReader, max_bytes: int = LOG_LINE_MAX_BYTES) -> AsyncIterator[str]:
     """The lines of ``stream`` until its end, each cut to ``max_bytes`` (what is cut is counted).
 
@@ -221,6 +244,10 @@ class LlamaServer:
     """
 
     capabilities = frozenset({"slots", "slot_files", "ram_cache"})
+    # llama-server honours ``id_slot`` on these; its /v1/messages and /v1/embeddings
+    # drop it (the Anthropic conversion keeps only the fields it knows), and /infill
+    # has not been seen to honour it.
+    pinned_routes = frozenset({"chat", "completion", "responses"})
 
     def __init__(
         self,
@@ -264,6 +291,7 @@ class LlamaServer:
             cache_ram_mib=settings.cache_ram_mib,
             multimodal=settings.mmproj is not None,
             managed=self.managed,
+            clears_idle_slots=clears_idle_slots(settings) if self.managed else None,
         )
         if settings.model is not None and Path(settings.model).is_file():
             self.info.model_path = str(Path(settings.model).resolve())
