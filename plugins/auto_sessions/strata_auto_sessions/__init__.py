@@ -78,7 +78,7 @@ def post_request(request, outcome, service):
     parking = _parking(service)
     if parking is not None and parking.active:
         parking.after(request, outcome, service)
-        parking.schedule_idle_save(service)
+        parking.schedule_idle_save(service, request.slot)
 
 
 @strata_serve.hookimpl
@@ -87,7 +87,8 @@ async def on_shutdown(service):
     if parking is not None:
         # An idle save not started was cancelled by the stop; one that ran is done.
         if parking.active:
-            await parking.park_held(service, 0, reason="shutdown")
+            for slot in range(len(service.slots)):
+                await parking.park_held(service, slot, reason="shutdown")
 
 
 @strata_serve.hookimpl

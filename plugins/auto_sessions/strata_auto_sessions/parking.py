@@ -126,15 +126,12 @@ class AutoSessions:
         self._restore_speed = [0, 0.0]
         #: The prompt signature of the last request that ran, by conversation key.
         self.prompts: dict[str, dict[str, Any]] = {}
-        self._idle: Any = None
+        #: Saves waiting for a slot to be idle, by slot.
+        self._idle: dict[int, Any] = {}
 
     @classmethod
     def start(cls, config: AutoSessionsConfig, service: Any) -> AutoSessions:
         info = service.engine.info
-        if service.settings.engine.parallel > 1 or info.parallel > 1:
-            log.warning("[strata] auto sessions: off: the engine runs %d slots in parallel; "
-                        "parking needs a single-slot engine (engine.parallel = 1)", max(info.parallel, 2))
-            return cls(config, None, {})
         if "slot_files" not in getattr(service.engine, "capabilities", {"slot_files"}):
             log.warning("[strata] auto sessions: off: the engine backend cannot save and restore slots")
             return cls(config, None, {})
@@ -181,13 +178,21 @@ class AutoSessions:
     # -- around each request -------------------------------------------------
 
     async def before(self, request: StrataRequest, service: Any) -> None:
-        self._cancel_idle_save()
+        self._cancel_idle_save(request.slot)
         held = await service.slot(request.slot)
         if request.route == "slots":
             if request.body.get("action") in ("restore", "erase"):
                 # A slot changed by hand: park what it holds first, like a switch.
                 await self.park_held(service, request.slot, reason="slot action")
             return
+        if request.route != "slots" and len(service.slots) > 1 and (
+                not request.pinned or service.engine.info.clears_idle_slots is not False):
+            # The engine picks the slot itself and may take any, or it empties the idle
+            # slots into its RAM cache when a task starts: park every other one first.
+            for other in range(len(service.slots)):
+                if other != request.slot:
+                    await self.park_held(service, other, reason="before another slot's task",
+                                         incoming=request.conversation_key)
         key = request.conversation_key
         if key is not None and held.key == key and held.tenant == request.tenant and not held.empty:
             return  # the slot holds this conversation: nothing to do
@@ -275,22 +280,26 @@ class AutoSessions:
 
     # -- saving while idle ---------------------------------------------------
 
-    def schedule_idle_save(self, service: Any) -> None:
-        held = service.slots[0]
+    def schedule_idle_save(self, service: Any, slot: int = 0) -> None:
+        """Save the slot's conversation once the slot has been idle ``idle_save_s``."""
+        held = service.slots[slot]
         if self.config.idle_save_s <= 0 or held.key is None or held.file_current or held.empty:
             return
-        self._cancel_idle_save()
-        self._idle = service.when_idle(self.config.idle_save_s, lambda: self._idle_save(service),
-                                       name="auto-sessions' save while idle")
+        self._cancel_idle_save(slot)
+        # With one slot, once the whole service is idle (as ever); with several, once this
+        # slot is, while the others may be busy.
+        self._idle[slot] = service.when_idle(
+            self.config.idle_save_s, lambda: self._idle_save(service, slot),
+            name="auto-sessions' save while idle", slot=None if len(service.slots) == 1 else slot)
 
-    async def _idle_save(self, service: Any) -> None:
-        if self.active and await self.park_held(service, 0, reason="idle"):
+    async def _idle_save(self, service: Any, slot: int) -> None:
+        if self.active and await self.park_held(service, slot, reason="idle"):
             self.stats.idle_saves += 1
 
-    def _cancel_idle_save(self) -> None:
-        if self._idle is not None:
-            self._idle.cancel()
-            self._idle = None
+    def _cancel_idle_save(self, slot: int) -> None:
+        idle = self._idle.pop(slot, None)
+        if idle is not None:
+            idle.cancel()
 
     # -- the engine calls ----------------------------------------------------
 
@@ -362,10 +371,10 @@ class AutoSessions:
         self.stats.saved_tokens += n_saved
         self.stats.saved_bytes += n_written
         self.stats.save_ms += ms
-        log.info("[strata] auto sessions: saved %s tokens (%s) to %s in %.0f ms%s",
+        log.info("[strata] auto sessions: saved %s tokens (%s) to %s in %.0f ms%s%s",
                  f"{n_saved:,}", _size(n_written), self.store.bin_name(key), ms,
-                 "" if reason == "switch" else f" ({reason})")
-        self._prune(protect=frozenset(k for k in (key, incoming) if k is not None))
+                 "" if reason == "switch" else f" ({reason})", _from_slot(service, slot))
+        self._prune(protect=in_use(service, key, incoming))
         return True
 
     def _discard(self, temp: str) -> None:
@@ -443,8 +452,8 @@ class AutoSessions:
             self.store.touch(key)
         except OSError as exc:
             log.warning("[strata] auto sessions: could not update %s's sidecar: %s", key, exc)
-        log.info("[strata] auto sessions: restored %s tokens from %s in %.0f ms",
-                 f"{n_restored:,}", path.name, ms)
+        log.info("[strata] auto sessions: restored %s tokens from %s in %.0f ms%s",
+                 f"{n_restored:,}", path.name, ms, _from_slot(service, request.slot, "into"))
         return True
 
     def _restore_failed(self, key: str, exc: Exception, verdict: Verdict | None) -> bool:
@@ -482,6 +491,18 @@ class AutoSessions:
             self.stats.prunes += 1
             self.stats.pruned_bytes += size
             log.info("[strata] auto sessions: pruned %s%s%s (%s)", "auto-", key, ".bin", _size(size))
+
+
+def in_use(service: Any, *keys: str | None) -> frozenset[str]:
+    """Conversations whose files pruning must spare: ``keys``, those the slots hold, and
+    those of the requests running (one may be restoring its file right now)."""
+    held = (state.key for state in service.slots)
+    running = service.fifo.busy.values()
+    return frozenset(k for k in (*keys, *held, *running) if k is not None)
+
+
+def _from_slot(service: Any, slot: int, word: str = "from") -> str:
+    return f" ({word} slot {slot})" if len(service.slots) > 1 else ""
 
 
 def _size(n: int) -> str:

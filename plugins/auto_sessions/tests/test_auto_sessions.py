@@ -275,13 +275,7 @@ async def test_a_restore_of_a_changed_conversation_is_not_held_against_the_engin
     assert any("changed since its file was saved" in l for l in log_lines(caplog))
 
 
-async def test_refused_with_parallel_slots_or_no_directory(strata_client_factory, auto_settings, caplog):
-    client = await strata_client_factory(strata_auto_sessions, settings=auto_settings({"parallel": 2}))
-    await ask(client, conversation("par-a"))
-    await ask(client, conversation("par-b"))
-    assert not parking(client).active
-    assert any("off" in l and "parallel" in l for l in log_lines(caplog))
-
+async def test_refused_without_a_slot_directory(strata_client_factory, auto_settings, caplog):
     client = await strata_client_factory(strata_auto_sessions, settings=auto_settings({"slot_save_path": None}))
     await ask(client, conversation("nodir"))
     assert not parking(client).active

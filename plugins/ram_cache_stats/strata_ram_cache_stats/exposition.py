@@ -53,6 +53,7 @@ class LedgerCollector:
     def collect(self) -> Iterator[Metric]:
         numbers = self.ledger.snapshot()
         yield from self._own(numbers)
+        yield from self._slots(numbers["slots"])
         auto = plugin_numbers(self.service).get(AUTO_SESSIONS)
         if auto is not None:
             yield from auto_sessions_metrics(auto)
@@ -96,6 +97,30 @@ class LedgerCollector:
             yield GaugeMetricFamily("strata_engine_state_bytes_per_token",
                                     "Bytes per token of the engine's state, measured from slot saves",
                                     value=ram["bytes_per_token"])
+
+
+    def _slots(self, by_slot: dict[str, dict[str, int]]) -> Iterator[Metric]:
+        """Per engine slot: what ran there (the ledger) and what it holds now (the core's picture)."""
+        families = {
+            stat: CounterMetricFamily(f"strata_slot_{stat}", doc, labels=["slot"])
+            for stat, doc in (("requests", "Requests measured, by the engine slot they ran in"),
+                              ("reused_tokens", "Prompt tokens the engine reused (cache_n), by slot"),
+                              ("prefilled_tokens", "Prompt tokens the engine prefilled (prompt_n), by slot"))
+        }
+        for slot, numbers in by_slot.items():
+            for stat, family in families.items():
+                family.add_metric([slot], numbers[stat])
+        yield from families.values()
+        held = GaugeMetricFamily("strata_slot_tokens", "Tokens each engine slot holds, as last known",
+                                 labels=["slot"])
+        busy = GaugeMetricFamily("strata_slot_busy", "1 while a request runs in the slot", labels=["slot"])
+        for state in self.service.slots:
+            if state.tokens is not None:
+                held.add_metric([str(state.id)], state.tokens)
+            busy.add_metric([str(state.id)], 1 if state.id in self.service.fifo.busy
+                            or self.service.fifo.exclusive else 0)
+        yield held
+        yield busy
 
 
 def auto_sessions_metrics(auto: dict[str, Any]) -> Iterator[Metric]:

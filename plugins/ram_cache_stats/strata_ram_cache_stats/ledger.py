@@ -105,6 +105,8 @@ class Ledger:
         self.reused_tokens = 0
         self.prefilled_tokens = 0
         self.prefill_ms = 0.0
+        #: Per engine slot: requests measured, and tokens reused and prefilled there.
+        self.by_slot: dict[int, dict[str, int]] = {}
         self.prefill_seconds = Histogram(
             "strata_prefill_seconds", "Prefill time of each request (the engine's prompt_ms)",
             buckets=PREFILL_BUCKETS_S, registry=None,
@@ -143,6 +145,10 @@ class Ledger:
         key = request.conversation_key
         source = self._source(key, request, outcome)
         self._count(key, source, outcome.timings)
+        slot = self.by_slot.setdefault(request.slot, {"requests": 0, "reused_tokens": 0, "prefilled_tokens": 0})
+        slot["requests"] += 1
+        slot["reused_tokens"] += int(outcome.timings.get("cache_n", 0))
+        slot["prefilled_tokens"] += int(outcome.timings.get("prompt_n", 0))
         return source
 
     # -- inside --------------------------------------------------------------------
@@ -221,6 +227,7 @@ class Ledger:
             },
             "conversations_tracked": len(self.conversations),
             "conversation_records_dropped": self.records_dropped,
+            "slots": {str(n): dict(numbers) for n, numbers in sorted(self.by_slot.items())},
         }
 
     def recent_conversations(self, key_prefix: str = "") -> list[dict[str, Any]]:

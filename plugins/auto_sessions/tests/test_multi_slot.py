@@ -1,0 +1,282 @@
+"""Parking on an engine with several slots (``engine.parallel`` = 2 and 4), real engine.
+
+Requests run side by side, one per slot; a conversation goes back to the slot that holds
+it, a new one displaces the least valuable state (parked first), and nothing that is
+parked or held is ever lost, whatever runs in the other slots meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+
+from strata_serve.api import SERVICE
+from strata_serve.testing import conversation
+
+from tests.parked_state import TOLERANCE, logprob_body, logprob_distance
+
+#: A turn reused its own state when it reused at least this much of its ~750-token opening.
+OWN_STATE = 600
+
+
+def engine_for(parallel: int, **extra) -> dict:
+    # llama-server splits its context evenly among the slots (-np without --kv-unified).
+    return {"parallel": parallel, "ctx_size": 2048 * parallel, **extra}
+
+
+def url_of(client) -> str:
+    return str(client.make_url("")).rstrip("/")
+
+
+async def stream_turn(url: str, messages: list[dict], max_tokens: int = 8) -> tuple[dict, dict]:
+    """Stream one turn the way agents do: leave as soon as the event with the timings is read.
+
+    :returns: the engine's timings and the response headers.
+    """
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    async with httpx.AsyncClient(timeout=120) as http:
+        async with http.stream("POST", url + "/v1/chat/completions", json=body) as reply:
+            assert reply.status_code == 200, await reply.aread()
+            async for line in reply.aiter_lines():
+                if line.startswith("data:") and '"timings"' in line:
+                    return json.loads(line[5:])["timings"], reply.headers
+    raise AssertionError("the stream ended without timings")
+
+
+async def ask(client, body: dict) -> tuple[dict, dict]:
+    resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status == 200, await resp.text()
+    return await resp.json(), resp.headers
+
+
+def more(messages: list[dict], text: str) -> list[dict]:
+    return messages + [{"role": "assistant", "content": "noted"}, {"role": "user", "content": text}]
+
+
+async def settle(client, deadline_s: float = 60) -> None:
+    fifo = client.app[SERVICE].fifo
+    deadline = time.monotonic() + deadline_s
+    while not fifo.idle:
+        assert time.monotonic() < deadline, "the service never went idle"
+        await asyncio.sleep(0.02)
+
+
+def numbers(client) -> dict:
+    return client.app[SERVICE].state["auto_sessions"].stats.snapshot()
+
+
+async def test_concurrent_conversations_each_keep_their_own_slot(auto_client):
+    client = await auto_client(engine=engine_for(2), idle_save_s=0)
+    service = client.app[SERVICE]
+    url = url_of(client)
+    chats = {name: conversation(name) for name in ("par-a", "par-b")}
+    first = await asyncio.gather(*(stream_turn(url, chats[n]) for n in chats))
+    slots = {h["X-Strata-Conversation"]: int(h["X-Strata-Slot"]) for _, h in first}
+    assert sorted(slots.values()) == [0, 1], "two conversations, two slots, side by side"
+    for round_ in range(3):
+        chats = {n: more(m, f"step {round_}") for n, m in chats.items()}
+        turns = await asyncio.gather(*(stream_turn(url, chats[n]) for n in chats))
+        for timings, headers in turns:
+            key = headers["X-Strata-Conversation"]
+            assert int(headers["X-Strata-Slot"]) == slots[key], "a conversation stays in its slot"
+            assert headers["X-Strata-State"] == "slot"
+            assert timings["cache_n"] >= OWN_STATE, timings
+    assert numbers(client)["saves"] == 0 and numbers(client)["restores"] == 0, "nothing needed parking"
+    await service.check_slots()
+    assert service.slots.corrections == 0, "the picture matched the engine"
+
+
+async def test_a_switch_on_one_slot_never_disturbs_another(auto_client):
+    client = await auto_client(engine=engine_for(2), idle_save_s=0)
+    service = client.app[SERVICE]
+    url = url_of(client)
+    a, b, c = conversation("dis-a"), conversation("dis-b"), conversation("dis-c")
+    _, ha = await stream_turn(url, a)
+    _, hb = await stream_turn(url, b)
+    slot_a, slot_b = int(ha["X-Strata-Slot"]), int(hb["X-Strata-Slot"])
+    assert slot_a != slot_b
+    held_b = (await service.engine.slots())[slot_b]["n_prompt_tokens"]
+    # C displaces A (least recently used) while B streams a long answer in its own slot.
+    b2 = more(b, "tell me more")
+    (tc, hc), (tb, hb2) = await asyncio.gather(stream_turn(url, c), stream_turn(url, b2, max_tokens=64))
+    assert int(hc["X-Strata-Slot"]) == slot_a and int(hb2["X-Strata-Slot"]) == slot_b
+    # (all of B's prompt; its 8 generated tokens differ from the "noted" sent back)
+    assert tb["cache_n"] >= held_b - 8, "B's slot kept its state through C's switch"
+    assert numbers(client)["saves"] == 1, "A was parked before C took its slot"
+    # A comes back (B is now the least recently used and holds more than its file: parked).
+    timings, headers = await stream_turn(url, more(a, "back"))
+    assert headers["X-Strata-State"] == "disk" and timings["cache_n"] >= OWN_STATE, (headers, timings)
+    # C, which the return displaced or not, comes back with its own state too.
+    timings, headers = await stream_turn(url, more(c, "back"))
+    assert timings["cache_n"] >= OWN_STATE, (headers, timings)
+
+
+async def test_one_conversation_never_runs_in_two_slots_at_once(auto_client):
+    client = await auto_client(engine=engine_for(2), idle_save_s=0)
+    url = url_of(client)
+    a = conversation("twice-a")
+    await stream_turn(url, a)
+    # Two requests of one conversation at once: one after the other, in the same slot.
+    results = await asyncio.gather(*(stream_turn(url, more(a, f"q{n}")) for n in range(3)))
+    assert len({h["X-Strata-Slot"] for _, h in results}) == 1
+    assert all(t["cache_n"] >= OWN_STATE for t, _ in results), [t for t, _ in results]
+
+
+async def test_a_restart_restores_each_conversation_into_whichever_slot_it_lands_on(auto_client):
+    client = await auto_client(engine=engine_for(4), idle_save_s=0.2)
+    service = client.app[SERVICE]
+    url = url_of(client)
+    names = [f"rs-{n}" for n in range(4)]
+    chats = {n: conversation(n) for n in names}
+    await asyncio.gather(*(stream_turn(url, chats[n]) for n in names))
+    deadline = time.monotonic() + 60
+    while numbers(client)["idle_saves"] < 4:  # each slot saved once idle
+        assert time.monotonic() < deadline, numbers(client)
+        await asyncio.sleep(0.05)
+    generation = service.engine.generation
+    os.kill(service.engine.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while service.engine.generation == generation or not service.engine.ready:
+        assert time.monotonic() < deadline, "the engine was not restarted"
+        await asyncio.sleep(0.05)
+    chats = {n: more(m, "after the restart") for n, m in chats.items()}
+    results = await asyncio.gather(*(ask(client, logprob_body(chats[n], 4)) for n in names))
+    for answer, headers in results:
+        assert headers["X-Strata-State"] == "disk", headers
+        assert answer["timings"]["cache_n"] >= OWN_STATE, answer["timings"]
+    # The same answers as a fresh read of each conversation (greedy, by logprobs): a
+    # fresh engine's, since nothing is reused with cache_prompt off.
+    for name, (answer, _) in zip(names, results):
+        fresh, _ = await ask(client, logprob_body(chats[name], 4, cache_prompt=False))
+        assert logprob_distance(answer, fresh) <= 0.05, name
+    # Control: another conversation's answer differs by far more.
+    other, _ = await ask(client, logprob_body(more(chats[names[1]], "x"), 4, cache_prompt=False))
+    assert logprob_distance(results[0][0], other) > 0.05
+
+
+async def test_a_route_the_engine_places_itself_parks_every_other_slot_first(auto_client):
+    """llama-server's /v1/messages ignores id_slot: the service holds all slots for it."""
+    client = await auto_client(engine=engine_for(2), idle_save_s=0)
+    service = client.app[SERVICE]
+    url = url_of(client)
+    a, b = conversation("un-a"), conversation("un-b")
+    await asyncio.gather(stream_turn(url, a), stream_turn(url, b))
+    resp = await client.post("/v1/messages", json={"model": "m", "max_tokens": 4,
+                                                    "messages": conversation("un-c")})
+    assert resp.status == 200, await resp.text()
+    assert numbers(client)["saves"] == 2, "both held conversations were parked before it ran"
+    ran = int(resp.headers["X-Strata-Slot"])
+    keys = [s.key for s in service.slots]
+    assert keys[ran] == resp.headers["X-Strata-Conversation"], "the picture follows the engine's choice"
+    assert keys.count(resp.headers["X-Strata-Conversation"]) == 1
+    await service.check_slots()
+    assert service.slots.corrections == 0
+    for messages in (a, b):
+        timings, _ = await stream_turn(url, more(messages, "back"))
+        assert timings["cache_n"] >= OWN_STATE, timings
+
+
+async def test_engine_killed_mid_save_on_one_slot_while_another_streams(auto_client, monkeypatch, caplog):
+    client = await auto_client(engine=engine_for(2), idle_save_s=0)
+    service = client.app[SERVICE]
+    url = url_of(client)
+    a, b, c = conversation("kill-a"), conversation("kill-b"), conversation("kill-c")
+    await stream_turn(url, a)
+    await stream_turn(url, b)
+    real_save = service.engine.save
+
+    async def dying_save(filename, slot=0):
+        os.kill(service.engine.pid, signal.SIGKILL)
+        return await real_save(filename, slot)
+
+    monkeypatch.setattr(service.engine, "save", dying_save)
+    generation = service.engine.generation
+    # C's switch saves A and the engine dies during it, while B streams in the other slot.
+    replies = await asyncio.wait_for(asyncio.gather(
+        client.post("/v1/chat/completions", json={"messages": c, "max_tokens": 4}),
+        client.post("/v1/chat/completions", json={"messages": more(b, "more"), "max_tokens": 64}),
+    ), 120)
+    # Each either ran or failed in the API's own shape (never a hang, never a 500).
+    for reply in replies:
+        assert reply.status in (200, 502, 503), (reply.status, await reply.text())
+        if reply.status != 200:
+            assert "error" in await reply.json()
+    assert service.engine.generation == generation + 1, "the engine died once and came back"
+    monkeypatch.setattr(service.engine, "save", real_save)
+    await settle(client)
+    directory = Path(service.engine.info.slot_save_path)
+    assert not list(directory.glob("tmp-*")), "no half-written file is left"
+    # The engine is back; every slot's picture is of the new engine, and the next requests run.
+    for messages in (a, b, c):
+        await ask(client, {"messages": more(messages, "again"), "max_tokens": 4})
+    await service.check_slots()
+    assert service.slots.corrections == 0
+    assert any("saving" in r.getMessage() and "failed" in r.getMessage() for r in caplog.records)
+
+
+async def test_metrics_and_stats_say_which_slot_each_request_ran_in(auto_client):
+    import strata_ram_cache_stats
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client = await auto_client(strata_ram_cache_stats, engine=engine_for(2), idle_save_s=0)
+    service = client.app[SERVICE]
+    url = url_of(client)
+    a, b = conversation("met-a"), conversation("met-b")
+    await asyncio.gather(stream_turn(url, a), stream_turn(url, b))
+    _, headers = await stream_turn(url, more(a, "again"))
+    slot_a = headers["X-Strata-Slot"]
+    text = await (await client.get("/metrics")).text()
+    samples = {(s.name, s.labels.get("slot")): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    assert samples[("strata_slot_requests_total", slot_a)] == 2
+    assert samples[("strata_slot_requests_total", str(1 - int(slot_a)))] == 1
+    engine = {entry["id"]: entry["n_prompt_tokens"] for entry in await service.engine.slots()}
+    for n in (0, 1):
+        assert samples[("strata_slot_tokens", str(n))] == engine[n]
+        assert samples[("strata_slot_busy", str(n))] == 0
+    stats = await (await client.get("/stats")).json()
+    assert stats["slots"][slot_a]["requests"] == 2
+
+
+async def test_an_engine_that_empties_idle_slots_itself_loses_no_conversation(auto_client):
+    """--kv-unified with the RAM cache on: llama-server moves idle slots into its RAM cache
+    when another slot gets a task (and the RAM cache may drop them). Every other slot is
+    parked before a task starts, and the picture follows what the engine reports."""
+    client = await auto_client(engine=engine_for(2, cache_ram_mib=256, extra_args=["--kv-unified"]),
+                               idle_save_s=0)
+    service = client.app[SERVICE]
+    assert service.engine.info.clears_idle_slots
+    url = url_of(client)
+    a, b = conversation("kvu-a"), conversation("kvu-b")
+    _, ha = await stream_turn(url, a)
+    await stream_turn(url, b)  # A is parked, then its slot is emptied as B starts
+    assert numbers(client)["saves"] == 1
+    engine = {e["id"]: e.get("n_prompt_tokens") for e in await service.engine.slots()}
+    assert engine[int(ha["X-Strata-Slot"])] == 0, engine
+    timings, headers = await stream_turn(url, more(a, "back"))
+    assert service.slots.corrections >= 1, "the check before the request saw the emptied slot"
+    assert headers["X-Strata-State"] == "disk" and timings["cache_n"] >= OWN_STATE, (headers, timings)
+
+
+def test_which_engine_flags_empty_idle_slots():
+    from strata_serve.config import EngineSettings
+    from strata_serve.engine.llama_server import clears_idle_slots
+
+    def clears(parallel=2, ram=None, *args):
+        return clears_idle_slots(EngineSettings(parallel=parallel, cache_ram_mib=ram, extra_args=list(args)))
+
+    assert clears(2, None, "--kv-unified")
+    assert clears(4, 512, "-kvu")
+    assert not clears(2, None)  # an explicit -np: one buffer per slot, slots kept
+    assert not clears(1, None, "--kv-unified")
+    assert not clears(2, 0, "--kv-unified")
+    assert not clears(2, None, "--kv-unified", "--cache-ram", "0")
+    assert not clears(2, None, "--kv-unified", "--no-cache-idle-slots")
+    assert not clears(2, None, "--kv-unified", "--no-kv-unified")
+    assert clears(2, None, "--no-kv-unified", "--kv-unified")
