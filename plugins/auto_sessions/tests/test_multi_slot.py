@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -280,3 +281,26 @@ def test_which_engine_flags_empty_idle_slots():
     assert not clears(2, None, "--kv-unified", "--no-cache-idle-slots")
     assert not clears(2, None, "--kv-unified", "--no-kv-unified")
     assert clears(2, None, "--no-kv-unified", "--kv-unified")
+
+
+async def test_disk_full_during_a_save_on_one_slot_while_the_other_works(auto_client, tmp_path):
+    from tests.test_reliability import only_complete_files, tmpfs
+
+    with tmpfs(tmp_path / "small", "900k") as slots:
+        client = await auto_client(engine=engine_for(2, slot_save_path=str(slots)), idle_save_s=0)
+        url = url_of(client)
+        a, b, c, d = (conversation(f"full{n}") for n in "abcd")
+        await stream_turn(url, a)
+        await stream_turn(url, b)
+        _, hc = await stream_turn(url, c)  # A saved (about 0.5 MB): fits
+        assert numbers(client)["saves"] == 1
+        # D displaces B, whose save does not fit, while C goes on in the other slot.
+        (_, hd), (tc, hc2) = await asyncio.gather(stream_turn(url, d), stream_turn(url, more(c, "on")))
+        assert numbers(client)["save_failures"] == 1
+        assert hc2["X-Strata-Slot"] == hc["X-Strata-Slot"] != hd["X-Strata-Slot"]
+        assert hc2["X-Strata-State"] == "slot" and tc["cache_n"] >= OWN_STATE, "C's slot was not disturbed"
+        only_complete_files(slots)
+        subprocess.run(["mount", "-o", "remount,size=10m", str(slots)], check=True)  # space comes back
+        timings, headers = await stream_turn(url, more(a, "back"))  # A's file is whole
+        assert headers["X-Strata-State"] == "disk" and timings["cache_n"] >= OWN_STATE
+        await client.close()

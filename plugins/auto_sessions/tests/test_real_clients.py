@@ -96,9 +96,12 @@ async def settle(client, deadline_s: float = 30) -> None:
         await asyncio.sleep(0.02)
 
 
-@pytest.mark.parametrize("cache_ram_mib", [0, 1, None], ids=["ram-off", "ram-below-working-set", "ram-default"])
-async def test_concurrent_impatient_clients_never_lose_a_conversation(auto_client, cache_ram_mib):
-    client = await auto_client(engine={"cache_ram_mib": cache_ram_mib}, idle_save_s=0)
+@pytest.mark.parametrize("cache_ram_mib,parallel", [(0, 1), (1, 1), (None, 1), (0, 2), (None, 2)],
+                         ids=["ram-off", "ram-below-working-set", "ram-default", "ram-off-2-slots",
+                              "ram-default-2-slots"])
+async def test_concurrent_impatient_clients_never_lose_a_conversation(auto_client, cache_ram_mib, parallel):
+    client = await auto_client(engine={"cache_ram_mib": cache_ram_mib, "parallel": parallel,
+                                       "ctx_size": 4096 * parallel}, idle_save_s=0)
     url = str(client.make_url("")).rstrip("/")
     names = ["main-a", "main-b", "main-c"]
     chats = {name: conversation(name) for name in names}
