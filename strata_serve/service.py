@@ -283,10 +283,6 @@ class Service:
             cached = self._plugin_configs[name] = self.settings.plugin_config(name, model)
         return cached
 
-    @property
-    def single_slot(self) -> bool:
-        return len(self.slots) == 1
-
     def choose_slot(self, claim: Claim, free: list[int]) -> int | None:
         """The slot a request runs in, among the ``free`` ones (None: wait for another).
 
