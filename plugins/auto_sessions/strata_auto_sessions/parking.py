@@ -24,7 +24,9 @@ from strata_serve import EngineUnavailable
 
 from strata_serve import first_result
 
-from strata_auto_sessions.store import ParkingStore, SessionStore, Sidecar, fingerprint, same_model
+from strata_auto_sessions.store import (
+    REFUSAL_REASONS, SIDECAR_VERSION, ParkingStore, SessionStore, Sidecar, engine_fingerprint, incompatibility,
+)
 
 log = logging.getLogger("strata_auto_sessions")
 
@@ -61,6 +63,9 @@ class AutoSessionsConfig(BaseModel):
     #: restored state for this model), parking pauses this long, then tries again;
     #: each further pause is twice as long.
     retry_after_s: float = Field(600.0, gt=0)
+    #: Files saved by an engine build at most this many llama.cpp builds apart from the
+    #: running one are restored; farther apart they are refused.
+    build_range: int = Field(1000, ge=0)
 
     @model_validator(mode="after")
     def _min_tokens_alone(self) -> AutoSessionsConfig:
@@ -88,8 +93,17 @@ class AutoSessionsStats:
     restore_ms: float = 0.0
     restore_failures: int = 0
     restores_withheld: int = 0
-    restores_refused_other_model: int = 0
     restores_refused_damaged: int = 0
+    #: Files refused before the engine saw them, by reason (``store.REFUSAL_REASONS``):
+    #: another model, a context too small, another KV cache type, flash-attention
+    #: setting, ``--swa-full``, an engine build out of range, or not judged.
+    restores_refused_other_model: int = 0
+    restores_refused_context: int = 0
+    restores_refused_cache_type: int = 0
+    restores_refused_flash_attn: int = 0
+    restores_refused_swa: int = 0
+    restores_refused_build: int = 0
+    restores_refused_unjudged: int = 0
     restores_not_reused: int = 0
     #: Restores whose next request was not a continuation of the saved conversation
     #: (an edited message, or another conversation with the same opening).
@@ -152,7 +166,7 @@ class AutoSessions:
             return cls(config, None, {})
         if removed:
             log.info("[strata] auto sessions: removed %d unfinished temporary file(s)", removed)
-        parking = cls(config, store, fingerprint(info.model_path, info.n_ctx))
+        parking = cls(config, store, engine_fingerprint(info))
         parking.bytes_per_token = store.bytes_per_token(parking.fingerprint)
         parking.refresh_usage()
         log.info("[strata] auto sessions: on, files in %s (%d file(s), %s); a conversation is worth a file "
@@ -176,7 +190,7 @@ class AutoSessions:
         so the fingerprint files are checked against is taken again."""
         info = service.engine.info
         if self.store is not None:
-            self.fingerprint = fingerprint(info.model_path, info.n_ctx)
+            self.fingerprint = engine_fingerprint(info)
 
     # -- around each request -------------------------------------------------
 
@@ -345,6 +359,7 @@ class AutoSessions:
                 self.store.commit(temp, key, Sidecar(
                     key=key, fingerprint=self.fingerprint, tokens=n_saved, bytes=n_written,
                     created=sidecar.created if sidecar else now, last_used=now, digest="", prompt=prompt,
+                    tenant=held.tenant, version=SIDECAR_VERSION,
                 ))
                 break
             except (EngineError, EngineUnavailable, OSError) as exc:
@@ -400,10 +415,7 @@ class AutoSessions:
                 log.warning("[strata] auto sessions: not restoring %s: it is a symlink, never followed", path.name)
             return False
         sidecar = self.store.sidecar(key)
-        if sidecar is None or not same_model(sidecar.fingerprint, self.fingerprint):
-            self.stats.restores_refused_other_model += 1
-            log.warning("[strata] auto sessions: not restoring %s: it was saved %s", path.name,
-                        "without a readable sidecar" if sidecar is None else "for another model or context size")
+        if self.refused(path.name, sidecar):
             return False
         if not self.store.intact(key, sidecar):
             self.stats.restores_refused_damaged += 1
@@ -445,6 +457,18 @@ class AutoSessions:
             log.warning("[strata] auto sessions: could not update %s's sidecar: %s", key, exc)
         log.info("[strata] auto sessions: restored %s tokens from %s in %.0f ms",
                  f"{n_restored:,}", path.name, ms)
+        return True
+
+    def refused(self, name: str, sidecar: Sidecar | None) -> bool:
+        """Whether the file ``name`` (described by ``sidecar``) cannot go to this engine:
+        counted by reason and logged."""
+        refusal = incompatibility(sidecar, self.fingerprint, build_range=self.config.build_range)
+        if refusal is None:
+            return False
+        assert refusal.reason in REFUSAL_REASONS
+        counter = f"restores_refused_{refusal.reason}"
+        setattr(self.stats, counter, getattr(self.stats, counter) + 1)
+        log.warning("[strata] auto sessions: not restoring %s (%s): %s", name, refusal.reason, refusal.detail)
         return True
 
     def _restore_failed(self, key: str, exc: Exception, verdict: Verdict | None) -> bool:

@@ -74,12 +74,112 @@ def fingerprint(model_path: str | None, n_ctx: int | None) -> dict[str, Any]:
     return result
 
 
+def engine_fingerprint(info: Any) -> dict[str, Any]:
+    """What a state file saved now depends on: the model (:func:`fingerprint`), its weight
+    type and the engine's build (``/props``), and the state layout its start flags give
+    (``info.layout``, None when not known: an engine strata-serve attached to)."""
+    result = fingerprint(info.model_path, info.n_ctx)
+    result["ftype"] = getattr(info, "model_ftype", None)
+    result["build"] = getattr(info, "build", None)
+    layout = getattr(info, "layout", None)
+    result["layout"] = asdict(layout) if layout is not None else None
+    return result
+
+
 def same_model(recorded: dict[str, Any], current: dict[str, Any]) -> bool:
+    """Whether two fingerprints name the same model file."""
     if "header_sha256" in recorded or "header_sha256" in current:
-        keys = ("header_sha256", "size", "n_ctx")
+        keys: tuple[str, ...] = ("header_sha256", "size")
     else:  # the model file is not readable from here: the path must match
-        keys = ("model", "n_ctx")
+        keys = ("model",)
     return all(recorded.get(k) == current.get(k) for k in keys)
+
+
+#: Why a file is refused; each has its counter (``restores_refused_<reason>``).
+REFUSAL_REASONS = ("other_model", "context", "cache_type", "flash_attn", "swa", "build", "unjudged")
+#: The state layout fields a file must share with the engine, and the reason for each.
+_LAYOUT_REASONS = {"cache_type_k": "cache_type", "cache_type_v": "cache_type", "flash_attn": "flash_attn",
+                   "swa_full": "swa"}
+#: The layout of an engine started without any of its layout flags.
+_DEFAULT_LAYOUT = {"cache_type_k": "f16", "cache_type_v": "f16", "flash_attn": "auto", "swa_full": False}
+#: Engine builds this far apart (llama.cpp's ``b<number>``) load each other's files: the
+#: engine checks its state file's own format version and refuses another one cleanly.
+BUILD_RANGE = 1000
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a file cannot be restored into the running engine."""
+
+    #: One of :data:`REFUSAL_REASONS`.
+    reason: str
+    #: For people: what differs, saved against now.
+    detail: str
+
+
+def _layout_flags(layout: dict[str, Any] | None) -> dict[str, Any] | None:
+    if layout is None:
+        return None
+    return {field: layout.get(field, default) for field, default in _DEFAULT_LAYOUT.items()}
+
+
+def _build_number(build: str) -> int | None:
+    match = re.match(r"b(\d+)", build)
+    number = int(match.group(1)) if match else 0
+    return number or None  # b0: a build without a number (built outside llama.cpp's git)
+
+
+def incompatibility(sidecar: Sidecar | None, current: dict[str, Any], *,
+                    build_range: int = BUILD_RANGE) -> Refusal | None:
+    """Whether the file a ``sidecar`` describes can be restored into the engine ``current``
+    (an :func:`engine_fingerprint`) describes: None when it can, else why not.
+
+    Refused: another model file; more saved tokens than the engine's context holds;
+    another KV cache type (``-ctk``/``-ctv``), flash-attention setting or ``--swa-full``;
+    an engine build more than ``build_range`` apart (or builds that cannot be told
+    apart by number). Harmless: another context size that still holds the tokens,
+    GPU layers, a build within the range. A layout not known on one side (a file
+    saved before the layout was recorded, or an engine strata-serve attached to) is
+    judged equal to the engine's defaults; when the other side runs other flags, the
+    file cannot be judged and is refused.
+    """
+    if sidecar is None:
+        return Refusal("unjudged", "its sidecar is missing or unreadable")
+    saved = sidecar.fingerprint
+    if not same_model(saved, current):
+        return Refusal("other_model", f"it was saved for another model ({saved.get('model')})")
+    n_ctx = current.get("n_ctx")
+    if isinstance(n_ctx, int) and sidecar.tokens > n_ctx:
+        return Refusal("context", f"it holds {sidecar.tokens:,} tokens, more than the engine's context "
+                                  f"({n_ctx:,}, -c)")
+    then, now = _layout_flags(saved.get("layout")), _layout_flags(current.get("layout"))
+    if then is None or now is None:
+        known = then if now is None else now
+        if known is not None and known != _DEFAULT_LAYOUT:
+            side = "the file's" if now is None else "the engine's"
+            other = "this engine's" if now is None else "the file's"
+            return Refusal("unjudged", f"{other} state layout is not known and {side} is not the default "
+                                       f"({_describe(known)})")
+    else:
+        for field, reason in _LAYOUT_REASONS.items():
+            if then[field] != now[field]:
+                return Refusal(reason, f"{field} differs: saved with {then[field]}, the engine runs with "
+                                       f"{now[field]}")
+    built, running = saved.get("build"), current.get("build")
+    if built and running and built != running:
+        apart = None
+        if _build_number(built) and _build_number(running):
+            apart = abs(_build_number(built) - _build_number(running))  # type: ignore[operator]
+        if apart is None or apart > build_range:
+            how_far = "cannot tell how far apart" if apart is None else f"{apart} builds apart"
+            return Refusal("build", f"it was saved by engine build {built}, the engine is {running} "
+                                    f"({how_far}; at most {build_range} is taken as compatible)")
+    return None
+
+
+def _describe(layout: dict[str, Any]) -> str:
+    return (f"-ctk {layout['cache_type_k']} -ctv {layout['cache_type_v']} -fa {layout['flash_attn']}"
+            + (" --swa-full" if layout["swa_full"] else ""))
 
 
 #: How a file is sampled for its digest: this many evenly spaced blocks of this size.
@@ -119,18 +219,36 @@ class Sidecar:
     #: :func:`sample_digest` of the state file when it was saved.
     digest: str
     #: What the saved state was made from: ``{"units": n, "digest": ...}`` of the last
-    #: request's prompt (see :func:`strata_auto_sessions.parking.prompt_signature`).
+    #: request's prompt (see :func:`strata_auto_sessions.parking.prompt_signature`), with
+    #: its ``chain`` of digests, one per message boundary, where recorded.
     prompt: dict[str, Any] | None = None
+    #: The tenant whose conversation it is (None: no tenants, or saved before this was recorded).
+    tenant: str | None = None
+    #: The sidecar's format: 1 had no state layout in ``fingerprint``, 2 has it.
+    version: int = 1
 
     @classmethod
     def read(cls, path: Path) -> Sidecar | None:
         try:
             data = json.loads(path.read_text())
             fields = cls.__dataclass_fields__
-            required = {name: data[name] for name in fields if name != "prompt"}
-            return cls(**required, prompt=data.get("prompt") if isinstance(data.get("prompt"), dict) else None)
+            required = {name: data[name] for name in fields if name not in _OPTIONAL}
+            if not isinstance(required["fingerprint"], dict) or not isinstance(required["key"], str):
+                return None
+            optional = {name: data[name] for name in _OPTIONAL if name in data}
+            if not isinstance(optional.get("prompt"), dict):
+                optional.pop("prompt", None)
+            sidecar = cls(**required, **optional)
+            int(sidecar.tokens), int(sidecar.bytes), float(sidecar.last_used), float(sidecar.created)
+            return sidecar
         except (OSError, ValueError, KeyError, TypeError):
             return None
+
+
+#: Sidecar fields an older sidecar may lack.
+_OPTIONAL = ("prompt", "tenant", "version")
+#: The format :class:`Sidecar` writes.
+SIDECAR_VERSION = 2
 
 
 class ParkingStore(Protocol):
@@ -318,7 +436,8 @@ class SessionStore:
         """Engine state bytes per token, from the sidecars of files saved for this model."""
         for key, *_ in self.files():
             sidecar = self.sidecar(key)
-            if sidecar is not None and sidecar.tokens > 0 and same_model(sidecar.fingerprint, current):
+            if (sidecar is not None and sidecar.tokens > 0 and same_model(sidecar.fingerprint, current)
+                    and sidecar.fingerprint.get("layout") == current.get("layout")):
                 return sidecar.bytes / sidecar.tokens
         return None
 
