@@ -24,6 +24,7 @@ from strata_serve import EngineUnavailable
 
 from strata_serve import first_result
 
+from strata_auto_sessions.prefix import ParkedConversation, message_chain
 from strata_auto_sessions.store import (
     REFUSAL_REASONS, SIDECAR_VERSION, ParkingStore, SessionStore, Sidecar, engine_fingerprint, incompatibility,
 )
@@ -112,6 +113,11 @@ class AutoSessionsStats:
     pauses: int = 0
     prunes: int = 0
     pruned_bytes: int = 0
+    #: Conversations without a file of their own started from another one's (a fallback
+    #: plugin chose it), the tokens restored so, and how many of those the next request reused.
+    prefix_restores: int = 0
+    prefix_restored_tokens: int = 0
+    prefix_reused_tokens: int = 0
 
     #: Session files and their bytes, as of the last save or prune.
     files_on_disk: int = 0
@@ -256,6 +262,9 @@ class AutoSessions:
 
     def _check_reuse(self, request: StrataRequest, restored: int, outcome: Outcome, service: Any) -> None:
         reused = int(outcome.timings.get("cache_n", 0))  # type: ignore[union-attr]
+        if request.state.get(NAME, {}).get("prefix_of"):
+            self._prefix_reused(request, restored, reused)
+            return
         expected = min(restored, outcome.prompt_tokens or restored)
         if reused >= self.config.reuse_warn_ratio * expected:
             return
@@ -410,14 +419,19 @@ class AutoSessions:
     async def _restore(self, key: str, request: StrataRequest, service: Any) -> bool:
         assert self.store is not None
         path = self.store.bin_path(key)
+        source = key  # whose file is restored: the conversation's own, or a fallback's
         if not self.store.stage(key):
             if path.is_symlink():
                 log.warning("[strata] auto sessions: not restoring %s: it is a symlink, never followed", path.name)
-            return False
-        sidecar = self.store.sidecar(key)
+                return False
+            source = self._fallback(request, service)
+            if source is None:
+                return False
+            path = self.store.bin_path(source)
+        sidecar = self.store.sidecar(source)
         if self.refused(path.name, sidecar):
             return False
-        if not self.store.intact(key, sidecar):
+        if not self.store.intact(source, sidecar):
             self.stats.restores_refused_damaged += 1
             log.warning("[strata] auto sessions: not restoring %s: it is truncated or damaged "
                         "(size or digest differs from when it was saved)", path.name)
@@ -450,6 +464,9 @@ class AutoSessions:
         if n_read and ms > 0:
             self._restore_speed[0] += n_read
             self._restore_speed[1] += ms
+        if source != key:
+            self._prefix_restored(key, source, request, service, n_restored, ms)
+            return True
         request.state[NAME] = {"restore_ms": ms, "continues": continues(sidecar.prompt, request.body)}
         try:
             self.store.touch(key)
@@ -458,6 +475,82 @@ class AutoSessions:
         log.info("[strata] auto sessions: restored %s tokens from %s in %.0f ms",
                  f"{n_restored:,}", path.name, ms)
         return True
+
+    # -- a fallback for a conversation without a file ----------------------------
+
+    def prefill_seconds(self, tokens: int) -> float | None:
+        """How long the engine takes to read ``tokens`` prompt tokens, as measured here (None: not yet)."""
+        if not self._prefill[1]:
+            return None
+        return tokens / (self._prefill[0] / self._prefill[1] * 1000)
+
+    def restore_seconds(self, size: int) -> float | None:
+        """How long restoring a file of ``size`` bytes takes, as measured here (None: not yet)."""
+        if not self._restore_speed[1]:
+            return None
+        return size / (self._restore_speed[0] / self._restore_speed[1] * 1000)
+
+    def _fallback(self, request: StrataRequest, service: Any) -> str | None:
+        """The parked conversation a plugin chose for ``request``, which has no file: same
+        tenant, a file this engine can use, not the one the slot holds (the engine reuses
+        that from the slot). None when there is none."""
+        assert self.store is not None
+        units = prompt_units(request.body)
+        if isinstance(units, str) or not units:
+            return None
+        chain = message_chain(request.body, units)
+        parked = []
+        try:
+            sessions = self.store.sessions()
+        except OSError as exc:
+            log.warning("[strata] auto sessions: cannot list %s: %s", self.store.directory, exc)
+            return None
+        for other, sidecar in sessions:
+            # Tenants never share: a file is another tenant's unless its sidecar names this one
+            # (and an unnamed tenant's keys have no tenant prefix).
+            if other == request.conversation_key or sidecar.tenant != request.tenant:
+                continue
+            if ("--" in other) if request.tenant is None else not other.startswith(f"{request.tenant}--"):
+                continue
+            prompt = sidecar.prompt or {}
+            if not prompt.get("chain") or incompatibility(sidecar, self.fingerprint,
+                                                          build_range=self.config.build_range):
+                continue
+            parked.append(ParkedConversation(key=other, tokens=sidecar.tokens, bytes=sidecar.bytes,
+                                             last_used=sidecar.last_used, chain=list(prompt["chain"]),
+                                             sizes=list(prompt.get("sizes") or [])))
+        if not parked:
+            return None
+        chosen = first_result(service.pm, "auto_sessions_fallback", request=request, chain=chain,
+                              parked=parked, parking=self, service=service)
+        if chosen is None:
+            return None
+        if chosen not in {candidate.key for candidate in parked}:
+            log.warning("[strata] auto sessions: a fallback plugin chose %r, which was not offered; ignored", chosen)
+            return None
+        held = service.slots[request.slot]
+        if held.key == chosen and not held.empty:
+            log.info("[strata] auto sessions: %s starts from %s, which the slot holds: nothing to restore",
+                     request.conversation_key, chosen)
+            return None
+        if not self.store.stage(chosen):
+            return None
+        return chosen
+
+    def _prefix_restored(self, key: str, source: str, request: StrataRequest, service: Any,
+                         n_restored: int, ms: float) -> None:
+        # The slot holds the incoming conversation, whose own file does not exist yet.
+        service.slots[request.slot].file_current = False
+        self.stats.prefix_restores += 1
+        self.stats.prefix_restored_tokens += n_restored
+        request.state[NAME] = {"restore_ms": ms, "continues": False, "prefix_of": source}
+        log.info("[strata] auto sessions: %s has no file; restored %s tokens from %s, whose opening it "
+                 "shares, in %.0f ms", key, f"{n_restored:,}", self.store.bin_name(source), ms)  # type: ignore[union-attr]
+
+    def _prefix_reused(self, request: StrataRequest, restored: int, reused: int) -> None:
+        self.stats.prefix_reused_tokens += reused
+        log.info("[strata] auto sessions: %s reused %s of the %s tokens restored from %s's file",
+                 request.conversation_key, f"{reused:,}", f"{restored:,}", request.state[NAME]["prefix_of"])
 
     def refused(self, name: str, sidecar: Sidecar | None) -> bool:
         """Whether the file ``name`` (described by ``sidecar``) cannot go to this engine:
@@ -541,9 +634,13 @@ def _digest(units: list[Any] | str) -> str:
 
 
 def prompt_signature(body: dict[str, Any]) -> dict[str, Any]:
-    """How many units (messages, or characters of a prompt) a request had, and their digest."""
+    """How many units (messages, or characters of a prompt) a request had, and their digest;
+    for messages, their chain too (:func:`strata_auto_sessions.prefix.message_chain`)."""
     units = prompt_units(body)
-    return {"units": len(units), "digest": _digest(units)}
+    signature: dict[str, Any] = {"units": len(units), "digest": _digest(units)}
+    if isinstance(units, list):
+        signature.update(message_chain(body, units))
+    return signature
 
 
 def continues(saved: dict[str, Any] | None, body: dict[str, Any]) -> bool:

@@ -288,6 +288,10 @@ class ParkingStore(Protocol):
 
     def usage(self) -> tuple[int, int]: ...
 
+    def sessions(self) -> list[tuple[str, Sidecar]]:
+        """``(key, sidecar)`` of every parked conversation, newest first."""
+        ...
+
     def bytes_per_token(self, current: dict[str, Any]) -> float | None: ...
 
 
@@ -406,6 +410,10 @@ class SessionStore:
                 continue
             found.append((key, path, stat.st_size, max(stat.st_mtime, sidecar.last_used)))
         return sorted(found, key=lambda item: item[3], reverse=True)
+
+    def sessions(self) -> list[tuple[str, Sidecar]]:
+        by_key = {key: sidecar for key, _path, sidecar in self._own("bin")}
+        return [(key, by_key[key]) for key, *_ in self.files() if key in by_key]
 
     def prune(self, keep: int, max_bytes: int, protect: frozenset[str] = frozenset()) -> list[tuple[str, int]]:
         """Keep the newest ``keep`` files within ``max_bytes``; returns ``(key, bytes)`` removed.
