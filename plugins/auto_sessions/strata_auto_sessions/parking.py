@@ -174,6 +174,7 @@ class AutoSessions:
             log.info("[strata] auto sessions: removed %d unfinished temporary file(s)", removed)
         parking = cls(config, store, engine_fingerprint(info))
         parking.bytes_per_token = store.bytes_per_token(parking.fingerprint)
+        parking.describe_engine()
         parking.refresh_usage()
         log.info("[strata] auto sessions: on, files in %s (%d file(s), %s); a conversation is worth a file "
                  "from %s", directory, parking.stats.files_on_disk, _size(parking.stats.bytes_on_disk),
@@ -197,6 +198,15 @@ class AutoSessions:
         info = service.engine.info
         if self.store is not None:
             self.fingerprint = engine_fingerprint(info)
+            self.describe_engine()
+
+    def describe_engine(self) -> None:
+        """Leave what this engine is beside the files, for ``strata-serve sessions ls``."""
+        try:
+            self.store.describe_engine(self.fingerprint)  # type: ignore[union-attr]
+        except OSError as exc:
+            log.warning("[strata] auto sessions: cannot describe the engine in %s: %s",
+                        self.store.directory, exc)  # type: ignore[union-attr]
 
     # -- around each request -------------------------------------------------
 
@@ -365,7 +375,7 @@ class AutoSessions:
                     service.slots.emptied(slot)
                     return None
                 now = time.time()
-                self.store.commit(temp, key, Sidecar(
+                kept = self.store.commit(temp, key, Sidecar(
                     key=key, fingerprint=self.fingerprint, tokens=n_saved, bytes=n_written,
                     created=sidecar.created if sidecar else now, last_used=now, digest="", prompt=prompt,
                     tenant=held.tenant, version=SIDECAR_VERSION,
@@ -379,6 +389,8 @@ class AutoSessions:
                     continue
                 return self._save_failed(key, exc, verdict, service, slot)
         ms = (time.monotonic() - began) * 1000
+        if kept is False:
+            return await self._removed_by_hand(key, slot, service)
         if service.slots[slot].key == key:
             service.slots[slot].file_current = True
         self.bytes_per_token = n_written / n_saved
@@ -391,6 +403,18 @@ class AutoSessions:
                  "" if reason == "switch" else f" ({reason})")
         self._prune(protect=frozenset(k for k in (key, incoming) if k is not None))
         return True
+
+    async def _removed_by_hand(self, key: str, slot: int, service: Any) -> None:
+        """The session was removed by hand (``strata-serve sessions rm``) while the slot held
+        it: its save was dropped, and the slot is erased so the engine forgets it too."""
+        self.prompts.pop(key, None)
+        log.info("[strata] auto sessions: %s was removed by hand: its save is dropped and the slot erased", key)
+        try:
+            await service.erase_slot(slot)
+        except (EngineError, EngineUnavailable) as exc:
+            log.warning("[strata] auto sessions: erasing the slot after %s was removed failed: %s", key, exc)
+        self.refresh_usage()
+        return None
 
     def _discard(self, temp: str) -> None:
         try:
@@ -417,6 +441,13 @@ class AutoSessions:
         return False
 
     async def _restore(self, key: str, request: StrataRequest, service: Any) -> bool:
+        assert self.store is not None
+        # Locked from the choice of file to the engine's read: `strata-serve sessions rm`
+        # never removes a file between the checks and the restore.
+        with self.store.lock():
+            return await self._restore_locked(key, request, service)
+
+    async def _restore_locked(self, key: str, request: StrataRequest, service: Any) -> bool:
         assert self.store is not None
         path = self.store.bin_path(key)
         source = key  # whose file is restored: the conversation's own, or a fallback's

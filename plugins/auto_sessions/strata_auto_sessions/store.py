@@ -14,6 +14,8 @@ case-insensitive file system (macOS) too.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -23,7 +25,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 from strata_serve import PRIVATE_FILE_MODE, make_private_dir
 
@@ -35,6 +37,11 @@ TEMP_PREFIX = "tmp-auto-"
 _FILE_KEY = r"(?:[a-z0-9_-]|\+[a-z])+"
 SESSION_NAME = re.compile(rf"{PREFIX}(?P<key>{_FILE_KEY})\.(?P<ext>bin|json)")
 TEMP_NAME = re.compile(rf"{TEMP_PREFIX}[a-z0-9_+-]+\.(?:bin|json)")
+#: The store's own files, under names no key can take (a key has no ``.``): the sessions
+#: removed by hand while a server may hold them, and what the running engine is (for
+#: ``strata-serve sessions ls``).
+REMOVED_NAME = f"{PREFIX}.removed.json"
+ENGINE_NAME = f"{PREFIX}.engine.json"
 
 
 def file_key(key: str) -> str:
@@ -278,7 +285,19 @@ class ParkingStore(Protocol):
 
     def prepare(self) -> int: ...
 
-    def commit(self, temp_name: str, key: str, sidecar: Sidecar) -> None: ...
+    def lock(self) -> contextlib.AbstractContextManager[None]:
+        """Held around every change of the files and every restore, by the server and by
+        ``strata-serve sessions``, so neither sees the other's work half-done."""
+        ...
+
+    def commit(self, temp_name: str, key: str, sidecar: Sidecar) -> bool | None:
+        """Put a finished save under its name; False when the session was removed by hand
+        (``strata-serve sessions rm``) since: the save is dropped."""
+        ...
+
+    def describe_engine(self, fingerprint: dict[str, Any]) -> None:
+        """Record what the running engine is, for ``strata-serve sessions ls``."""
+        ...
 
     def discard(self, temp_name: str) -> None: ...
 
@@ -300,6 +319,29 @@ class SessionStore:
 
     def __init__(self, directory: Path):
         self.directory = directory
+        self._lock_depth = 0
+        self._lock_fd: int | None = None
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """An exclusive ``flock`` on the slot directory itself (reentrant in this process)."""
+        if self._lock_depth == 0:
+            fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._lock_fd = fd
+        self._lock_depth += 1
+        try:
+            yield
+        finally:
+            self._lock_depth -= 1
+            if self._lock_depth == 0 and self._lock_fd is not None:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+                os.close(self._lock_fd)
+                self._lock_fd = None
 
     def bin_name(self, key: str) -> str:
         return f"{PREFIX}{file_key(key)}.bin"
@@ -331,10 +373,50 @@ class SessionStore:
         """Create the directory and remove temporaries a crash left behind; returns how many."""
         make_private_dir(self.directory)
         removed = 0
-        for leftover in self.directory.iterdir():
-            if TEMP_NAME.fullmatch(leftover.name) and not leftover.is_symlink():
-                leftover.unlink(missing_ok=True)
-                removed += 1
+        with self.lock():
+            for leftover in self.directory.iterdir():
+                if TEMP_NAME.fullmatch(leftover.name) and not leftover.is_symlink():
+                    leftover.unlink(missing_ok=True)
+                    removed += 1
+            # A new engine holds nothing a removal by hand was about.
+            (self.directory / REMOVED_NAME).unlink(missing_ok=True)
+        return removed
+
+    def describe_engine(self, fingerprint: dict[str, Any]) -> None:
+        _write_private_json(self.directory / ENGINE_NAME, {"fingerprint": fingerprint, "since": time.time()})
+
+    def engine_description(self) -> dict[str, Any] | None:
+        """What :meth:`describe_engine` recorded last, or None."""
+        try:
+            data = json.loads((self.directory / ENGINE_NAME).read_text())
+            return data if isinstance(data, dict) and isinstance(data.get("fingerprint"), dict) else None
+        except (OSError, ValueError):
+            return None
+
+    def removed_by_hand(self) -> dict[str, float]:
+        """Keys removed by hand while a server may have held them, and when."""
+        try:
+            data = json.loads((self.directory / REMOVED_NAME).read_text())
+        except (OSError, ValueError):
+            return {}
+        return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, (int, float))} \
+            if isinstance(data, dict) else {}
+
+    def remove_by_hand(self, keys: list[str]) -> list[tuple[str, int]]:
+        """Remove these sessions now, and drop a save of any of them that a running server
+        has under way or makes next (it may hold one in its slot). Returns ``(key, bytes)``
+        of the files removed."""
+        removed = []
+        with self.lock():
+            pending = self.removed_by_hand()
+            for key in keys:
+                path = self.bin_path(key)
+                size = path.stat().st_size if path.is_file() and not path.is_symlink() else 0
+                if self.sidecar(key) is not None or size:
+                    removed.append((key, size))
+                self.remove(key)
+                pending[key] = time.time()
+            _write_private_json(self.directory / REMOVED_NAME, pending)
         return removed
 
     def _own(self, ext: str) -> list[tuple[str, Path, Sidecar]]:
@@ -354,12 +436,25 @@ class SessionStore:
                 found.append((key, path, sidecar))
         return found
 
-    def commit(self, temp_name: str, key: str, sidecar: Sidecar) -> None:
+    def commit(self, temp_name: str, key: str, sidecar: Sidecar) -> bool:
         """Move a finished save under its real name, private to this user, with its sidecar.
 
+        :returns: False when the session was removed by hand since the server took it
+            (``strata-serve sessions rm``): the save is dropped, once.
         :raises OSError: when the file on disk is not the size the engine reported
             (a full disk can leave a short file behind a reported success).
         """
+        with self.lock():
+            pending = self.removed_by_hand()
+            if key in pending:
+                del pending[key]
+                _write_private_json(self.directory / REMOVED_NAME, pending)
+                self.discard(temp_name)
+                return False
+            self._commit(temp_name, key, sidecar)
+            return True
+
+    def _commit(self, temp_name: str, key: str, sidecar: Sidecar) -> None:
         temp = self.directory / temp_name
         size = temp.stat().st_size
         if sidecar.bytes and size != sidecar.bytes:
@@ -421,6 +516,10 @@ class SessionStore:
         ``protect`` names files never removed (the conversation just saved, the one about
         to be restored): they count against the limits, the others make way.
         """
+        with self.lock():
+            return self._prune(keep, max_bytes, protect)
+
+    def _prune(self, keep: int, max_bytes: int, protect: frozenset[str]) -> list[tuple[str, int]]:
         removed = []
         files = self.files()
         total = sum(size for key, _p, size, _u in files if key in protect)
@@ -452,6 +551,15 @@ class SessionStore:
     def usage(self) -> tuple[int, int]:
         files = self.files()
         return len(files), sum(size for _key, _path, size, _used in files)
+
+
+def _write_private_json(target: Path, data: Any) -> None:
+    temp = target.with_name(f"{TEMP_PREFIX}{uuid.uuid4().hex[:8]}.json")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
+    os.fchmod(fd, PRIVATE_FILE_MODE)
+    with os.fdopen(fd, "w") as handle:
+        json.dump(data, handle)
+    os.replace(temp, target)
 
 
 def _fsync(path: Path) -> None:
