@@ -4,9 +4,9 @@ conversation that shares its longest opening, counted in whole messages.
 auto-sessions asks through its ``auto_sessions_fallback`` hook when the incoming
 conversation has no file; this plugin compares the chains of digests (one per message
 boundary) auto-sessions records for each parked file with the incoming prompt's, and
-names the parked conversation whose shared opening saves the most time: reading the
-shared tokens again must take longer than restoring the whole file, by ``min_gain_s``
-(with speeds measured on this engine; until they are, any opening of
+names the parked conversation that shares the longest opening among those worth their
+restore: reading the shared tokens again must take longer than restoring the file, by
+``min_gain_s`` (with speeds measured on this engine; until they are, any opening of
 ``min_shared_tokens`` or more is worth it). The engine then reuses the shared tokens
 and reads the rest. auto-sessions offers only the same tenant's files, and only those
 this engine can use.
@@ -49,7 +49,9 @@ def on_config(settings):
 @strata_serve.hookimpl(optionalhook=True)
 def auto_sessions_fallback(request, chain, parked, parking, service) -> str | None:
     config = service.plugin_config(NAME, PrefixRestoreConfig)
-    best: tuple[float, Any, int] | None = None
+    # The longest shared opening wins (a longer one holds every shorter one), among those
+    # worth their restore; between equal openings, the cheaper restore.
+    best: tuple[tuple[int, float], Any, int] | None = None
     for candidate in parked:
         links = shared_links(chain["chain"], candidate.chain)
         if links == 0:
@@ -59,13 +61,13 @@ def auto_sessions_fallback(request, chain, parked, parking, service) -> str | No
             continue
         prefill_s = parking.prefill_seconds(tokens)
         if prefill_s is None:
-            gain = float(tokens)  # speeds not measured yet: the longest opening wins
+            gain = -float(candidate.bytes)  # speeds not measured yet: any opening this long is worth it
         else:
             gain = prefill_s - (parking.restore_seconds(candidate.bytes) or 0.0)
             if gain < config.min_gain_s:
                 continue
-        if best is None or gain > best[0]:
-            best = (gain, candidate, tokens)
+        if best is None or (links, gain) > best[0]:
+            best = ((links, gain), candidate, tokens)
     if best is None:
         return None
     _gain, chosen, tokens = best
