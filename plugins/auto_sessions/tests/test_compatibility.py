@@ -90,3 +90,19 @@ async def test_gpu_layers_and_a_larger_context_are_harmless(strata_client_factor
     assert stats.restores == 1
     assert sum(getattr(stats, f"restores_refused_{r}") for r in strata_auto_sessions.store.REFUSAL_REASONS) == 0
     assert reply["timings"]["cache_n"] > 600, "the restored state was reused"
+
+
+async def test_a_file_saved_by_the_earlier_sidecar_format_still_restores(strata_client_factory, auto_settings):
+    """Sidecars written before the layout, the build and the tenant were recorded."""
+    a = conversation("older")
+    sidecar = await saved_with(strata_client_factory, auto_settings, a, {})
+    for field in ("layout", "build", "ftype"):
+        del sidecar["fingerprint"][field]
+    for field in ("tenant", "version"):
+        del sidecar[field]
+    client = await strata_client_factory(strata_auto_sessions, settings=auto_settings({}))
+    path = slot_dir(client) / f"auto-{key_of(client, a)}.json"
+    path.write_text(json.dumps(sidecar))
+    reply = await ask(client, a)
+    assert parking(client).stats.restores == 1
+    assert reply["timings"]["cache_n"] > 600
