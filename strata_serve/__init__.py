@@ -21,8 +21,10 @@ __version__ = "0.1.0"
 _LAZY = {
     "ConfigError": "strata_serve.config",
     "Settings": "strata_serve.config",
+    "load_settings": "strata_serve.config",
     "Engine": "strata_serve.engine.base",
     "EngineInfo": "strata_serve.engine.base",
+    "StateLayout": "strata_serve.engine.base",
     "EngineUnavailable": "strata_serve.engine.base",
     "CAPABILITIES": "strata_serve.engine.base",
     "LlamaServer": "strata_serve.engine.llama_server",

@@ -1,4 +1,4 @@
-"""``strata-serve run | plugins | models | demo-model``."""
+"""``strata-serve run | plugins | models | demo-model``, and the commands plugins add."""
 
 from __future__ import annotations
 
@@ -43,7 +43,30 @@ def setup_logging(level: str = "INFO") -> None:
     logging.getLogger("aiohttp.server").addFilter(_MalformedHttpFilter())
 
 
-@click.group()
+class _CommandsWithPlugins(click.Group):
+    """The command group; plugins' commands (``register_commands``) join it the first time
+    a command it does not know is looked up, or the commands are listed."""
+
+    _plugins_asked = False
+
+    def _ask_plugins(self) -> None:
+        if not self._plugins_asked:
+            self._plugins_asked = True
+            from strata_serve.plugins import add_plugin_commands
+
+            add_plugin_commands(self)
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        self._ask_plugins()
+        return super().list_commands(ctx)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands:
+            self._ask_plugins()
+        return super().get_command(ctx, cmd_name)
+
+
+@click.group(cls=_CommandsWithPlugins)
 @click.version_option(package_name="strata-serve")
 def cli() -> None:
     """strata-serve: an OpenAI-compatible server in front of llama.cpp's llama-server."""

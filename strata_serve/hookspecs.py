@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import pluggy
 
 if TYPE_CHECKING:
+    import click
     from aiohttp import web
 
     from strata_serve.config import Settings
@@ -197,4 +198,19 @@ def collect_stats(service: Service) -> dict[str, Any] | None:
 
     :param service: The running service.
     :returns: A dict of counters and gauges, or None.
+    """
+
+
+@hookspec
+def register_commands(cli: click.Group) -> None:
+    """Add commands to the ``strata-serve`` command line.
+
+    Add them with ``@cli.command()`` or ``@cli.group()`` (click). Called once, the first
+    time the command line looks for a command it does not have or lists them (``--help``),
+    so ``strata-serve run`` loads nothing more. The plugins asked are those installed,
+    less those turned off with ``STRATA_DISABLE_PLUGINS`` (the settings file is read by
+    each command, once chosen: take a ``--config`` option of your own). Must be
+    synchronous; a plugin that raises is logged and left out, the other commands work.
+
+    :param cli: The ``strata-serve`` command group.
     """

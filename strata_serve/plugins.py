@@ -82,6 +82,21 @@ def get_plugin_manager(
     return pm
 
 
+def add_plugin_commands(cli: Any, pm: pluggy.PluginManager | None = None) -> None:
+    """Let plugins add commands to ``cli`` (``register_commands``). Without ``pm``: the
+    installed plugins, less those ``STRATA_DISABLE_PLUGINS`` turns off. A plugin that
+    fails to load or to register is logged; the other commands stay."""
+    if pm is None:
+        try:
+            from strata_serve.config import load_settings
+
+            pm = get_plugin_manager(load_settings())
+        except Exception as exc:  # a broken plugin or environment must not take the CLI down
+            log.warning("[strata] plugin commands not loaded: %s", exc)
+            return
+    call_each_sync(pm, "register_commands", cli=cli)
+
+
 def _add_plugin_hookspecs(pm: pluggy.PluginManager) -> None:
     """Hooks a plugin offers others: its ``strata_hookspecs`` module or class (as pytest's
     ``pytest_addhooks`` does). Added before pending implementations are checked."""

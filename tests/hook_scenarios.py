@@ -148,3 +148,28 @@ async def the_start_is_refused_naming_the_plugin(env: Env, plugin: object) -> No
         get_plugin_manager(env.settings(), entrypoints=False, plugins=[plugin])
     except ConfigError as exc:
         env.refused = exc
+
+
+@scenario("register_commands")
+async def other_commands_still_work(env: Env, plugin: object) -> None:
+    import click
+    from click.testing import CliRunner
+
+    from strata_serve.plugins import add_plugin_commands
+
+    class Greeter:
+        strata_name = "greeter"
+
+        @strata_serve.hookimpl
+        def register_commands(self, cli):
+            @cli.command()
+            def greet():
+                click.echo("hello from a plugin")
+
+    @click.group()
+    def cli() -> None:
+        """A command line like strata-serve's."""
+
+    add_plugin_commands(cli, get_plugin_manager(env.settings(), entrypoints=False, plugins=[Greeter(), plugin]))
+    result = CliRunner().invoke(cli, ["greet"])
+    assert result.exit_code == 0 and "hello from a plugin" in result.output, result.output

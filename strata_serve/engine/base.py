@@ -40,6 +40,30 @@ class EngineInfo:
     #: ``--cache-idle-slots``); None: not known (attached). Unless False, a multi-slot
     #: service asks the engine what its slots hold before each request.
     clears_idle_slots: bool | None = False
+    #: The model's weight type, as ``/props`` says (``model_ftype``: ``F16``, ``Q4_1``...).
+    model_ftype: str | None = None
+    #: The start flags that shape a slot's saved state (:class:`StateLayout`); None when not
+    #: known (an engine strata-serve attached to: ``/props`` does not report them).
+    layout: StateLayout | None = None
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """How the engine lays out a slot's state, from its start flags (resolved to the
+    engine's defaults where a flag was not given).
+
+    A state file saved under one layout cannot be loaded under another: the engine
+    refuses another KV cache type or another flash-attention setting, and an SWA
+    model's cache has another size with ``--swa-full``. ``n_gpu_layers`` moves work,
+    not state: recorded, never a reason to refuse.
+    """
+
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    #: ``on``, ``off`` or ``auto`` (the engine decides per device; not resolved here).
+    flash_attn: str = "auto"
+    swa_full: bool = False
+    n_gpu_layers: str | None = None
 
 
 #: What a backend may declare in ``capabilities``:

@@ -23,7 +23,7 @@ import aiohttp
 from pydantic import SecretStr
 
 from strata_serve.config import ConfigError, EngineSettings
-from strata_serve.engine.base import EngineInfo, EngineUnavailable
+from strata_serve.engine.base import EngineInfo, EngineUnavailable, StateLayout
 from strata_serve.exchange import EngineError
 from strata_serve.files import make_private_dir
 
@@ -182,6 +182,49 @@ def clears_idle_slots(settings: EngineSettings) -> bool:
         for flag, value in zip(settings.extra_args, settings.extra_args[1:]))
     return (settings.parallel > 1 and ram and on(("-kvu", "--kv-unified"), ("-no-kvu", "--no-kv-unified"), False)
             and on(("--cache-idle-slots",), ("--no-cache-idle-slots",), True))
+#: llama-server's flags (and environment variables) that shape a slot's saved state:
+#: StateLayout field -> (its flag names, its variable).
+_LAYOUT_FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
+    "cache_type_k": (("-ctk", "--cache-type-k"), "LLAMA_ARG_CACHE_TYPE_K"),
+    "cache_type_v": (("-ctv", "--cache-type-v"), "LLAMA_ARG_CACHE_TYPE_V"),
+    "flash_attn": (("-fa", "--flash-attn"), "LLAMA_ARG_FLASH_ATTN"),
+    "n_gpu_layers": (("-ngl", "--gpu-layers", "--n-gpu-layers"), "LLAMA_ARG_N_GPU_LAYERS"),
+}
+_FLASH_ATTN = {"on": "on", "1": "on", "true": "on", "enabled": "on",
+               "off": "off", "0": "off", "false": "off", "disabled": "off", "auto": "auto"}
+
+
+def state_layout(args: list[str], env: dict[str, str]) -> StateLayout:
+    """The state layout of an engine started with ``args`` in ``env``.
+
+    As llama-server reads them: a variable is the default, a flag overrides it, the
+    last flag wins. ``-fa`` without a value (older builds) means on.
+    """
+    found: dict[str, Any] = {}
+    for field, (_flags, variable) in _LAYOUT_FLAGS.items():
+        if env.get(variable):
+            found[field] = env[variable]
+    swa_full = env.get("LLAMA_ARG_SWA_FULL", "").lower() in ("1", "true", "on", "enabled")
+    for index, arg in enumerate(args):
+        name, _, inline = arg.partition("=")
+        if name == "--swa-full":
+            swa_full = True
+        for field, (flags, _variable) in _LAYOUT_FLAGS.items():
+            if name not in flags:
+                continue
+            following = args[index + 1] if index + 1 < len(args) else None
+            if inline:
+                found[field] = inline
+            elif field == "flash_attn" and (following is None or following.lower() not in _FLASH_ATTN):
+                found[field] = "on"
+            elif following is not None:
+                found[field] = following
+    if "flash_attn" in found:
+        found["flash_attn"] = _FLASH_ATTN.get(str(found["flash_attn"]).lower(), str(found["flash_attn"]))
+    for field in ("cache_type_k", "cache_type_v"):
+        if field in found:
+            found[field] = str(found[field]).lower()
+    return StateLayout(swa_full=swa_full, **found)
 
 
 async def read_lines(stream: asyncio.StreamReader, max_bytes: int = LOG_LINE_MAX_BYTES) -> AsyncIterator[str]:
@@ -295,6 +338,9 @@ class LlamaServer:
         )
         if settings.model is not None and Path(settings.model).is_file():
             self.info.model_path = str(Path(settings.model).resolve())
+        if self.managed:
+            # What the engine is started with; an attached engine's flags are not known.
+            self.info.layout = state_layout(list(settings.extra_args), dict(os.environ))
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -545,6 +591,7 @@ class LlamaServer:
                 self.info.n_ctx = settings.get("n_ctx") or props.get("n_ctx") or self.info.n_ctx
                 self.info.parallel = props.get("total_slots") or self.info.parallel
                 self.info.build = props.get("build_info") or self.info.build
+                self.info.model_ftype = props.get("model_ftype") or self.info.model_ftype
                 if not self.info.model_path and props.get("model_path"):
                     self.info.model_path = props["model_path"]
 

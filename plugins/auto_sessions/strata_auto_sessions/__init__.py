@@ -97,3 +97,10 @@ def collect_stats(service):
     if parking is None:
         return None
     return parking.stats.snapshot()
+
+
+@strata_serve.hookimpl
+def register_commands(cli):
+    from strata_auto_sessions.commands import register
+
+    register(cli)

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
+    from strata_auto_sessions.parking import AutoSessions
+    from strata_auto_sessions.prefix import ParkedConversation
     from strata_auto_sessions.store import ParkingStore
 
 hookspec = pluggy.HookspecMarker("strata_serve")
@@ -29,4 +31,33 @@ def auto_sessions_store(directory: Path, service: Any) -> ParkingStore | None:
 
     :param directory: The engine's slot directory.
     :param service: The running service.
+    """
+
+
+@hookspec(firstresult=True)
+def auto_sessions_fallback(
+    request: Any, chain: dict[str, list], parked: list[ParkedConversation], parking: AutoSessions, service: Any
+) -> str | None:
+    """Choose a parked conversation to restore when the incoming one has no file of its own.
+
+    Asked at a switch when ``request.conversation_key`` has no file. auto-sessions
+    restores the chosen conversation's file into the slot, which then holds the incoming
+    conversation: the engine reuses what the two share, token by token, and re-reads the
+    rest; the incoming conversation's own file is written at its next save, the chosen
+    one's file is left as it is. Choosing the conversation the slot already holds
+    restores nothing (the engine reuses the slot). Must be synchronous.
+
+    Stops at the first non-None result; return None to defer.
+
+    :param request: The incoming request.
+    :param chain: The incoming prompt's chain, ``{"chain": [...], "sizes": [...]}``
+        (:func:`strata_auto_sessions.prefix.message_chain`).
+    :param parked: The conversations to choose from: the same tenant's only, each with a
+        file this engine can use (:class:`strata_auto_sessions.prefix.ParkedConversation`),
+        newest first.
+    :param parking: auto-sessions itself, for its estimates
+        (:meth:`~strata_auto_sessions.AutoSessions.prefill_seconds`,
+        :meth:`~strata_auto_sessions.AutoSessions.restore_seconds`).
+    :param service: The running service.
+    :returns: The key of one of ``parked``, or None.
     """

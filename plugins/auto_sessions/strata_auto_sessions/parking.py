@@ -24,7 +24,10 @@ from strata_serve import EngineUnavailable
 
 from strata_serve import first_result
 
-from strata_auto_sessions.store import ParkingStore, SessionStore, Sidecar, fingerprint, same_model
+from strata_auto_sessions.prefix import ParkedConversation, message_chain
+from strata_auto_sessions.store import (
+    REFUSAL_REASONS, SIDECAR_VERSION, ParkingStore, SessionStore, Sidecar, engine_fingerprint, incompatibility,
+)
 
 log = logging.getLogger("strata_auto_sessions")
 
@@ -61,6 +64,9 @@ class AutoSessionsConfig(BaseModel):
     #: restored state for this model), parking pauses this long, then tries again;
     #: each further pause is twice as long.
     retry_after_s: float = Field(600.0, gt=0)
+    #: Files saved by an engine build at most this many llama.cpp builds apart from the
+    #: running one are restored; farther apart they are refused.
+    build_range: int = Field(1000, ge=0)
 
     @model_validator(mode="after")
     def _min_tokens_alone(self) -> AutoSessionsConfig:
@@ -88,8 +94,17 @@ class AutoSessionsStats:
     restore_ms: float = 0.0
     restore_failures: int = 0
     restores_withheld: int = 0
-    restores_refused_other_model: int = 0
     restores_refused_damaged: int = 0
+    #: Files refused before the engine saw them, by reason (``store.REFUSAL_REASONS``):
+    #: another model, a context too small, another KV cache type, flash-attention
+    #: setting, ``--swa-full``, an engine build out of range, or not judged.
+    restores_refused_other_model: int = 0
+    restores_refused_context: int = 0
+    restores_refused_cache_type: int = 0
+    restores_refused_flash_attn: int = 0
+    restores_refused_swa: int = 0
+    restores_refused_build: int = 0
+    restores_refused_unjudged: int = 0
     restores_not_reused: int = 0
     #: Restores whose next request was not a continuation of the saved conversation
     #: (an edited message, or another conversation with the same opening).
@@ -98,6 +113,11 @@ class AutoSessionsStats:
     pauses: int = 0
     prunes: int = 0
     pruned_bytes: int = 0
+    #: Conversations without a file of their own started from another one's (a fallback
+    #: plugin chose it), the tokens restored so, and how many of those the next request reused.
+    prefix_restores: int = 0
+    prefix_restored_tokens: int = 0
+    prefix_reused_tokens: int = 0
 
     #: Session files and their bytes, as of the last save or prune.
     files_on_disk: int = 0
@@ -149,8 +169,9 @@ class AutoSessions:
             return cls(config, None, {})
         if removed:
             log.info("[strata] auto sessions: removed %d unfinished temporary file(s)", removed)
-        parking = cls(config, store, fingerprint(info.model_path, info.n_ctx))
+        parking = cls(config, store, engine_fingerprint(info))
         parking.bytes_per_token = store.bytes_per_token(parking.fingerprint)
+        parking.describe_engine()
         parking.refresh_usage()
         log.info("[strata] auto sessions: on, files in %s (%d file(s), %s); a conversation is worth a file "
                  "from %s", directory, parking.stats.files_on_disk, _size(parking.stats.bytes_on_disk),
@@ -173,7 +194,16 @@ class AutoSessions:
         so the fingerprint files are checked against is taken again."""
         info = service.engine.info
         if self.store is not None:
-            self.fingerprint = fingerprint(info.model_path, info.n_ctx)
+            self.fingerprint = engine_fingerprint(info)
+            self.describe_engine()
+
+    def describe_engine(self) -> None:
+        """Leave what this engine is beside the files, for ``strata-serve sessions ls``."""
+        try:
+            self.store.describe_engine(self.fingerprint)  # type: ignore[union-attr]
+        except OSError as exc:
+            log.warning("[strata] auto sessions: cannot describe the engine in %s: %s",
+                        self.store.directory, exc)  # type: ignore[union-attr]
 
     # -- around each request -------------------------------------------------
 
@@ -247,6 +277,9 @@ class AutoSessions:
 
     def _check_reuse(self, request: StrataRequest, restored: int, outcome: Outcome, service: Any) -> None:
         reused = int(outcome.timings.get("cache_n", 0))  # type: ignore[union-attr]
+        if request.state.get(NAME, {}).get("prefix_of"):
+            self._prefix_reused(request, restored, reused)
+            return
         expected = min(restored, outcome.prompt_tokens or restored)
         if reused >= self.config.reuse_warn_ratio * expected:
             return
@@ -351,9 +384,10 @@ class AutoSessions:
                     service.slots.emptied(slot)
                     return None
                 now = time.time()
-                self.store.commit(temp, key, Sidecar(
+                kept = self.store.commit(temp, key, Sidecar(
                     key=key, fingerprint=self.fingerprint, tokens=n_saved, bytes=n_written,
                     created=sidecar.created if sidecar else now, last_used=now, digest="", prompt=prompt,
+                    tenant=held.tenant, version=SIDECAR_VERSION,
                 ))
                 break
             except (EngineError, EngineUnavailable, OSError) as exc:
@@ -364,6 +398,8 @@ class AutoSessions:
                     continue
                 return self._save_failed(key, exc, verdict, service, slot)
         ms = (time.monotonic() - began) * 1000
+        if kept is False:
+            return await self._removed_by_hand(key, slot, service)
         if service.slots[slot].key == key:
             service.slots[slot].file_current = True
         self.bytes_per_token = n_written / n_saved
@@ -376,6 +412,18 @@ class AutoSessions:
                  "" if reason == "switch" else f" ({reason})", _from_slot(service, slot))
         self._prune(protect=in_use(service, key, incoming))
         return True
+
+    async def _removed_by_hand(self, key: str, slot: int, service: Any) -> None:
+        """The session was removed by hand (``strata-serve sessions rm``) while the slot held
+        it: its save was dropped, and the slot is erased so the engine forgets it too."""
+        self.prompts.pop(key, None)
+        log.info("[strata] auto sessions: %s was removed by hand: its save is dropped and the slot erased", key)
+        try:
+            await service.erase_slot(slot)
+        except (EngineError, EngineUnavailable) as exc:
+            log.warning("[strata] auto sessions: erasing the slot after %s was removed failed: %s", key, exc)
+        self.refresh_usage()
+        return None
 
     def _discard(self, temp: str) -> None:
         try:
@@ -403,18 +451,27 @@ class AutoSessions:
 
     async def _restore(self, key: str, request: StrataRequest, service: Any) -> bool:
         assert self.store is not None
+        # Locked from the choice of file to the engine's read: `strata-serve sessions rm`
+        # never removes a file between the checks and the restore.
+        with self.store.lock():
+            return await self._restore_locked(key, request, service)
+
+    async def _restore_locked(self, key: str, request: StrataRequest, service: Any) -> bool:
+        assert self.store is not None
         path = self.store.bin_path(key)
+        source = key  # whose file is restored: the conversation's own, or a fallback's
         if not self.store.stage(key):
             if path.is_symlink():
                 log.warning("[strata] auto sessions: not restoring %s: it is a symlink, never followed", path.name)
+                return False
+            source = self._fallback(request, service)
+            if source is None:
+                return False
+            path = self.store.bin_path(source)
+        sidecar = self.store.sidecar(source)
+        if self.refused(path.name, sidecar):
             return False
-        sidecar = self.store.sidecar(key)
-        if sidecar is None or not same_model(sidecar.fingerprint, self.fingerprint):
-            self.stats.restores_refused_other_model += 1
-            log.warning("[strata] auto sessions: not restoring %s: it was saved %s", path.name,
-                        "without a readable sidecar" if sidecar is None else "for another model or context size")
-            return False
-        if not self.store.intact(key, sidecar):
+        if not self.store.intact(source, sidecar):
             self.stats.restores_refused_damaged += 1
             log.warning("[strata] auto sessions: not restoring %s: it is truncated or damaged "
                         "(size or digest differs from when it was saved)", path.name)
@@ -447,6 +504,9 @@ class AutoSessions:
         if n_read and ms > 0:
             self._restore_speed[0] += n_read
             self._restore_speed[1] += ms
+        if source != key:
+            self._prefix_restored(key, source, request, service, n_restored, ms)
+            return True
         request.state[NAME] = {"restore_ms": ms, "continues": continues(sidecar.prompt, request.body)}
         try:
             self.store.touch(key)
@@ -454,6 +514,94 @@ class AutoSessions:
             log.warning("[strata] auto sessions: could not update %s's sidecar: %s", key, exc)
         log.info("[strata] auto sessions: restored %s tokens from %s in %.0f ms%s",
                  f"{n_restored:,}", path.name, ms, _from_slot(service, request.slot, "into"))
+        return True
+
+    # -- a fallback for a conversation without a file ----------------------------
+
+    def prefill_seconds(self, tokens: int) -> float | None:
+        """How long the engine takes to read ``tokens`` prompt tokens, as measured here (None: not yet)."""
+        if not self._prefill[1]:
+            return None
+        return tokens / (self._prefill[0] / self._prefill[1] * 1000)
+
+    def restore_seconds(self, size: int) -> float | None:
+        """How long restoring a file of ``size`` bytes takes, as measured here (None: not yet)."""
+        if not self._restore_speed[1]:
+            return None
+        return size / (self._restore_speed[0] / self._restore_speed[1] * 1000)
+
+    def _fallback(self, request: StrataRequest, service: Any) -> str | None:
+        """The parked conversation a plugin chose for ``request``, which has no file: same
+        tenant, a file this engine can use, not the one the slot holds (the engine reuses
+        that from the slot). None when there is none."""
+        assert self.store is not None
+        units = prompt_units(request.body)
+        if isinstance(units, str) or not units:
+            return None
+        chain = message_chain(request.body, units)
+        parked = []
+        try:
+            sessions = self.store.sessions()
+        except OSError as exc:
+            log.warning("[strata] auto sessions: cannot list %s: %s", self.store.directory, exc)
+            return None
+        for other, sidecar in sessions:
+            # Tenants never share: a file is another tenant's unless its sidecar names this one
+            # (and an unnamed tenant's keys have no tenant prefix).
+            if other == request.conversation_key or sidecar.tenant != request.tenant:
+                continue
+            if ("--" in other) if request.tenant is None else not other.startswith(f"{request.tenant}--"):
+                continue
+            prompt = sidecar.prompt or {}
+            if not prompt.get("chain") or incompatibility(sidecar, self.fingerprint,
+                                                          build_range=self.config.build_range):
+                continue
+            parked.append(ParkedConversation(key=other, tokens=sidecar.tokens, bytes=sidecar.bytes,
+                                             last_used=sidecar.last_used, chain=list(prompt["chain"]),
+                                             sizes=list(prompt.get("sizes") or [])))
+        if not parked:
+            return None
+        chosen = first_result(service.pm, "auto_sessions_fallback", request=request, chain=chain,
+                              parked=parked, parking=self, service=service)
+        if chosen is None:
+            return None
+        if chosen not in {candidate.key for candidate in parked}:
+            log.warning("[strata] auto sessions: a fallback plugin chose %r, which was not offered; ignored", chosen)
+            return None
+        held = service.slots[request.slot]
+        if held.key == chosen and not held.empty:
+            log.info("[strata] auto sessions: %s starts from %s, which the slot holds: nothing to restore",
+                     request.conversation_key, chosen)
+            return None
+        if not self.store.stage(chosen):
+            return None
+        return chosen
+
+    def _prefix_restored(self, key: str, source: str, request: StrataRequest, service: Any,
+                         n_restored: int, ms: float) -> None:
+        # The slot holds the incoming conversation, whose own file does not exist yet.
+        service.slots[request.slot].file_current = False
+        self.stats.prefix_restores += 1
+        self.stats.prefix_restored_tokens += n_restored
+        request.state[NAME] = {"restore_ms": ms, "continues": False, "prefix_of": source}
+        log.info("[strata] auto sessions: %s has no file; restored %s tokens from %s, whose opening it "
+                 "shares, in %.0f ms", key, f"{n_restored:,}", self.store.bin_name(source), ms)  # type: ignore[union-attr]
+
+    def _prefix_reused(self, request: StrataRequest, restored: int, reused: int) -> None:
+        self.stats.prefix_reused_tokens += reused
+        log.info("[strata] auto sessions: %s reused %s of the %s tokens restored from %s's file",
+                 request.conversation_key, f"{reused:,}", f"{restored:,}", request.state[NAME]["prefix_of"])
+
+    def refused(self, name: str, sidecar: Sidecar | None) -> bool:
+        """Whether the file ``name`` (described by ``sidecar``) cannot go to this engine:
+        counted by reason and logged."""
+        refusal = incompatibility(sidecar, self.fingerprint, build_range=self.config.build_range)
+        if refusal is None:
+            return False
+        assert refusal.reason in REFUSAL_REASONS
+        counter = f"restores_refused_{refusal.reason}"
+        setattr(self.stats, counter, getattr(self.stats, counter) + 1)
+        log.warning("[strata] auto sessions: not restoring %s (%s): %s", name, refusal.reason, refusal.detail)
         return True
 
     def _restore_failed(self, key: str, exc: Exception, verdict: Verdict | None) -> bool:
@@ -538,9 +686,13 @@ def _digest(units: list[Any] | str) -> str:
 
 
 def prompt_signature(body: dict[str, Any]) -> dict[str, Any]:
-    """How many units (messages, or characters of a prompt) a request had, and their digest."""
+    """How many units (messages, or characters of a prompt) a request had, and their digest;
+    for messages, their chain too (:func:`strata_auto_sessions.prefix.message_chain`)."""
     units = prompt_units(body)
-    return {"units": len(units), "digest": _digest(units)}
+    signature: dict[str, Any] = {"units": len(units), "digest": _digest(units)}
+    if isinstance(units, list):
+        signature.update(message_chain(body, units))
+    return signature
 
 
 def continues(saved: dict[str, Any] | None, body: dict[str, Any]) -> bool:

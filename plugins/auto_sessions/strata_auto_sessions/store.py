@@ -14,6 +14,8 @@ case-insensitive file system (macOS) too.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -23,7 +25,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 from strata_serve import PRIVATE_FILE_MODE, make_private_dir
 
@@ -35,6 +37,11 @@ TEMP_PREFIX = "tmp-auto-"
 _FILE_KEY = r"(?:[a-z0-9_-]|\+[a-z])+"
 SESSION_NAME = re.compile(rf"{PREFIX}(?P<key>{_FILE_KEY})\.(?P<ext>bin|json)")
 TEMP_NAME = re.compile(rf"{TEMP_PREFIX}[a-z0-9_+-]+\.(?:bin|json)")
+#: The store's own files, under names no key can take (a key has no ``.``): the sessions
+#: removed by hand while a server may hold them, and what the running engine is (for
+#: ``strata-serve sessions ls``).
+REMOVED_NAME = f"{PREFIX}.removed.json"
+ENGINE_NAME = f"{PREFIX}.engine.json"
 
 
 def file_key(key: str) -> str:
@@ -74,12 +81,112 @@ def fingerprint(model_path: str | None, n_ctx: int | None) -> dict[str, Any]:
     return result
 
 
+def engine_fingerprint(info: Any) -> dict[str, Any]:
+    """What a state file saved now depends on: the model (:func:`fingerprint`), its weight
+    type and the engine's build (``/props``), and the state layout its start flags give
+    (``info.layout``, None when not known: an engine strata-serve attached to)."""
+    result = fingerprint(info.model_path, info.n_ctx)
+    result["ftype"] = getattr(info, "model_ftype", None)
+    result["build"] = getattr(info, "build", None)
+    layout = getattr(info, "layout", None)
+    result["layout"] = asdict(layout) if layout is not None else None
+    return result
+
+
 def same_model(recorded: dict[str, Any], current: dict[str, Any]) -> bool:
+    """Whether two fingerprints name the same model file."""
     if "header_sha256" in recorded or "header_sha256" in current:
-        keys = ("header_sha256", "size", "n_ctx")
+        keys: tuple[str, ...] = ("header_sha256", "size")
     else:  # the model file is not readable from here: the path must match
-        keys = ("model", "n_ctx")
+        keys = ("model",)
     return all(recorded.get(k) == current.get(k) for k in keys)
+
+
+#: Why a file is refused; each has its counter (``restores_refused_<reason>``).
+REFUSAL_REASONS = ("other_model", "context", "cache_type", "flash_attn", "swa", "build", "unjudged")
+#: The state layout fields a file must share with the engine, and the reason for each.
+_LAYOUT_REASONS = {"cache_type_k": "cache_type", "cache_type_v": "cache_type", "flash_attn": "flash_attn",
+                   "swa_full": "swa"}
+#: The layout of an engine started without any of its layout flags.
+_DEFAULT_LAYOUT = {"cache_type_k": "f16", "cache_type_v": "f16", "flash_attn": "auto", "swa_full": False}
+#: Engine builds this far apart (llama.cpp's ``b<number>``) load each other's files: the
+#: engine checks its state file's own format version and refuses another one cleanly.
+BUILD_RANGE = 1000
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a file cannot be restored into the running engine."""
+
+    #: One of :data:`REFUSAL_REASONS`.
+    reason: str
+    #: For people: what differs, saved against now.
+    detail: str
+
+
+def _layout_flags(layout: dict[str, Any] | None) -> dict[str, Any] | None:
+    if layout is None:
+        return None
+    return {field: layout.get(field, default) for field, default in _DEFAULT_LAYOUT.items()}
+
+
+def _build_number(build: str) -> int | None:
+    match = re.match(r"b(\d+)", build)
+    number = int(match.group(1)) if match else 0
+    return number or None  # b0: a build without a number (built outside llama.cpp's git)
+
+
+def incompatibility(sidecar: Sidecar | None, current: dict[str, Any], *,
+                    build_range: int = BUILD_RANGE) -> Refusal | None:
+    """Whether the file a ``sidecar`` describes can be restored into the engine ``current``
+    (an :func:`engine_fingerprint`) describes: None when it can, else why not.
+
+    Refused: another model file; more saved tokens than the engine's context holds;
+    another KV cache type (``-ctk``/``-ctv``), flash-attention setting or ``--swa-full``;
+    an engine build more than ``build_range`` apart (or builds that cannot be told
+    apart by number). Harmless: another context size that still holds the tokens,
+    GPU layers, a build within the range. A layout not known on one side (a file
+    saved before the layout was recorded, or an engine strata-serve attached to) is
+    judged equal to the engine's defaults; when the other side runs other flags, the
+    file cannot be judged and is refused.
+    """
+    if sidecar is None:
+        return Refusal("unjudged", "its sidecar is missing or unreadable")
+    saved = sidecar.fingerprint
+    if not same_model(saved, current):
+        return Refusal("other_model", f"it was saved for another model ({saved.get('model')})")
+    n_ctx = current.get("n_ctx")
+    if isinstance(n_ctx, int) and sidecar.tokens > n_ctx:
+        return Refusal("context", f"it holds {sidecar.tokens:,} tokens, more than the engine's context "
+                                  f"({n_ctx:,}, -c)")
+    then, now = _layout_flags(saved.get("layout")), _layout_flags(current.get("layout"))
+    if then is None or now is None:
+        known = then if now is None else now
+        if known is not None and known != _DEFAULT_LAYOUT:
+            side = "the file's" if now is None else "the engine's"
+            other = "this engine's" if now is None else "the file's"
+            return Refusal("unjudged", f"{other} state layout is not known and {side} is not the default "
+                                       f"({_describe(known)})")
+    else:
+        for field, reason in _LAYOUT_REASONS.items():
+            if then[field] != now[field]:
+                return Refusal(reason, f"{field} differs: saved with {then[field]}, the engine runs with "
+                                       f"{now[field]}")
+    built, running = saved.get("build"), current.get("build")
+    if built and running and built != running:
+        apart = None
+        if _build_number(built) and _build_number(running):
+            apart = abs(_build_number(built) - _build_number(running))  # type: ignore[operator]
+        if apart is None or apart > build_range:
+            how_far = "cannot tell how far apart" if apart is None else f"{apart} builds apart"
+            return Refusal("build", f"it was saved by engine build {built}, the engine is {running} "
+                                    f"({how_far}; at most {build_range} is taken as compatible)")
+    return None
+
+
+def _describe(layout: dict[str, Any]) -> str:
+    return (f"-ctk {layout['cache_type_k']} -ctv {layout['cache_type_v']} -fa {layout['flash_attn']}"
+            + (" --swa-full" if layout["swa_full"] else ""))
 
 
 #: How a file is sampled for its digest: this many evenly spaced blocks of this size.
@@ -119,18 +226,36 @@ class Sidecar:
     #: :func:`sample_digest` of the state file when it was saved.
     digest: str
     #: What the saved state was made from: ``{"units": n, "digest": ...}`` of the last
-    #: request's prompt (see :func:`strata_auto_sessions.parking.prompt_signature`).
+    #: request's prompt (see :func:`strata_auto_sessions.parking.prompt_signature`), with
+    #: its ``chain`` of digests, one per message boundary, where recorded.
     prompt: dict[str, Any] | None = None
+    #: The tenant whose conversation it is (None: no tenants, or saved before this was recorded).
+    tenant: str | None = None
+    #: The sidecar's format: 1 had no state layout in ``fingerprint``, 2 has it.
+    version: int = 1
 
     @classmethod
     def read(cls, path: Path) -> Sidecar | None:
         try:
             data = json.loads(path.read_text())
             fields = cls.__dataclass_fields__
-            required = {name: data[name] for name in fields if name != "prompt"}
-            return cls(**required, prompt=data.get("prompt") if isinstance(data.get("prompt"), dict) else None)
+            required = {name: data[name] for name in fields if name not in _OPTIONAL}
+            if not isinstance(required["fingerprint"], dict) or not isinstance(required["key"], str):
+                return None
+            optional = {name: data[name] for name in _OPTIONAL if name in data}
+            if not isinstance(optional.get("prompt"), dict):
+                optional.pop("prompt", None)
+            sidecar = cls(**required, **optional)
+            int(sidecar.tokens), int(sidecar.bytes), float(sidecar.last_used), float(sidecar.created)
+            return sidecar
         except (OSError, ValueError, KeyError, TypeError):
             return None
+
+
+#: Sidecar fields an older sidecar may lack.
+_OPTIONAL = ("prompt", "tenant", "version")
+#: The format :class:`Sidecar` writes.
+SIDECAR_VERSION = 2
 
 
 class ParkingStore(Protocol):
@@ -160,7 +285,19 @@ class ParkingStore(Protocol):
 
     def prepare(self) -> int: ...
 
-    def commit(self, temp_name: str, key: str, sidecar: Sidecar) -> None: ...
+    def lock(self) -> contextlib.AbstractContextManager[None]:
+        """Held around every change of the files and every restore, by the server and by
+        ``strata-serve sessions``, so neither sees the other's work half-done."""
+        ...
+
+    def commit(self, temp_name: str, key: str, sidecar: Sidecar) -> bool | None:
+        """Put a finished save under its name; False when the session was removed by hand
+        (``strata-serve sessions rm``) since: the save is dropped."""
+        ...
+
+    def describe_engine(self, fingerprint: dict[str, Any]) -> None:
+        """Record what the running engine is, for ``strata-serve sessions ls``."""
+        ...
 
     def discard(self, temp_name: str) -> None: ...
 
@@ -170,6 +307,10 @@ class ParkingStore(Protocol):
 
     def usage(self) -> tuple[int, int]: ...
 
+    def sessions(self) -> list[tuple[str, Sidecar]]:
+        """``(key, sidecar)`` of every parked conversation, newest first."""
+        ...
+
     def bytes_per_token(self, current: dict[str, Any]) -> float | None: ...
 
 
@@ -178,6 +319,29 @@ class SessionStore:
 
     def __init__(self, directory: Path):
         self.directory = directory
+        self._lock_depth = 0
+        self._lock_fd: int | None = None
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """An exclusive ``flock`` on the slot directory itself (reentrant in this process)."""
+        if self._lock_depth == 0:
+            fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._lock_fd = fd
+        self._lock_depth += 1
+        try:
+            yield
+        finally:
+            self._lock_depth -= 1
+            if self._lock_depth == 0 and self._lock_fd is not None:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+                os.close(self._lock_fd)
+                self._lock_fd = None
 
     def bin_name(self, key: str) -> str:
         return f"{PREFIX}{file_key(key)}.bin"
@@ -209,10 +373,50 @@ class SessionStore:
         """Create the directory and remove temporaries a crash left behind; returns how many."""
         make_private_dir(self.directory)
         removed = 0
-        for leftover in self.directory.iterdir():
-            if TEMP_NAME.fullmatch(leftover.name) and not leftover.is_symlink():
-                leftover.unlink(missing_ok=True)
-                removed += 1
+        with self.lock():
+            for leftover in self.directory.iterdir():
+                if TEMP_NAME.fullmatch(leftover.name) and not leftover.is_symlink():
+                    leftover.unlink(missing_ok=True)
+                    removed += 1
+            # A new engine holds nothing a removal by hand was about.
+            (self.directory / REMOVED_NAME).unlink(missing_ok=True)
+        return removed
+
+    def describe_engine(self, fingerprint: dict[str, Any]) -> None:
+        _write_private_json(self.directory / ENGINE_NAME, {"fingerprint": fingerprint, "since": time.time()})
+
+    def engine_description(self) -> dict[str, Any] | None:
+        """What :meth:`describe_engine` recorded last, or None."""
+        try:
+            data = json.loads((self.directory / ENGINE_NAME).read_text())
+            return data if isinstance(data, dict) and isinstance(data.get("fingerprint"), dict) else None
+        except (OSError, ValueError):
+            return None
+
+    def removed_by_hand(self) -> dict[str, float]:
+        """Keys removed by hand while a server may have held them, and when."""
+        try:
+            data = json.loads((self.directory / REMOVED_NAME).read_text())
+        except (OSError, ValueError):
+            return {}
+        return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, (int, float))} \
+            if isinstance(data, dict) else {}
+
+    def remove_by_hand(self, keys: list[str]) -> list[tuple[str, int]]:
+        """Remove these sessions now, and drop a save of any of them that a running server
+        has under way or makes next (it may hold one in its slot). Returns ``(key, bytes)``
+        of the files removed."""
+        removed = []
+        with self.lock():
+            pending = self.removed_by_hand()
+            for key in keys:
+                path = self.bin_path(key)
+                size = path.stat().st_size if path.is_file() and not path.is_symlink() else 0
+                if self.sidecar(key) is not None or size:
+                    removed.append((key, size))
+                self.remove(key)
+                pending[key] = time.time()
+            _write_private_json(self.directory / REMOVED_NAME, pending)
         return removed
 
     def _own(self, ext: str) -> list[tuple[str, Path, Sidecar]]:
@@ -232,12 +436,25 @@ class SessionStore:
                 found.append((key, path, sidecar))
         return found
 
-    def commit(self, temp_name: str, key: str, sidecar: Sidecar) -> None:
+    def commit(self, temp_name: str, key: str, sidecar: Sidecar) -> bool:
         """Move a finished save under its real name, private to this user, with its sidecar.
 
+        :returns: False when the session was removed by hand since the server took it
+            (``strata-serve sessions rm``): the save is dropped, once.
         :raises OSError: when the file on disk is not the size the engine reported
             (a full disk can leave a short file behind a reported success).
         """
+        with self.lock():
+            pending = self.removed_by_hand()
+            if key in pending:
+                del pending[key]
+                _write_private_json(self.directory / REMOVED_NAME, pending)
+                self.discard(temp_name)
+                return False
+            self._commit(temp_name, key, sidecar)
+            return True
+
+    def _commit(self, temp_name: str, key: str, sidecar: Sidecar) -> None:
         temp = self.directory / temp_name
         size = temp.stat().st_size
         if sidecar.bytes and size != sidecar.bytes:
@@ -289,12 +506,20 @@ class SessionStore:
             found.append((key, path, stat.st_size, max(stat.st_mtime, sidecar.last_used)))
         return sorted(found, key=lambda item: item[3], reverse=True)
 
+    def sessions(self) -> list[tuple[str, Sidecar]]:
+        by_key = {key: sidecar for key, _path, sidecar in self._own("bin")}
+        return [(key, by_key[key]) for key, *_ in self.files() if key in by_key]
+
     def prune(self, keep: int, max_bytes: int, protect: frozenset[str] = frozenset()) -> list[tuple[str, int]]:
         """Keep the newest ``keep`` files within ``max_bytes``; returns ``(key, bytes)`` removed.
 
         ``protect`` names files never removed (the conversation just saved, the one about
         to be restored): they count against the limits, the others make way.
         """
+        with self.lock():
+            return self._prune(keep, max_bytes, protect)
+
+    def _prune(self, keep: int, max_bytes: int, protect: frozenset[str]) -> list[tuple[str, int]]:
         removed = []
         files = self.files()
         total = sum(size for key, _p, size, _u in files if key in protect)
@@ -318,13 +543,23 @@ class SessionStore:
         """Engine state bytes per token, from the sidecars of files saved for this model."""
         for key, *_ in self.files():
             sidecar = self.sidecar(key)
-            if sidecar is not None and sidecar.tokens > 0 and same_model(sidecar.fingerprint, current):
+            if (sidecar is not None and sidecar.tokens > 0 and same_model(sidecar.fingerprint, current)
+                    and sidecar.fingerprint.get("layout") == current.get("layout")):
                 return sidecar.bytes / sidecar.tokens
         return None
 
     def usage(self) -> tuple[int, int]:
         files = self.files()
         return len(files), sum(size for _key, _path, size, _used in files)
+
+
+def _write_private_json(target: Path, data: Any) -> None:
+    temp = target.with_name(f"{TEMP_PREFIX}{uuid.uuid4().hex[:8]}.json")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
+    os.fchmod(fd, PRIVATE_FILE_MODE)
+    with os.fdopen(fd, "w") as handle:
+        json.dump(data, handle)
+    os.replace(temp, target)
 
 
 def _fsync(path: Path) -> None:

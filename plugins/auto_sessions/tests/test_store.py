@@ -3,7 +3,14 @@
 import os
 import time
 
-from strata_auto_sessions.store import SessionStore, Sidecar, fingerprint, same_model
+import json
+
+import pytest
+
+from strata_auto_sessions.store import (
+    SessionStore, Sidecar, engine_fingerprint, fingerprint, incompatibility, same_model,
+)
+from strata_serve import EngineInfo, StateLayout
 
 
 def make_file(store, key, size, age):
@@ -65,7 +72,6 @@ def test_fingerprint_tells_models_apart(tmp_path):
     two.write_bytes(b"GGUF" + b"\x02" * 100)
     assert same_model(fingerprint(str(one), 4096), fingerprint(str(one), 4096))
     assert not same_model(fingerprint(str(one), 4096), fingerprint(str(two), 4096))
-    assert not same_model(fingerprint(str(one), 4096), fingerprint(str(one), 2048))
     moved = tmp_path / "moved.gguf"
     moved.write_bytes(one.read_bytes())
     assert same_model(fingerprint(str(one), 4096), fingerprint(str(moved), 4096))
@@ -126,3 +132,79 @@ def test_a_continuation_is_recognised_in_every_format():
         signature = prompt_signature(saved)
         assert continues(signature, continued), saved
         assert not continues(signature, changed), changed
+
+
+def engine(model, n_ctx=4096, build="b5000-abc", **layout):
+    info = EngineInfo(url="x", model_path=str(model), n_ctx=n_ctx, build=build, model_ftype="F16",
+                      layout=StateLayout(**layout))
+    return engine_fingerprint(info)
+
+
+def saved(fp, tokens=100, **extra):
+    return Sidecar(key="k", fingerprint=fp, tokens=tokens, bytes=1, created=0, last_used=0, digest="", **extra)
+
+
+@pytest.fixture
+def model(tmp_path):
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF" + b"\x01" * 100)
+    return path
+
+
+@pytest.mark.parametrize("now, reason", [
+    ({"cache_type_k": "q8_0"}, "cache_type"),
+    ({"cache_type_v": "q4_0"}, "cache_type"),
+    ({"flash_attn": "on"}, "flash_attn"),
+    ({"swa_full": True}, "swa"),
+    ({"n_ctx": 99}, "context"),
+    ({"build": "b7000-def"}, "build"),
+    ({"build": "local-build"}, "build"),
+])
+def test_a_file_the_engine_cannot_use_is_refused_with_its_reason(model, now, reason):
+    then = engine(model)
+    refusal = incompatibility(saved(then), engine(model, **now))
+    assert refusal is not None and refusal.reason == reason, refusal
+    assert incompatibility(saved(then), then) is None
+
+
+@pytest.mark.parametrize("now", [
+    {"n_gpu_layers": "99"},            # moves work, not state
+    {"n_ctx": 8192},                   # a larger context holds the same tokens
+    {"n_ctx": 100},                    # a smaller one that still holds them
+    {"build": "b5900-fff"},            # within build_range
+])
+def test_a_harmless_difference_is_not_refused(model, now):
+    assert incompatibility(saved(engine(model, n_gpu_layers="0")), engine(model, **now)) is None
+
+
+def test_the_build_range_is_a_setting(model):
+    assert incompatibility(saved(engine(model)), engine(model, build="b5900-x"), build_range=10).reason == "build"
+
+
+def test_an_older_sidecar_is_judged_on_what_it_recorded(tmp_path, model):
+    """Files saved before the layout was recorded: restored on an engine started with the
+    default layout, refused with a reason otherwise."""
+    store = SessionStore(tmp_path)
+    old = {"key": "k", "fingerprint": fingerprint(str(model), 4096), "tokens": 100, "bytes": 1,
+           "created": 0, "last_used": 0, "digest": "d", "prompt": {"units": 1, "digest": "x"}}
+    store.sidecar_path("k").write_text(json.dumps(old))
+    car = store.sidecar("k")
+    assert car is not None and car.version == 1 and car.tenant is None
+    assert incompatibility(car, engine(model)) is None
+    refusal = incompatibility(car, engine(model, cache_type_k="q8_0"))
+    assert refusal.reason == "unjudged" and "-ctk q8_0" in refusal.detail
+    assert incompatibility(car, engine(model, n_ctx=50)).reason == "context"
+    assert incompatibility(None, engine(model)).reason == "unjudged"
+    assert incompatibility(car, engine(tmp_path / "elsewhere.gguf")).reason == "other_model"
+
+
+def test_the_layout_comes_from_the_flags_and_the_environment():
+    from strata_serve.engine.llama_server import state_layout
+
+    assert state_layout([], {}) == StateLayout()
+    assert state_layout(["-ctk", "q8_0", "--cache-type-v=Q4_0", "-fa", "--swa-full", "-ngl", "99"], {}) == \
+        StateLayout(cache_type_k="q8_0", cache_type_v="q4_0", flash_attn="on", swa_full=True, n_gpu_layers="99")
+    assert state_layout(["--flash-attn", "off"], {"LLAMA_ARG_FLASH_ATTN": "on"}).flash_attn == "off"
+    assert state_layout([], {"LLAMA_ARG_CACHE_TYPE_K": "q8_0", "LLAMA_ARG_SWA_FULL": "1"}) == \
+        StateLayout(cache_type_k="q8_0", swa_full=True)
+    assert state_layout(["-ctk", "q8_0", "-ctk", "f32"], {}).cache_type_k == "f32", "the last flag wins"

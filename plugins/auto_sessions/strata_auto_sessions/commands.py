@@ -1,0 +1,186 @@
+"""``strata-serve sessions``: the parked conversations of a slot directory, listed,
+inspected, removed and pruned, beside a running server or not.
+
+Every command takes the store's lock (an exclusive ``flock`` on the directory), which
+the server takes around each commit, prune and restore, so neither sees the other's
+work half-done. A conversation removed while a server holds it in its slot is not
+written back: the server drops that save and erases the slot.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from strata_serve import ConfigError, load_settings
+
+from strata_auto_sessions.parking import GB, NAME, AutoSessionsConfig
+from strata_auto_sessions.store import SessionStore, Sidecar, incompatibility, sample_digest
+
+
+class Sessions:
+    """The directory a command works on, and how it judges compatibility."""
+
+    def __init__(self, store: SessionStore, build_range: int):
+        self.store = store
+        self.build_range = build_range
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One row per parked conversation, newest first."""
+        engine = self.store.engine_description()
+        sidecars = dict(self.store.sessions())
+        now = time.time()
+        rows = []
+        for key, path, size, used in self.store.files():
+            sidecar = sidecars.get(key)
+            if sidecar is None:
+                continue
+            rows.append({
+                "key": key, "tenant": tenant_of(key, sidecar), "tokens": sidecar.tokens, "bytes": size,
+                "age_s": now - sidecar.created, "last_used_s": now - used,
+                "compatible": self.compatible(sidecar, engine), "file": str(path),
+            })
+        return rows
+
+    def compatible(self, sidecar: Sidecar, engine: dict[str, Any] | None) -> str:
+        if engine is None:
+            return "unknown: no server has described its engine here yet"
+        refusal = incompatibility(sidecar, engine["fingerprint"], build_range=self.build_range)
+        return "yes" if refusal is None else f"no ({refusal.reason}): {refusal.detail}"
+
+
+def tenant_of(key: str, sidecar: Sidecar) -> str | None:
+    """The tenant a conversation belongs to: its sidecar's, or the one its key names."""
+    if sidecar.tenant is not None:
+        return sidecar.tenant
+    return key.split("--", 1)[0] if "--" in key else None
+
+
+def _sessions(config: Path | None, slot_dir: Path | None) -> Sessions:
+    try:
+        settings = load_settings(config)
+        plugin = settings.plugin_config(NAME, AutoSessionsConfig)
+    except (ConfigError, ValueError) as exc:
+        raise click.ClickException(f"configuration: {exc}") from None
+    directory = slot_dir or plugin.slot_dir or settings.engine.slot_save_path
+    if directory is None:
+        raise click.ClickException("no slot directory: give --slot-dir, or --config with engine.slot_save_path")
+    if not Path(directory).is_dir():
+        raise click.ClickException(f"{directory} is not a directory")
+    return Sessions(SessionStore(Path(directory)), plugin.build_range)
+
+
+def _size(n: int) -> str:
+    return f"{n / GB:.2f} GB" if n >= GB / 100 else f"{n / 1024**2:.2f} MB"
+
+
+def _ago(seconds: float) -> str:
+    for unit, length in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= length:
+            return f"{seconds / length:.0f} {unit}"
+    return f"{max(seconds, 0):.0f} s"
+
+
+def register(cli: click.Group) -> None:
+    @cli.group()
+    @click.option("--config", type=click.Path(path_type=Path, dir_okay=False),
+                  help="The server's settings file (for its slot directory).")
+    @click.option("--slot-dir", type=click.Path(path_type=Path, file_okay=False),
+                  help="The slot directory (default: the settings' engine.slot_save_path).")
+    @click.pass_context
+    def sessions(ctx: click.Context, config: Path | None, slot_dir: Path | None) -> None:
+        """The parked conversations: list, inspect, remove, prune.
+
+        A session file holds a conversation as plainly as a transcript: remove the ones
+        you would not keep a transcript of.
+        """
+        ctx.obj = _sessions(config, slot_dir)
+
+    @sessions.command("ls")
+    @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+    @click.pass_obj
+    def ls(found: Sessions, as_json: bool) -> None:
+        """List them: key, tenant, tokens, size, age, last used, and whether the engine can use them."""
+        with found.store.lock():
+            rows = found.rows()
+        if as_json:
+            for row in rows:
+                click.echo(json.dumps(row))
+            return
+        table = [("KEY", "TENANT", "TOKENS", "SIZE", "AGE", "LAST USED", "COMPATIBLE")]
+        table += [(row["key"], row["tenant"] or "-", f"{row['tokens']:,}", _size(row["bytes"]),
+                   _ago(row["age_s"]), f"{_ago(row['last_used_s'])} ago", row["compatible"]) for row in rows]
+        widths = [max(len(line[c]) for line in table) for c in range(6)]
+        for line in table:
+            click.echo("  ".join(cell.ljust(widths[c]) for c, cell in enumerate(line[:6])) + "  " + line[6])
+        click.echo(f"{len(rows)} session(s), {_size(sum(row['bytes'] for row in rows))} in {found.store.directory}")
+
+    @sessions.command()
+    @click.argument("key")
+    @click.pass_obj
+    def inspect(found: Sessions, key: str) -> None:
+        """Show one: its file, whether it is intact and usable, and its sidecar."""
+        with found.store.lock():
+            sidecar = found.store.sidecar(key)
+            path = found.store.bin_path(key)
+            if sidecar is None or sidecar.key != key or not found.store.restorable(key):
+                raise click.ClickException(f"no session {key!r} in {found.store.directory}")
+            intact = path.stat().st_size == sidecar.bytes and sample_digest(path) == sidecar.digest
+            compatible = found.compatible(sidecar, found.store.engine_description())
+        record = json.loads(json.dumps(sidecar.__dict__))
+        prompt = record.get("prompt") or {}
+        if "chain" in prompt:  # digests, not text: their number says enough
+            prompt["chain"] = f"{len(prompt['chain'])} message boundaries"
+            prompt.pop("sizes", None)
+        click.echo(f"file: {path} ({_size(path.stat().st_size)})")
+        click.echo(f"tenant: {tenant_of(key, sidecar) or '-'}")
+        click.echo(f"intact: {'yes' if intact else 'no: its size or sampled digest differs from when it was saved'}")
+        click.echo(f"compatible: {compatible}")
+        click.echo(json.dumps(record, indent=2))
+
+    @sessions.command()
+    @click.argument("keys", nargs=-1)
+    @click.option("--all", "everything", is_flag=True, help="Remove every session.")
+    @click.option("--tenant", help="Remove every session of this tenant.")
+    @click.pass_obj
+    def rm(found: Sessions, keys: tuple[str, ...], everything: bool, tenant: str | None) -> None:
+        """Remove sessions: KEY..., --all, or --tenant T.
+
+        A running server that holds one of them in its slot drops its next save of it
+        and erases the slot.
+        """
+        if sum((bool(keys), everything, tenant is not None)) != 1:
+            raise click.UsageError("give KEY..., --all or --tenant T (one of them)")
+        with found.store.lock():
+            parked = dict(found.store.sessions())
+            if everything:
+                chosen = list(parked)
+            elif tenant is not None:
+                chosen = [key for key, sidecar in parked.items() if tenant_of(key, sidecar) == tenant]
+            else:
+                unknown = [key for key in keys if key not in parked]
+                if unknown:
+                    raise click.ClickException(f"no session {', '.join(map(repr, unknown))} in "
+                                               f"{found.store.directory}; nothing removed")
+                chosen = list(keys)
+            removed = found.store.remove_by_hand(chosen)
+        for key, size in removed:
+            click.echo(f"removed {key} ({_size(size)})")
+        click.echo(f"{len(removed)} session(s) removed")
+
+    @sessions.command()
+    @click.option("--max-gb", type=float, required=True, help="Keep at most this many GB, newest first.")
+    @click.pass_obj
+    def prune(found: Sessions, max_gb: float) -> None:
+        """Remove the least recently used sessions until they fit in --max-gb."""
+        if max_gb < 0:
+            raise click.UsageError("--max-gb must be 0 or more")
+        removed = found.store.prune(keep=1 << 30, max_bytes=int(max_gb * GB))
+        for key, size in removed:
+            click.echo(f"pruned {key} ({_size(size)})")
+        files, total = found.store.usage()
+        click.echo(f"{len(removed)} session(s) pruned; {files} left, {_size(total)}")

@@ -1,0 +1,153 @@
+"""``strata-serve sessions``: ls, inspect, rm, prune, on files a real server parked, and
+rm while that server runs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import threading
+import time
+
+import pytest
+from click.testing import CliRunner
+
+import strata_auto_sessions
+from strata_auto_sessions.store import SessionStore
+from strata_serve.api import SERVICE
+from strata_serve.cli import cli
+from strata_serve.testing import conversation
+
+from .test_auto_sessions import ask, key_of, log_lines, parking, slot_dir
+
+KEYS = {"api_keys": {"alice": "alice-key", "bob": "bob-key"}}
+
+
+def sessions(directory, *args) -> tuple[int, str]:
+    result = CliRunner().invoke(cli, ["sessions", "--slot-dir", str(directory), *args])
+    return result.exit_code, result.output
+
+
+def listed(directory) -> dict[str, dict]:
+    code, output = sessions(directory, "ls", "--json")
+    assert code == 0, output
+    return {row["key"]: row for row in map(json.loads, output.splitlines())}
+
+
+async def ask_as(client, messages, key):
+    resp = await client.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                             json={"messages": messages, "max_tokens": 4, "temperature": 0})
+    assert resp.status == 200, await resp.text()
+    return await resp.json()
+
+
+@pytest.fixture
+async def parked(strata_client_factory, strata_settings_factory):
+    """A slot directory where a stopped server parked alice's two conversations and bob's one."""
+    settings = strata_settings_factory(plugins={"auto_sessions": {"min_tokens": 100}},
+                                       server={"port": 0, "shutdown_grace_s": 10, **KEYS})
+    client = await strata_client_factory(strata_auto_sessions, settings=settings)
+    for name, key in (("one", "alice-key"), ("two", "alice-key"), ("three", "bob-key")):
+        await ask_as(client, conversation(name), key)
+    directory = slot_dir(client)
+    await client.close()
+    return directory
+
+
+def test_the_sessions_command_is_offered_by_auto_sessions():
+    result = CliRunner().invoke(cli, ["--help"])
+    assert result.exit_code == 0 and re.search(r"\n  sessions +The parked conversations", result.output), result.output
+
+
+async def test_ls_shows_every_session_with_its_tenant_size_and_whether_the_engine_can_use_it(parked):
+    rows = listed(parked)
+    assert sorted(row["tenant"] for row in rows.values()) == ["alice", "alice", "bob"]
+    for key, row in rows.items():
+        assert row["tokens"] > 700 and row["bytes"] == (parked / f"auto-{key}.bin").stat().st_size
+        assert row["compatible"] == "yes"
+    code, output = sessions(parked, "ls")
+    assert code == 0 and "COMPATIBLE" in output and "3 session(s)" in output
+    # A file saved with another KV cache type: told apart, with the reason.
+    key = next(iter(rows))
+    sidecar = json.loads((parked / f"auto-{key}.json").read_text())
+    sidecar["fingerprint"]["layout"]["cache_type_k"] = "q8_0"
+    (parked / f"auto-{key}.json").write_text(json.dumps(sidecar))
+    assert listed(parked)[key]["compatible"].startswith("no (cache_type): cache_type_k differs: saved with q8_0")
+
+
+async def test_inspect_shows_one_session(parked):
+    key = next(iter(listed(parked)))
+    code, output = sessions(parked, "inspect", key)
+    assert code == 0, output
+    assert f"auto-{key}.bin" in output and "intact: yes" in output and "compatible: yes" in output
+    assert "message boundaries" in output and '"tenant"' in output
+    (parked / f"auto-{key}.bin").write_bytes(b"damaged")
+    assert "intact: no" in sessions(parked, "inspect", key)[1]
+    code, output = sessions(parked, "inspect", "nosuch")
+    assert code == 1 and "no session 'nosuch'" in output
+
+
+async def test_rm_a_key_a_tenant_or_all(parked):
+    rows = listed(parked)
+    alice = [key for key, row in rows.items() if row["tenant"] == "alice"]
+    (bob,) = [key for key, row in rows.items() if row["tenant"] == "bob"]
+    code, output = sessions(parked, "rm", "nosuch", alice[0])
+    assert code == 1 and "nothing removed" in output and len(listed(parked)) == 3
+    code, output = sessions(parked, "rm")
+    assert code == 2 and "one of them" in output
+
+    assert sessions(parked, "rm", alice[0])[0] == 0
+    assert sorted(listed(parked)) == sorted([alice[1], bob])
+    assert not (parked / f"auto-{alice[0]}.bin").exists() and not (parked / f"auto-{alice[0]}.json").exists()
+    code, output = sessions(parked, "rm", "--tenant", "bob")
+    assert code == 0 and f"removed {bob}" in output and sorted(listed(parked)) == [alice[1]]
+    code, output = sessions(parked, "rm", "--all")
+    assert code == 0 and "1 session(s) removed" in output and listed(parked) == {}
+
+
+async def test_prune_keeps_the_newest_within_max_gb(parked):
+    rows = listed(parked)
+    newest = min(rows, key=lambda key: rows[key]["last_used_s"])
+    one_file = rows[newest]["bytes"] / 1024**3
+    code, output = sessions(parked, "prune", "--max-gb", f"{one_file * 1.5:.9f}")
+    assert code == 0 and "2 session(s) pruned; 1 left" in output, output
+    assert list(listed(parked)) == [newest]
+
+
+async def test_rm_waits_for_a_save_in_progress(parked):
+    """The lock: while the server holds it (a commit, a prune, a restore), rm waits."""
+    key = next(iter(listed(parked)))
+    server_side = SessionStore(parked)
+    done = threading.Event()
+    with server_side.lock():
+        worker = threading.Thread(target=lambda: (sessions(parked, "rm", key), done.set()))
+        worker.start()
+        time.sleep(0.5)
+        assert not done.is_set(), "rm ran while the lock was held"
+        assert (parked / f"auto-{key}.bin").exists()
+    worker.join(timeout=10)
+    assert done.is_set() and not (parked / f"auto-{key}.bin").exists()
+
+
+async def test_rm_while_the_server_runs_is_never_undone_by_its_saves(auto_client, caplog):
+    caplog.set_level(logging.INFO, logger="strata_auto_sessions")
+    client = await auto_client()
+    a, b = conversation("secret"), conversation("other")
+    await ask(client, a)
+    await ask(client, b)       # a is parked
+    await ask(client, a)       # a is restored: the slot holds it, and its file
+    key = key_of(client, a)
+    directory = slot_dir(client)
+    assert client.app[SERVICE].slots[0].key == key
+
+    code, output = await asyncio.to_thread(sessions, directory, "rm", key)
+    assert code == 0 and f"removed {key}" in output
+    await ask(client, a + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "more"}])
+    await ask(client, b)       # the switch would save a again: dropped, the slot erased
+    assert not (directory / f"auto-{key}.bin").exists() and not (directory / f"auto-{key}.json").exists()
+    assert any(f"{key} was removed by hand" in line for line in log_lines(caplog))
+    assert key not in listed(directory)
+    again = await ask(client, a)
+    assert again["timings"]["cache_n"] < 40, "nothing of it was kept"
+    assert parking(client).stats.restores == 2, "a before the rm, b after it: nothing since"

@@ -1,0 +1,102 @@
+"""prefix-restore against the real engine: after a restart, a new conversation that opens
+with the same long system prompt as a parked one reads it from disk, not again."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import strata_auto_sessions
+import strata_prefix_restore
+from strata_serve.api import SERVICE
+
+#: About 2,900 tokens on the demo model.
+SYSTEM = "You follow these rules. " + " ".join(f"rule{n} keep calm and carry on" for n in range(120))
+
+
+def opening(question: str) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+def body(messages: list[dict]) -> dict:
+    return {"messages": messages, "max_tokens": 8, "temperature": 0}
+
+
+@pytest.fixture(autouse=True)
+def plugin_logs(caplog):
+    caplog.set_level(logging.INFO, logger="strata_auto_sessions")
+    caplog.set_level(logging.INFO, logger="strata_prefix_restore")
+
+
+@pytest.fixture
+def server(strata_client_factory, strata_settings_factory):
+    """``await server(prefix=True, **server_section)``: a server with auto-sessions (and
+    prefix-restore), on the same slot directory each time (a restart)."""
+
+    async def make(prefix: bool = True, **server_section):
+        settings = strata_settings_factory(plugins={"auto_sessions": {"min_tokens": 100}},
+                                           server={"port": 0, "shutdown_grace_s": 10, **server_section})
+        plugins = [strata_auto_sessions, *([strata_prefix_restore] if prefix else [])]
+        return await strata_client_factory(*plugins, settings=settings)
+
+    return make
+
+
+async def ask(client, messages, key: str | None = None) -> dict:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    resp = await client.post("/v1/chat/completions", json=body(messages), headers=headers)
+    assert resp.status == 200, await resp.text()
+    return await resp.json()
+
+
+def parking(client):
+    return client.app[SERVICE].state["auto_sessions"]
+
+
+async def first_answer_after_a_restart(server, prefix: bool) -> dict:
+    first = await server(prefix=prefix)
+    reply = await ask(first, opening("What is rule7?"))
+    assert reply["timings"]["prompt_n"] > 2_500, "the system prompt is long"
+    await first.close()  # the stop saves the conversation
+    again = await server(prefix=prefix)
+    reply = await ask(again, opening("And what is rule93?"))
+    reply["stats"] = parking(again).stats
+    await again.close()
+    return reply
+
+
+async def test_a_new_conversation_reads_a_shared_system_prompt_from_disk(server, llama_server_factory, caplog):
+    reply = await first_answer_after_a_restart(server, prefix=True)
+    timings = reply["timings"]
+    assert timings["cache_n"] > 2_500, timings
+    assert timings["prompt_n"] < 40, "only the new question is read"
+    stats = reply["stats"]
+    assert stats.prefix_restores == 1 and stats.restores == 1
+    assert stats.prefix_reused_tokens == timings["cache_n"]
+    assert any("prefix restore:" in r.getMessage() and "shares its opening" in r.getMessage()
+               for r in caplog.records)
+
+    fresh = await llama_server_factory()
+    _, reference = await fresh.request("POST", "/v1/chat/completions", json=body(opening("And what is rule93?")))
+    assert reply["choices"][0]["message"]["content"] == reference["choices"][0]["message"]["content"]
+
+
+async def test_without_the_plugin_the_system_prompt_is_read_again(server):
+    reply = await first_answer_after_a_restart(server, prefix=False)
+    assert reply["timings"]["cache_n"] < 40, reply["timings"]
+    assert reply["stats"].prefix_restores == 0
+
+
+async def test_tenants_never_share_an_opening(server):
+    keys = {"api_keys": {"alice": "alice-key", "bob": "bob-key"}}
+    first = await server(**keys)
+    await ask(first, opening("What is rule7?"), key="alice-key")
+    await first.close()
+    again = await server(**keys)
+    bob = await ask(again, opening("And what is rule93?"), key="bob-key")
+    assert bob["timings"]["cache_n"] < 40, "bob never starts from alice's file"
+    assert parking(again).stats.prefix_restores == 0
+    alice = await ask(again, opening("And what is rule93?"), key="alice-key")
+    assert alice["timings"]["cache_n"] > 2_500, "alice does, from her own"
+    assert parking(again).stats.prefix_restores == 1
