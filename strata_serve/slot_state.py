@@ -158,17 +158,23 @@ class SlotPicture:
 
         The engine cannot name conversations, only count tokens: a count that differs
         from ours (or ours unknown) is replaced by the engine's, and a slot the engine
-        reports empty is empty whatever we thought.
+        reports empty is empty whatever we thought. A slot the engine is still working
+        in has no final count: it is marked unknown.
         """
         for entry in engine_slots:
             if not isinstance(entry, dict) or not isinstance(entry.get("id"), int):
                 continue
             if not 0 <= entry["id"] < len(self.slots):
                 continue
+            state = self.slots[entry["id"]]
+            if entry.get("is_processing") is True:
+                # Still at work (on a request whose client left, the engine goes on until
+                # it notices): its count is not final. Asked again when it matters.
+                state.tokens = None
+                continue
             tokens = engine_tokens(entry)
             if tokens is None:
                 continue
-            state = self.slots[entry["id"]]
             if state.tokens is not None and state.tokens != tokens:
                 self.corrections += 1
                 log.info("[strata] slot %d: the engine holds %d tokens, not %d as recorded; taking its count",
