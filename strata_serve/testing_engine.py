@@ -37,6 +37,8 @@ class MemoryEngine:
     """One slot, slot files, synthetic timings; see the module's docstring."""
 
     capabilities = frozenset({"slots", "slot_files"})
+    #: One slot: every route runs in it.
+    pinned_routes = frozenset({"chat", "completion", "messages", "responses", "embeddings", "infill"})
 
     def __init__(self, slot_save_path: Path | None = None, n_ctx: int = 4096):
         self.info = EngineInfo(url="memory://engine", model_path="memory-engine", n_ctx=n_ctx,
