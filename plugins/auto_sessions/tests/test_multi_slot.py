@@ -304,3 +304,17 @@ async def test_disk_full_during_a_save_on_one_slot_while_the_other_works(auto_cl
         timings, headers = await stream_turn(url, more(a, "back"))  # A's file is whole
         assert headers["X-Strata-State"] == "disk" and timings["cache_n"] >= OWN_STATE
         await client.close()
+
+
+async def test_a_request_without_a_conversation_takes_a_free_slot_not_a_conversation(auto_client):
+    client = await auto_client(engine=engine_for(2), idle_save_s=0)
+    url = url_of(client)
+    a = conversation("side-a")
+    _, ha = await stream_turn(url, a)
+    for _ in range(3):  # side requests (completions are not keyed)
+        resp = await client.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 4})
+        assert resp.status == 200 and resp.headers["X-Strata-State"] == "unkeyed"
+        assert resp.headers["X-Strata-Slot"] != ha["X-Strata-Slot"], "the other slot was free"
+    assert numbers(client)["saves"] == 0, "A was never displaced"
+    timings, headers = await stream_turn(url, more(a, "back"))
+    assert headers["X-Strata-State"] == "slot" and timings["cache_n"] >= OWN_STATE
