@@ -203,17 +203,21 @@ async def relay(request: web.Request, route: str, path: str, body: dict[str, Any
             answer = await _relay_stream(request, service, path, sreq.body, outcome, sreq, api)
         else:
             answer = await _relay_json(service, path, sreq.body, outcome, api)
-            answer.headers.update(state_headers(sreq, outcome.timings))
 
     with service_errors(service):
-        await service.process(sreq, send)
+        outcome = await service.process(sreq, send)
     assert answer is not None
+    if not sreq.stream:
+        # Once the request is done: a route the engine placed itself is located by then.
+        answer.headers.update(state_headers(sreq, outcome.timings))
     return answer
 
 
 def state_headers(sreq: StrataRequest, timings: dict[str, Any] | None) -> dict[str, str]:
     """What strata did for this request, for the client to see without reading logs."""
-    slot = {"X-Strata-Slot": str(sreq.slot)}
+    # A stream's headers leave before the service learns which slot the engine chose
+    # for a request it could not place itself: then no slot is named.
+    slot = {"X-Strata-Slot": str(sreq.slot)} if sreq.pinned or not sreq.stream else {}
     if sreq.conversation_key is None:
         return {"X-Strata-State": "unkeyed", **slot}
     return {

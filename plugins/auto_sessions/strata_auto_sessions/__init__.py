@@ -74,10 +74,12 @@ async def pre_request(request, service):
 
 
 @strata_serve.hookimpl
-def post_request(request, outcome, service):
+async def post_request(request, outcome, service):
     parking = _parking(service)
     if parking is not None and parking.active:
         parking.after(request, outcome, service)
+        if request.route != "slots":
+            await parking.save_if_emptied_when_idle(service, request.slot)
         parking.schedule_idle_save(service, request.slot)
 
 

@@ -215,13 +215,12 @@ class AutoSessions:
                 # A slot changed by hand: park what it holds first, like a switch.
                 await self.park_held(service, request.slot, reason="slot action")
             return
-        if request.route != "slots" and len(service.slots) > 1 and (
-                not request.pinned or service.engine.info.clears_idle_slots is not False):
-            # The engine picks the slot itself and may take any, or it empties the idle
-            # slots into its RAM cache when a task starts: park every other one first.
+        if not request.pinned:
+            # The engine picks the slot itself and may take any: park every other one
+            # first (the request holds them all meanwhile).
             for other in range(len(service.slots)):
                 if other != request.slot:
-                    await self.park_held(service, other, reason="before another slot's task",
+                    await self.park_held(service, other, reason="the engine chooses the slot",
                                          incoming=request.conversation_key)
         key = request.conversation_key
         if key is not None and held.key == key and held.tenant == request.tenant and not held.empty:
@@ -312,6 +311,14 @@ class AutoSessions:
         self.usable = False
 
     # -- saving while idle ---------------------------------------------------
+
+    async def save_if_emptied_when_idle(self, service: Any, slot: int) -> None:
+        """On an engine that empties idle slots into its RAM cache when another slot gets
+        a task (``engine.info.clears_idle_slots``, not known for an attached one), the
+        slot's conversation is saved as soon as its answer ends, while its request
+        still holds the slot: once idle, it may be gone from the slot at any moment."""
+        if len(service.slots) > 1 and service.engine.info.clears_idle_slots is not False:
+            await self.park_held(service, slot, reason="the engine empties idle slots")
 
     def schedule_idle_save(self, service: Any, slot: int = 0) -> None:
         """Save the slot's conversation once the slot has been idle ``idle_save_s``."""

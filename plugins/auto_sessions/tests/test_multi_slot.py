@@ -247,8 +247,8 @@ async def test_metrics_and_stats_say_which_slot_each_request_ran_in(auto_client)
 
 async def test_an_engine_that_empties_idle_slots_itself_loses_no_conversation(auto_client):
     """--kv-unified with the RAM cache on: llama-server moves idle slots into its RAM cache
-    when another slot gets a task (and the RAM cache may drop them). Every other slot is
-    parked before a task starts, and the picture follows what the engine reports."""
+    when another slot gets a task (and the RAM cache may drop them). Each conversation is
+    saved as its answer ends, and the picture follows what the engine reports."""
     client = await auto_client(engine=engine_for(2, cache_ram_mib=256, extra_args=["--kv-unified"]),
                                idle_save_s=0)
     service = client.app[SERVICE]
@@ -256,8 +256,9 @@ async def test_an_engine_that_empties_idle_slots_itself_loses_no_conversation(au
     url = url_of(client)
     a, b = conversation("kvu-a"), conversation("kvu-b")
     _, ha = await stream_turn(url, a)
-    await stream_turn(url, b)  # A is parked, then its slot is emptied as B starts
-    assert numbers(client)["saves"] == 1
+    await settle(client)
+    assert numbers(client)["saves"] == 1, "A was saved as its answer ended"
+    await stream_turn(url, b)  # A's slot is emptied as B starts
     engine = {e["id"]: e.get("n_prompt_tokens") for e in await service.engine.slots()}
     assert engine[int(ha["X-Strata-Slot"])] == 0, engine
     timings, headers = await stream_turn(url, more(a, "back"))
