@@ -209,8 +209,9 @@ AGENT_PLANS = {
                                                              system_prompt=512),
             }}},
         {"model": "smollm2", "name": "SmolLM2-135M", "args": {
-            "label": "smollm2", "repeats": 2, "limited_mib": 8, "min_tokens": 192,
-            "shape": workloads.Workload(steps=2, opening=256, grow=48, sub=96, side=16, real=True)}},
+            "label": "smollm2", "repeats": 2, "limited_mib": 8, "min_tokens": 128,
+            "only": ["bare-default", "bare-off", "bare-np4", "strata-default", "strata-off", "strata-np4", "hearth"],
+            "shape": workloads.Workload(steps=2, opening=192, grow=32, sub=64, side=16, real=True)}},
     ],
 }
 

@@ -409,7 +409,13 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 # -- the report -------------------------------------------------------------------------------
 
+#: A sparkline longer than this many seconds shows the most of each group of seconds.
+SPARK_WIDTH = 60
+
+
 def sparkline(values: list[int], top: int) -> str:
+    step = max(1, -(-len(values) // SPARK_WIDTH))
+    values = [max(values[i:i + step]) for i in range(0, len(values), step)]
     return "".join(SPARK[min(len(SPARK) - 1, round(v / max(1, top) * (len(SPARK) - 1)))] for v in values)
 
 
@@ -438,12 +444,18 @@ def report(found: dict[str, Any], model_name: str) -> list[str]:
             f"conversation (`/v1/completions`); the engine process is killed halfway and brought back. "
             f"{settings['repeats']} rounds, the systems in turn; wall time is the median (min-max) of the rounds, "
             "the rest pooled over them. Auto-sessions runs with "
-            f"`min_tokens = {settings['min_tokens']}`; the limited RAM cache is {settings['limited_mib']} MiB.",
+            f"`min_tokens = {settings['min_tokens']}`; the limited RAM cache is {settings['limited_mib']} MiB. "
+            "Every system runs one slot unless its name says `-np 4`, which runs four slots over one KV buffer "
+            "(`--kv-unified`, as the engine's own default does) of four times the context.",
             "",
-            "| system | wall s | tokens re-read (after the restart) | prompt_n of returning turns | written per "
-            "request | first token of a return p50 / p95 ms | switch-back p50 / p95 ms | switches with the file "
-            "current |",
-            "|---|---|---|---|---|---|---|---|",
+            "Tokens re-read: of the context each main turn held at its previous turn, what the engine read "
+            "again (the engine's `cache_n`). Written: every version of every slot or snapshot file, per request "
+            "(and what is on disk at the end). Restart: from the kill to the system answering again.",
+            "",
+            "| system | wall s | restart s | tokens re-read (after the restart) | prompt_n of returning turns "
+            "| written per request (on disk) | first token of a return p50 / p95 ms | switch-back p50 / p95 ms "
+            "| switches with the file current |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for name, v in summary.items():
             current = v["file_current"]
@@ -451,17 +463,19 @@ def report(found: dict[str, Any], model_name: str) -> list[str]:
                                              if current["switches"] else "no switch parked")
             errors = f" ({v['errors']} requests stalled past {shape['stall_s']:g} s and were sent again)" \
                 if v["errors"] else ""
+            restart = spread(v["restart_s"], 2) if v["restart_s"] else "-"
             lines.append(
-                f"| {name}{errors} | {spread(v['wall_s'], 1)} | {v['reread_tokens']:,.0f} ({v['reread_after_restart']:,.0f}) "
-                f"| {v['prompt_n_returning']:,.0f} | {_bytes(v['bytes_per_request'])} "
+                f"| {name}{errors} | {spread(v['wall_s'], 1)} | {restart} "
+                f"| {v['reread_tokens']:,.0f} ({v['reread_after_restart']:,.0f}) "
+                f"| {v['prompt_n_returning']:,.0f} | {_bytes(v['bytes_per_request'])} ({_bytes(v['bytes_on_disk'])}) "
                 f"| {_ms(v['ttft_p50'])} / {_ms(v['ttft_p95'])} | {_ms(v['back_p50'])} / {_ms(v['back_p95'])} "
                 f"| {share} |")
-        lines += ["", f"Requests in flight each second of the last round, most at once (client side, {SPARK[0]} 0 to "
+        lines += ["", f"Requests in flight over the last round, most at once (client side, {SPARK[0]} 0 to "
                   f"{SPARK[-1]} {shape['agents']}), and the engine's busy slots (`GET /slots` every 0.5 s, {SPARK[0]} 0 "
-                  f"to {SPARK[-1]} 4):", "",
-                  "| system | in flight | busy slots |", "|---|---|---|"]
+                  f"to {SPARK[-1]} 4); one mark a second, or a group of seconds in a run longer than {SPARK_WIDTH} s:",
+                  "", "| system | seconds | in flight | busy slots |", "|---|---|---|---|"]
         for name, timeline in found["timelines"][variant].items():
-            lines.append(f"| {name} | `{sparkline(timeline['in_flight'], shape['agents'])}` "
+            lines.append(f"| {name} | {len(timeline['in_flight'])} | `{sparkline(timeline['in_flight'], shape['agents'])}` "
                          f"| `{sparkline(timeline['busy_slots'], 4)}` |")
     if not found["hearth"]:
         lines += ["", "hearth-llm is not installed here (`pip install -e '.[bench]'`): its row is missing."]
