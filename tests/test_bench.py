@@ -33,6 +33,10 @@ async def test_quick_benchmark_writes_its_tables(tmp_path):
         assert f"| {name} |" in report
         # 4 agents, 2 steps of 2 main turns: every main turn but the first returns.
         assert summary[name]["returning"] == 4 * 3, name
+        assert len(summary[name]["restart_s"]) == 1, name
+    # The engine's RAM cache kept every context until the engine was killed, and none after.
+    default = summary["llama-server, RAM cache default"]
+    assert default["reread_after_restart"] > 0 and default["reread_tokens"] == default["reread_after_restart"]
     bare, parked = summary["llama-server, RAM cache off"], summary["strata + auto-sessions, RAM cache off"]
     assert bare["reread_after_restart"] > 0 and bare["bytes_per_request"] == 0
     assert parked["reread_tokens"] == 0 and parked["bytes_per_request"] > 0
