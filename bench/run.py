@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any
 
 
-from bench.agents import concurrent_agents
-from bench.harness import bare_engine, chat, client_session, conversation, follow_up, percentile, spread, strata
+from bench import prefix, switchback, workloads
+from bench.harness import bare_engine, chat, client_session, conversation, percentile, spread, strata
 from strata_serve.demo_model import write_demo_model
 from strata_serve.engine import LlamaServer
 from strata_serve.config import EngineSettings
+from strata_serve.models import packaged_model_path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -74,83 +75,6 @@ async def overhead(model: Path, work: Path, requests: int) -> dict[str, Any]:
     return found
 
 
-SWITCH_SETUPS = {
-    # name: (strata-serve?, auto-sessions?, engine RAM cache MiB: 0 off, None the engine's default)
-    "llama-server, RAM cache off": (False, False, 0),
-    "strata + auto-sessions, RAM cache off": (True, True, 0),
-    "llama-server, RAM cache on": (False, False, None),
-    "strata + auto-sessions, RAM cache on": (True, True, None),
-}
-
-
-async def switch_back(model: Path, work: Path, sizes: list[int], rounds: int) -> dict[str, Any]:
-    """A, B, then back and forth: time to first token on each return, per context size."""
-    found: dict[str, Any] = {}
-    for size in sizes:
-        a, b = conversation("Alice", size), conversation("Bob", size)
-        for index, (name, (through_strata, auto, cache)) in enumerate(SWITCH_SETUPS.items()):
-            slot_dir = work / f"switch-{size}-{index}"  # each setup starts with no files
-            if through_strata:
-                plugins = {"auto_sessions": {"enabled": auto, "min_tokens": 256}}
-                setup = strata(model, size * 2 + 512, slot_dir, cache, plugins=plugins)
-            else:
-                setup = bare_engine(model, size * 2 + 512, slot_dir, cache)
-            async with setup as url, client_session() as session:
-                first_a = await chat(session, url, a)
-                first_b = await chat(session, url, b)
-                returns, reused = [], []
-                for n in range(rounds):
-                    for base, first in ((a, first_a), (b, first_b)):
-                        reply = await chat(session, url, follow_up(base, first.text, f"Question {n}?"))
-                        returns.append(reply.ttft_s)
-                        reused.append(reply.timings.get("cache_n", 0))
-            files = list(slot_dir.glob("auto-*.bin")) if slot_dir.exists() else []
-            found.setdefault(str(size), {})[name] = {
-                "first_prefill_s": first_a.ttft_s, "returns_s": returns, "cache_n": reused,
-                "file_mb": max((f.stat().st_size for f in files), default=0) / 1e6,
-            }
-            print(f"  switch-back {size} tokens, {name}: {spread(returns)} s, cache_n {reused}", flush=True)
-    return found
-
-
-AGENT_SETUPS = {
-    # name: (strata-serve with auto-sessions?, engine RAM cache limited?)
-    "llama-server, RAM cache off": (False, False),
-    "llama-server, RAM cache limited": (False, True),
-    "strata + auto-sessions, RAM cache off": (True, False),
-    "strata + auto-sessions, RAM cache limited": (True, True),
-}
-
-
-async def agent_workload(model: Path, work: Path, conversations: int, size: int, rounds: int,
-                         cache_mib: int) -> dict[str, Any]:
-    """One client visits M conversations round robin; the server restarts halfway."""
-    found: dict[str, Any] = {}
-    names = [f"Agent{n}" for n in range(conversations)]
-    for index, (name, (through_strata, limited)) in enumerate(AGENT_SETUPS.items()):
-        slot_dir = work / f"agent-{index}"
-        cache = cache_mib if limited else 0
-
-        def setup():
-            if through_strata:
-                return strata(model, size + 1024, slot_dir, cache, plugins={"auto_sessions": {"min_tokens": 256}})
-            return bare_engine(model, size + 1024, slot_dir, cache)
-
-        history = {n: conversation(n, size) for n in names}
-        prefill_s, began = 0.0, time.perf_counter()
-        for half in (range(rounds // 2), range(rounds // 2, rounds)):  # a restart in between
-            async with setup() as url, client_session() as session:
-                for turn in half:
-                    for n in names:
-                        reply = await chat(session, url, history[n], max_tokens=4)
-                        prefill_s += reply.timings.get("prompt_ms", 0) / 1000
-                        history[n] = follow_up(history[n], reply.text, f"Step {turn}?")
-        found[name] = {"prefill_s": prefill_s, "wall_s": time.perf_counter() - began}
-        print(f"  agent workload, {name}: prefill {prefill_s:.1f} s, wall {found[name]['wall_s']:.1f} s",
-              flush=True)
-    return found
-
-
 async def save_restore_speed(model: Path, work: Path, size: int) -> dict[str, Any]:
     """Slot save/restore MB/s through strata-serve's /slots and the engine's own API, and the disk's."""
     from bench.harness import disk_speed
@@ -183,30 +107,6 @@ async def save_restore_speed(model: Path, work: Path, size: int) -> dict[str, An
     return found
 
 
-def plot(switch: dict[str, Any], out: Path) -> str | None:
-    """Return time and session-file size against context length, as ``switch-back.png``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sizes = sorted(int(s) for s in switch)
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for name in SWITCH_SETUPS:
-        left.plot(sizes, [statistics.median(switch[str(s)][name]["returns_s"]) for s in sizes], marker="o",
-                  label=name)
-    left.set(xlabel="conversation length (tokens)", ylabel="time to first token on return (s)",
-             title="Switching back")
-    left.legend(fontsize=7)
-    right.plot(sizes, [switch[str(s)]["strata + auto-sessions, RAM cache off"]["file_mb"] for s in sizes],
-               marker="o")
-    right.set(xlabel="conversation length (tokens)", ylabel="session file (MB)", title="Session file size")
-    figure.tight_layout()
-    figure.savefig(out / "switch-back.png", dpi=100)
-    plt.close(figure)
-    return "switch-back.png"
-
-
 def machine() -> str:
     cpu = "unknown CPU"
     try:
@@ -225,7 +125,8 @@ def report(results: dict[str, Any], quick: bool, command: str) -> str:
         "",
         f"Made by `{command}` on {results['date']}; machine: {results['machine']}.",
         "Models: the project's random-weight demo models (`strata-serve demo-model --size tiny|bench`);",
-        "the text they write is meaningless, the work the engine does for them is real.",
+        "the text they write is meaningless, the work the engine does for them is real; the agent workload",
+        "runs on SmolLM2-135M-Instruct Q4_1 (a real model) as well.",
         "Figures are medians with (min-max) over the repetitions in this one run.",
         "",
         "## Engine start (spawn to healthy)",
@@ -253,39 +154,13 @@ def report(results: dict[str, Any], quick: bool, command: str) -> str:
               f"request that needs no switch; streaming speed through strata-serve: "
               f"{layered['stream_tps'] / direct['stream_tps']:.2f}x direct.", ""]
 
-    lines += [
-        "## Switching back: time to first token on returning to a conversation (bench model)",
-        "",
-        "A, then B, then back and forth; each return adds one short question. Ratio: against",
-        "the bare engine with its RAM cache off, which re-reads the whole prompt.",
-        "",
-        "| tokens | setup | first prefill s | return s | ratio | cache_n on return |",
-        "|---|---|---|---|---|---|",
-    ]
-    for size, setups in results["switch_back"].items():
-        full = statistics.median(setups["llama-server, RAM cache off"]["returns_s"])
-        for name, v in setups.items():
-            ratio = full / statistics.median(v["returns_s"])
-            lines.append(f"| {size} | {name} | {v['first_prefill_s']:.2f} | {spread(v['returns_s'])} | "
-                         f"{ratio:.1f}x faster | {min(v['cache_n'])}-{max(v['cache_n'])} |")
-    agent = results["agent"]
-    settings = results["agent_settings"]
-    lines += [
-        "",
-        f"## An agent workload: {settings['conversations']} conversations of {settings['size']} tokens, "
-        f"round robin, {settings['rounds']} rounds, restart halfway (bench model)",
-        "",
-        f"The limited RAM cache is {settings['cache_mib']} MiB: it cannot hold them all.",
-        "",
-        "| setup | prefill s | wall s | wall against bare, RAM cache off |",
-        "|---|---|---|---|",
-    ]
-    base_wall = agent["llama-server, RAM cache off"]["wall_s"]
-    for name, v in agent.items():
-        lines.append(f"| {name} | {v['prefill_s']:.1f} | {v['wall_s']:.1f} | {base_wall / v['wall_s']:.1f}x faster |")
-    lines += agents_table(results["agents"], results["agents_settings"])
+    lines += switchback.report(results["switch_back"])
+    lines += ["", f"What the project README says: {switchback.readme_sentence(results['switch_back'])}"]
     if results.get("plot"):
         lines += ["", f"![switch-back time and file size against context length]({results['plot']})"]
+    for found in results["agents"]:
+        lines += workloads.report(found, found["model"])
+    lines += prefix.report(results["prefix"], spread)
     speed = results["save_restore"]
     lines += [
         "",
@@ -299,33 +174,47 @@ def report(results: dict[str, Any], quick: bool, command: str) -> str:
         lines.append(f"| {name} | {spread(v['save_mbps'], 0)} | {spread(v['restore_mbps'], 0)} |")
     lines.append(f"| the disk, sequential (write with fsync / read) | {speed['disk']['write_mbps']:.0f} | "
                  f"{speed['disk']['read_mbps']:.0f} |")
+    if results.get("seconds"):
+        taken = results["seconds"]
+        lines += ["", f"The run took {taken['total'] / 60:.1f} minutes (" + ", ".join(
+            f"{name} {s:.0f} s" for name, s in taken["sections"].items()) + "); load average (1, 5, 15 min) at the "
+            f"end: {', '.join(f'{x:.1f}' for x in taken['load_average'])}."]
     lines += ["", "Raw figures: `results.json` beside this file (not committed).", ""]
     if quick:
         lines.insert(2, "**Quick mode**: small sizes and few repetitions; run `make bench` for the full table.\n")
     return "\n".join(lines)
 
 
-def agents_table(agents: dict[str, Any], settings: dict[str, Any]) -> list[str]:
-    lines = [
-        "",
-        f"## Concurrent agents: {settings['sessions']} sessions at once, each a main context growing by about "
-        f"{settings['step_tokens']} tokens a step, a sub-agent context between steps, {settings['steps']} steps "
-        f"({settings['model']} model)",
-        "",
-        "The clients stream with `requests` and close each connection as soon as they have read the event",
-        "with the timings, before `[DONE]`. A return to a main context re-read it when the engine reused less",
-        f"than half of what it held at its previous turn. The limited RAM cache is {settings['limited_mib']} MiB,",
-        f"below the working set; auto-sessions runs with `min_tokens = {settings['min_tokens']}`.",
-        "",
-        "| setup | wall s | returns to main | returns that re-read their context | tokens re-read |",
-        "|---|---|---|---|---|",
-    ]
-    for name, v in agents.items():
-        lines.append(f"| {name} | {v['wall_s']:.1f} | {v['returns']} | {v['reread']} | {v['reread_tokens']:,} |")
-    return lines
+#: A full run takes about 25 minutes on 2 cores: 4096 tokens is left out of the switch-back
+#: table, and the RAM-cache-on setups stop at 2048 (the agents compare every RAM setting).
+FULL_SIZES = [2048, 8192, 12288]
+RAM_ON_UP_TO = 2048
 
-
-FULL_SIZES = [2048, 4096, 8192, 12288]
+#: The agent workloads: the bench model with and without a shared system prompt, and a
+#: smaller one on SmolLM2 (about 5x slower to read a prompt here).
+AGENT_PLANS = {
+    "quick": [
+        {"model": "tiny", "name": "tiny model", "args": {
+            "label": "tiny", "repeats": 1, "limited_mib": 1, "min_tokens": 100,
+            "only": ["bare-default", "bare-off", "bare-np4", "strata-off", "strata-np4", "hearth"],
+            "shape": workloads.Workload(steps=2, opening=192, grow=32, sub=48, side=16, stall_s=10)}},
+    ],
+    "full": [
+        {"model": "bench", "name": "bench model", "args": {
+            "label": "bench", "repeats": 2, "limited_mib": 16, "min_tokens": 256,
+            "shape": workloads.Workload(steps=4, opening=384, grow=64, sub=128, side=16, stall_s=30),
+            "variants": {
+                "separate conversations": workloads.Workload(steps=4, opening=384, grow=64, sub=128, side=16,
+                                                             stall_s=30),
+                "a shared system prompt": workloads.Workload(steps=4, opening=64, grow=64, sub=128, side=16,
+                                                             system_prompt=512, stall_s=30),
+            }}},
+        {"model": "smollm2", "name": "SmolLM2-135M", "args": {
+            "label": "smollm2", "repeats": 2, "limited_mib": 8, "min_tokens": 128,
+            "only": ["bare-default", "bare-off", "bare-np4", "strata-default", "strata-off", "strata-np4", "hearth"],
+            "shape": workloads.Workload(steps=2, opening=192, grow=32, sub=64, side=16, real=True)}},
+    ],
+}
 
 
 async def main(quick: bool, out: Path, sizes: list[int] | None = None, command: str | None = None) -> None:
@@ -334,30 +223,48 @@ async def main(quick: bool, out: Path, sizes: list[int] | None = None, command: 
         work = Path(tmp)
         tiny = write_demo_model(work / "tiny.gguf", size="tiny")
         bench_model = write_demo_model(work / "bench.gguf", size="bench")
+        began = last = time.perf_counter()
+        seconds: dict[str, float] = {}
+        current = "engine start"
+
+        def lap(section: str) -> None:
+            """The section that ends took this long; ``section`` begins."""
+            nonlocal last, current
+            seconds[current] = round(time.perf_counter() - last, 1)
+            last, current = time.perf_counter(), section.rstrip(".")
+            print(f"{section} ({time.perf_counter() - began:.0f} s so far)", flush=True)
+
         print("engine start...", flush=True)
         results: dict[str, Any] = {
             "date": datetime.date.today().isoformat(),
             "machine": machine(),
             "engine_start": await engine_start({"tiny": tiny, "bench": bench_model}, 2 if quick else 5),
         }
-        print("layer overhead...", flush=True)
+        lap("layer overhead...")
         results["overhead"] = await overhead(tiny, work, 40 if quick else 200)
-        print("switching back...", flush=True)
-        sizes = sizes or ([1024] if quick else FULL_SIZES)
-        results["switch_back"] = await switch_back(bench_model, work, sizes, 1 if quick else 2)
-        print("agent workload...", flush=True)
-        agent = {"conversations": 3, "size": 512, "rounds": 2, "cache_mib": 12} if quick else \
-            {"conversations": 6, "size": 4096, "rounds": 4, "cache_mib": 160}
-        results["agent_settings"] = agent
-        results["agent"] = await agent_workload(bench_model, work, **agent)
-        print("concurrent agents...", flush=True)
-        agents = {"sessions": 3, "steps": 2, "step_tokens": 300, "limited_mib": 1, "min_tokens": 100} if quick \
-            else {"sessions": 3, "steps": 4, "step_tokens": 750, "limited_mib": 64, "min_tokens": 500}
-        results["agents_settings"] = {**agents, "model": "tiny" if quick else "bench"}
-        results["agents"] = await concurrent_agents(tiny if quick else bench_model, work, **agents)
-        results["plot"] = plot(results["switch_back"], out)
-        print("save/restore throughput...", flush=True)
-        results["save_restore"] = await save_restore_speed(bench_model, work, 1024 if quick else 8192)
+        lap("switching back...")
+        sizes = sizes or ([512] if quick else FULL_SIZES)
+        results["switch_back"] = await switchback.switch_back(bench_model, work, sizes, 1 if quick else 2,
+                                                              ram_on_up_to=None if quick else RAM_ON_UP_TO)
+        results["plot"] = switchback.plot(results["switch_back"], out)
+        lap("agents at work...")
+        models = {"tiny": tiny, "bench": bench_model, "smollm2": packaged_model_path("smollm2")}
+        results["agents"] = []
+        for plan in AGENT_PLANS["quick" if quick else "full"]:
+            if models[plan["model"]] is None:
+                print(f"  {plan['name']}: not installed, skipped", flush=True)
+                continue
+            found = await asyncio.to_thread(workloads.agent_comparison, models[plan["model"]], work, **plan["args"])
+            results["agents"].append({**found, "model": plan["name"]})
+        lap("prefix restore after a restart...")
+        results["prefix"] = await asyncio.to_thread(prefix.prefix_after_restart, tiny if quick else bench_model,
+                                                    work, 512 if quick else 3072, 1 if quick else 2,
+                                                    name="tiny" if quick else "bench")
+        lap("save/restore throughput...")
+        results["save_restore"] = await save_restore_speed(bench_model, work, 512 if quick else 4096)
+        lap("done.")
+        results["seconds"] = {"sections": seconds, "total": round(time.perf_counter() - began, 1),
+                              "load_average": os.getloadavg()}
     command = command or ("make bench-quick" if quick else "make bench")
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "README.md").write_text(report(results, quick, command))

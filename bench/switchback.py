@@ -1,0 +1,184 @@
+"""Switching back to a long conversation: A, then B, then back to A, per conversation size.
+
+Time to first token on each return, against the bare engine with its RAM cache off (a full
+re-read). strata-serve with auto-sessions and the RAM cache off is measured twice in the
+same run: returning at once (the outgoing conversation is saved on the way: save, then
+restore) and returning after the server was idle long enough to save the outgoing
+conversation (its file is current: the switch is a restore alone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.harness import bare_engine, chat, client_session, conversation, follow_up, spread, strata
+
+#: name: (strata-serve?, engine RAM cache MiB: 0 off, None the engine's default)
+SETUPS = {
+    "llama-server, RAM cache off": (False, 0),
+    "strata + auto-sessions, RAM cache off": (True, 0),
+    "llama-server, RAM cache on": (False, None),
+    "strata + auto-sessions, RAM cache on": (True, None),
+}
+BARE_OFF = "llama-server, RAM cache off"
+PARKED_OFF = "strata + auto-sessions, RAM cache off"
+#: The returns of PARKED_OFF made after an idle save: the outgoing file was current.
+FILE_CURRENT = "strata + auto-sessions, RAM cache off, file current"
+#: How long strata-serve waits idle before saving the held conversation, here.
+IDLE_SAVE_S = 0.5
+#: The second conversation of the bare engine with its RAM cache off: its size changes
+#: nothing there (any other prompt evicts A, whose return is a full re-read), so it is short.
+SHORT_B = 256
+
+
+async def idle_saves(session: aiohttp.ClientSession, url: str) -> int:
+    async with session.get(url + "/stats") as reply:
+        found = await reply.json()
+    return int(((found.get("plugins") or {}).get("auto_sessions") or {}).get("idle_saves", 0))
+
+
+async def wait_idle_save(session: aiohttp.ClientSession, url: str, before: int, deadline_s: float = 120) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if await idle_saves(session, url) > before:
+            return
+        await asyncio.sleep(0.05)
+    raise RuntimeError(f"strata-serve made no idle save within {deadline_s:.0f} s")
+
+
+async def one_setup(name: str, model: Path, work: Path, size: int, rounds: int) -> dict[str, Any]:
+    through_strata, cache = SETUPS[name]
+    a = conversation("Alice", size)
+    b = conversation("Bob", SHORT_B if name == BARE_OFF else size)
+    slot_dir = work / f"switch-{size}-{list(SETUPS).index(name)}"  # each setup starts with no files
+    if through_strata:
+        plugins = {"auto_sessions": {"min_tokens": 256, "idle_save_s": IDLE_SAVE_S}}
+        setup = strata(model, size * 2 + 512, slot_dir, cache, plugins=plugins)
+    else:
+        setup = bare_engine(model, size * 2 + 512, slot_dir, cache)
+    found: dict[str, Any] = {}
+    async with setup as url, client_session() as session:
+        first_a = await chat(session, url, a)
+        first_b = await chat(session, url, b)
+        history = {"a": follow_up(a, first_a.text, "Question 0?"), "b": follow_up(b, first_b.text, "Question 0?")}
+        returns: dict[str, list[Any]] = {"now": [], "current": []}
+
+        async def back(which: str, n: int, kind: str) -> None:
+            reply = await chat(session, url, history[which])
+            returns[kind].append(reply)
+            history[which] = follow_up(history[which], reply.text, f"Question {n + 1}?")
+
+        for n in range(rounds):
+            if name == BARE_OFF:
+                # Only A is long: return to it, with B's short turn in between.
+                await back("a", n, "now")
+                await chat(session, url, history["b"])
+                continue
+            await back("a", n, "now")
+            await back("b", n, "now")
+            if name == PARKED_OFF:
+                for which in ("a", "b"):
+                    saved = await idle_saves(session, url)
+                    await wait_idle_save(session, url, saved)
+                    await back(which, n, "current")
+    files = list(slot_dir.glob("auto-*.bin")) if slot_dir.exists() else []
+    found[name] = {
+        "first_prefill_s": first_a.ttft_s, "returns_s": [r.ttft_s for r in returns["now"]],
+        "cache_n": [r.timings.get("cache_n", 0) for r in returns["now"]],
+        "file_mb": max((f.stat().st_size for f in files), default=0) / 1e6,
+    }
+    if returns["current"]:
+        found[FILE_CURRENT] = {
+            "first_prefill_s": first_a.ttft_s, "returns_s": [r.ttft_s for r in returns["current"]],
+            "cache_n": [r.timings.get("cache_n", 0) for r in returns["current"]],
+            "file_mb": found[name]["file_mb"],
+        }
+    return found
+
+
+async def switch_back(model: Path, work: Path, sizes: list[int], rounds: int,
+                      ram_on_up_to: int | None = None) -> dict[str, Any]:
+    """Every setup at each size (the RAM-cache-on setups up to ``ram_on_up_to`` tokens only)."""
+    found: dict[str, Any] = {}
+    for size in sizes:
+        for name in SETUPS:
+            if SETUPS[name][1] is None and ram_on_up_to is not None and size > ram_on_up_to:
+                continue
+            # The bare engine's returns are full re-reads: two of them give the spread.
+            for setup, figures in (await one_setup(name, model, work, size, 2 if name == BARE_OFF else rounds)).items():
+                found.setdefault(str(size), {})[setup] = figures
+                print(f"  switch-back {size} tokens, {setup}: {spread(figures['returns_s'])} s, "
+                      f"cache_n {figures['cache_n']}", flush=True)
+    return found
+
+
+def report(results: dict[str, Any]) -> list[str]:
+    lines = [
+        "## Switching back: time to first token on returning to a conversation (bench model)",
+        "",
+        "A, then B, then back and forth; each return adds one short question. Ratio: against",
+        "the bare engine with its RAM cache off, which re-reads the whole prompt (its B is short:",
+        "any other prompt evicts A). The file-current row: the same server, each return made after",
+        f"it was idle for {IDLE_SAVE_S:g} s and saved the outgoing conversation then, so the switch is a restore alone.",
+        "",
+        "| tokens | setup | first prefill s | return s | ratio | cache_n on return |",
+        "|---|---|---|---|---|---|",
+    ]
+    for size, setups in results.items():
+        full = statistics.median(setups[BARE_OFF]["returns_s"])
+        for name, v in setups.items():
+            ratio = full / statistics.median(v["returns_s"])
+            lines.append(f"| {size} | {name} | {v['first_prefill_s']:.2f} | {spread(v['returns_s'])} | "
+                         f"{ratio:.1f}x faster | {min(v['cache_n'])}-{max(v['cache_n'])} |")
+    sizes = [int(s) for s in results if FILE_CURRENT in results[s]]
+    if sizes:
+        size = str(8192 if 8192 in sizes else max(sizes))
+        full = statistics.median(results[size][BARE_OFF]["returns_s"])
+        current = statistics.median(results[size][FILE_CURRENT]["returns_s"])
+        now = statistics.median(results[size][PARKED_OFF]["returns_s"])
+        lines += ["", f"At {size} tokens, a switch back with the outgoing conversation's file current took "
+                  f"{current:.3f} s against a re-read of {full:.3f} s ({full / current:.0f}x; the goal is 100x on "
+                  f"the bench model); returning at once, with its save on the way, {now:.3f} s ({full / now:.0f}x)."]
+    return lines
+
+
+def readme_sentence(results: dict[str, Any]) -> str:
+    """What the project README says of the largest size (a test checks it against the table)."""
+    largest = max(results, key=int)
+    rows = results[largest]
+    bare = statistics.median(rows[BARE_OFF]["returns_s"])
+    parked = statistics.median(rows[PARKED_OFF]["returns_s"])
+    return (f"returning to a conversation of {largest} tokens after another one took the bare engine with its "
+            f"RAM cache off {bare:.3f} s (a full re-read); with auto-sessions, {parked:.3f} s "
+            f"({bare / parked:.1f}x faster).")
+
+
+def plot(results: dict[str, Any], out: Path) -> str:
+    """Return time and session-file size against context length, as ``switch-back.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted(int(s) for s in results)
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name in [*SETUPS, FILE_CURRENT]:
+        points = [(s, statistics.median(results[str(s)][name]["returns_s"])) for s in sizes
+                  if name in results[str(s)]]
+        if points:
+            left.plot(*zip(*points), marker="o", label=name)
+    left.set(xlabel="conversation length (tokens)", ylabel="time to first token on return (s)",
+             title="Switching back", yscale="log")
+    left.legend(fontsize=7)
+    right.plot(sizes, [results[str(s)][PARKED_OFF]["file_mb"] for s in sizes], marker="o")
+    right.set(xlabel="conversation length (tokens)", ylabel="session file (MB)", title="Session file size")
+    figure.tight_layout()
+    figure.savefig(out / "switch-back.png", dpi=100)
+    plt.close(figure)
+    return "switch-back.png"
