@@ -253,10 +253,14 @@ def start(system: System, model: Path, ctx: int, work: Path) -> Running:
     work.mkdir(parents=True, exist_ok=True)
     extra: list[str] = []
     if system.parallel > 1:
-        # As the engine's own default (-np auto) runs its slots: one KV buffer they share,
-        # each slot able to use it all.
-        extra = ["--kv-unified"]
+        # Four times the context either way. The bare engine runs its slots as its own
+        # default (-np auto) does: one KV buffer they share. strata-serve starts its engine
+        # with -np alone: a buffer per slot, so that the engine never empties an idle
+        # slot on its own (with --kv-unified it would, and strata would have to save
+        # every answer as it ends).
         ctx *= system.parallel
+        if system.kind != "strata":
+            extra = ["--kv-unified"]
     kind = {"bare": BareEngine, "strata": StrataServe, "hearth": Hearth}[system.kind]
     return kind(system, model, ctx, work, extra)
 

@@ -445,8 +445,9 @@ def report(found: dict[str, Any], model_name: str) -> list[str]:
             f"{settings['repeats']} rounds, the systems in turn; wall time is the median (min-max) of the rounds, "
             "the rest pooled over them. Auto-sessions runs with "
             f"`min_tokens = {settings['min_tokens']}`; the limited RAM cache is {settings['limited_mib']} MiB. "
-            "Every system runs one slot unless its name says `-np 4`, which runs four slots over one KV buffer "
-            "(`--kv-unified`, as the engine's own default does) of four times the context.",
+            "Every system runs one slot unless its name says `-np 4`, which runs four slots and four times the "
+            "context: the bare engine over one KV buffer (`--kv-unified`, as its own default does), strata-serve "
+            "as it starts the engine (`-np 4` alone: a buffer per slot, which the engine never empties itself).",
             "",
             "Tokens re-read: of the context each main turn held at its previous turn, what the engine read "
             "again (the engine's `cache_n`). Written: every version of every slot or snapshot file, per request "
