@@ -35,7 +35,11 @@ def server(strata_client_factory, strata_settings_factory):
     prefix-restore), on the same slot directory each time (a restart)."""
 
     async def make(prefix: bool = True, **server_section):
-        settings = strata_settings_factory(plugins={"auto_sessions": {"min_tokens": 100}},
+        # min_gain_s 0: the demo model reads a 3k-token opening in a fraction of a second
+        # on a fast machine, which the default gain would find not worth a restore; the
+        # tests here are about what is shared, not about the machine's speed.
+        settings = strata_settings_factory(plugins={"auto_sessions": {"min_tokens": 100},
+                                                    "prefix_restore": {"min_gain_s": 0}},
                                            server={"port": 0, "shutdown_grace_s": 10, **server_section})
         plugins = [strata_auto_sessions, *([strata_prefix_restore] if prefix else [])]
         return await strata_client_factory(*plugins, settings=settings)
