@@ -94,8 +94,12 @@ def packaged_binary() -> Path | None:
     return None
 
 
-def _die_with_parent() -> None:
-    """In the engine's process, before exec: SIGTERM it when strata-serve dies (Linux)."""
+def _engine_preexec() -> None:
+    """In the engine's process, before exec: its files private, and SIGTERM when strata-serve dies.
+
+    The umask is set here rather than through ``umask=``, which uvloop's subprocesses refuse.
+    """
+    os.umask(0o077)  # what it writes (slot files, their temporaries) is private, whatever our umask
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -458,9 +462,7 @@ class LlamaServer:
             # Its own session: a Ctrl-C meant for us must not stop the engine before
             # we have drained and saved. But if we die unasked, it goes with us.
             start_new_session=True,
-            preexec_fn=_die_with_parent,
-            # What it writes (slot files, their temporaries) is private, whatever our umask.
-            umask=0o077,
+            preexec_fn=_engine_preexec,
         )
 
     def _engine_env(self) -> dict[str, str]:
