@@ -46,7 +46,9 @@ def _uvloop_installed() -> bool:
 
 
 @pytest.mark.parametrize("event_loop", [
-    "asyncio", pytest.param("uvloop", marks=pytest.mark.skipif(not _uvloop_installed(), reason="uvloop not installed"))])
+    "asyncio",
+    pytest.param("uvloop", marks=pytest.mark.skipif(not _uvloop_installed(), reason="uvloop not installed")),
+])
 def test_run_serves_then_stops_cleanly_on_sigterm(tmp_path, strata_demo_model, event_loop):
     port = free_port("127.0.0.1")
     log_file = tmp_path / "server.log"

@@ -20,7 +20,8 @@ def sse(*events: dict | str, named: bool = False) -> bytes:
 
 
 def token(text: str) -> dict:
-    return {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}], "object": "chat.completion.chunk"}
+    return {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}],
+            "object": "chat.completion.chunk"}
 
 
 STREAMS = {
