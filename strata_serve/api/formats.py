@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 from typing import Any
 
 from strata_serve.api.errors import ErrorShape
@@ -35,9 +34,9 @@ class ApiFormat:
     done_markers: tuple[bytes, ...] = (b"[DONE]",)
 
     @functools.cached_property
-    def worth_reading(self) -> re.Pattern[bytes]:
+    def worth_reading(self) -> tuple[bytes, ...]:
         """Found in a chunk that holds an event worth reading (a marker, or an end)."""
-        return re.compile(b"|".join(re.escape(marker) for marker in self.markers + self.done_markers))
+        return self.markers + self.done_markers
 
     def timings(self, answer: Any) -> dict[str, Any] | None:
         """The ``timings`` of a whole (non-streamed) answer, read from ``usage`` if need be."""
@@ -192,8 +191,12 @@ class StreamSeen:
         self._timings = value
 
     def feed(self, chunk: bytes) -> None:
-        if not self._buffer and chunk.endswith(b"\n") and self.api.worth_reading.search(chunk) is None:
-            return  # whole events of plain tokens (most chunks): one search, nothing to learn
+        if not self._buffer and chunk.endswith(b"\n"):
+            for marker in self.api.worth_reading:
+                if marker in chunk:
+                    break
+            else:
+                return  # whole events of plain tokens (most chunks): nothing to learn
         self._buffer += chunk
         *lines, self._buffer = self._buffer.split(b"\n")
         for line in lines:
