@@ -71,7 +71,7 @@ $(VENV)/.engine-$(ENGINE_KEY): $(WHEELHOUSE)/.built | $(BIN)/python
 	touch $@
 
 $(VENV)/.installed: pyproject.toml $(wildcard plugins/*/pyproject.toml) $(VENV)/.engine-$(ENGINE_KEY)
-	$(BIN)/python -m pip install -q -e '.[demo,test,bench]' $(foreach d,$(PLUGIN_DIRS),-e $(d))
+	$(BIN)/python -m pip install -q -e '.[demo,test,bench,uvloop]' $(foreach d,$(PLUGIN_DIRS),-e $(d))
 	touch $@
 
 # The example plugins stand for a stranger's plugin: installed for the tests, kept

@@ -13,7 +13,6 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -21,7 +20,8 @@ from typing import Any
 
 
 from bench import prefix, switchback, workloads
-from bench.harness import bare_engine, chat, client_session, conversation, percentile, spread, strata
+from bench.harness import bare_engine, chat, client_session, conversation, spread, strata
+from bench.layer_cost import HEADER as LAYER_HEADER, layer_cost, sizes as layer_sizes, summary as layer_summary
 from strata_serve.demo_model import write_demo_model
 from strata_serve.engine import LlamaServer
 from strata_serve.config import EngineSettings
@@ -42,36 +42,6 @@ async def engine_start(models: dict[str, Path], runs: int) -> dict[str, list[flo
     return found
 
 
-async def overhead(model: Path, work: Path, requests: int) -> dict[str, Any]:
-    """What the layer costs: per-request latency and streaming speed, direct against through strata-serve."""
-    messages = conversation("latency", 64)
-    setups = {
-        "llama-server directly": lambda d: bare_engine(model, 4096, d, 0),
-        "strata-serve, no plugins": lambda d: strata(model, 4096, d, 0, entrypoints=False),
-        "strata-serve (installed plugins)": lambda d: strata(model, 4096, d, 0,
-                                                             plugins={"auto_sessions": {"min_tokens": 100}}),
-    }
-    found: dict[str, Any] = {}
-    for name, make in setups.items():
-        async with make(work / name.replace(" ", "-")) as url, client_session() as session:
-            await chat(session, url, messages)  # warm: the prompt is now cached
-            single = [(await chat(session, url, messages)).total_s for _ in range(requests)]
-
-            async def client(n: int) -> list[float]:
-                return [(await chat(session, url, messages)).total_s for _ in range(requests // 8)]
-
-            began = time.perf_counter()
-            eight = [t for batch in await asyncio.gather(*(client(n) for n in range(8))) for t in batch]
-            eight_wall = time.perf_counter() - began
-            streams = []
-            for _ in range(3):
-                reply = await chat(session, url, messages, max_tokens=256)
-                streams.append(reply.timings.get("predicted_n", 0) / (reply.total_s - reply.ttft_s))
-        found[name] = {
-            "p50_ms": percentile(single, 50) * 1000, "p99_ms": percentile(single, 99) * 1000,
-            "p50_8_ms": percentile(eight, 50) * 1000, "p99_8_ms": percentile(eight, 99) * 1000,
-            "rps_8": len(eight) / eight_wall, "stream_tps": statistics.median(streams),
-        }
     return found
 
 
@@ -138,21 +108,19 @@ def report(results: dict[str, Any], quick: bool, command: str) -> str:
         lines.append(f"| {size} | {spread(values)} |")
     lines += [
         "",
-        "## What the layer costs (tiny model, cached 64-token prompt, 1 new token)",
+        "## What the layer costs: strata-serve against the very engine it started",
         "",
-        "| setup | p50 ms | p99 ms | p50 ms, 8 clients | p99 ms, 8 clients | req/s, 8 clients | stream tokens/s |",
-        "|---|---|---|---|---|---|---|",
+        "`strata-serve run` in its own process (installed plugins), told its engine's port and key; each",
+        "figure alternates a request straight to that engine with one through strata-serve. A cached",
+        "64-token prompt and 1 new token per request; 8 clients share one connection pool; streams of",
+        f"{results['overhead_sizes']['stream_tokens']} tokens (tokens/s over the whole call). The layer's CPU is "
+        "its own process's (user + system), read from /proc.",
+        "",
+        *LAYER_HEADER,
     ]
-    over = results["overhead"]
-    for name, v in over.items():
-        lines.append(f"| {name} | {v['p50_ms']:.1f} | {v['p99_ms']:.1f} | {v['p50_8_ms']:.1f} | "
-                     f"{v['p99_8_ms']:.1f} | {v['rps_8']:.0f} | {v['stream_tps']:.0f} |")
-    direct, bare_layer = over["llama-server directly"], over["strata-serve, no plugins"]
-    layered = over["strata-serve (installed plugins)"]
-    lines += ["", f"Added latency per request (p50): {bare_layer['p50_ms'] - direct['p50_ms']:.1f} ms for the "
-              f"layer, {layered['p50_ms'] - bare_layer['p50_ms']:.1f} ms more for the installed plugins on a "
-              f"request that needs no switch; streaming speed through strata-serve: "
-              f"{layered['stream_tps'] / direct['stream_tps']:.2f}x direct.", ""]
+    for name, v in results["overhead"].items():
+        lines += layer_summary(name, v)
+    lines.append("")
 
     lines += switchback.report(results["switch_back"])
     lines += ["", f"What the project README says: {switchback.readme_sentence(results['switch_back'])}"]
@@ -217,6 +185,11 @@ AGENT_PLANS = {
 }
 
 
+def _made(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
 async def main(quick: bool, out: Path, sizes: list[int] | None = None, command: str | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="strata-bench-") as tmp:
@@ -240,8 +213,15 @@ async def main(quick: bool, out: Path, sizes: list[int] | None = None, command: 
             "machine": machine(),
             "engine_start": await engine_start({"tiny": tiny, "bench": bench_model}, 2 if quick else 5),
         }
-        lap("layer overhead...")
-        results["overhead"] = await overhead(tiny, work, 40 if quick else 200)
+        lap("layer cost...")
+        results["overhead_sizes"] = layer_sizes("tiny", quick)
+        results["overhead"] = {
+            "tiny": await layer_cost(tiny, _made(work / "layer-tiny"), **layer_sizes("tiny", quick)),
+        }
+        smollm2 = packaged_model_path("smollm2")
+        if not quick and smollm2 is not None:
+            results["overhead"]["smollm2"] = await layer_cost(Path(smollm2), _made(work / "layer-smollm2"),
+                                                              **layer_sizes("smollm2", quick))
         lap("switching back...")
         sizes = sizes or ([512] if quick else FULL_SIZES)
         results["switch_back"] = await switchback.switch_back(bench_model, work, sizes, 1 if quick else 2,

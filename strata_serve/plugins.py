@@ -149,22 +149,19 @@ _traced: weakref.WeakSet[pluggy.PluginManager] = weakref.WeakSet()
 
 
 def _trace(pm: pluggy.PluginManager, hook_name: str, plugin: str, result: Any) -> None:
-    if pm in _traced:
+    # Called for every implementation of every hook: asking the (most often empty) set
+    # first spares the weak reference a membership test makes.
+    if _traced and pm in _traced:
         log.info("[trace] %s -> %s returned %r", hook_name, plugin, result)
 
 
 def impl_plugin_name(pm: pluggy.PluginManager, impl: pluggy.HookImpl) -> str:
-    return pm.get_name(impl.plugin) or impl.plugin_name
+    # The name the plugin was registered under (pluggy's get_name() would search every plugin).
+    return impl.plugin_name
 
 
 def call_impl(impl: pluggy.HookImpl, kwargs: dict[str, Any]) -> Any:
     return impl.function(*[kwargs[name] for name in impl.argnames])
-
-
-async def await_me_maybe(value: Any) -> Any:
-    if inspect.isawaitable(value):
-        return await value
-    return value
 
 
 async def broadcast(pm: pluggy.PluginManager, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
@@ -178,9 +175,13 @@ async def broadcast(pm: pluggy.PluginManager, hook_name: str, **kwargs: Any) -> 
     hook = getattr(pm.hook, hook_name)
     # pluggy calls the last registered first (tryfirst/trylast already sorted in).
     for impl in reversed(hook.get_hookimpls()):
-        name = impl_plugin_name(pm, impl)
+        name = impl.plugin_name
         try:
-            result = await await_me_maybe(call_impl(impl, kwargs))
+            result = impl.function(*[kwargs[arg] for arg in impl.argnames])
+            # Most implementations are plain functions that return None: await only what
+            # needs it, without a coroutine of our own around every call.
+            if result is not None and inspect.isawaitable(result):
+                result = await result
             _trace(pm, hook_name, name, result)
             results.append((name, result))
         except Exception:

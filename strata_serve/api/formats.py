@@ -11,6 +11,7 @@ engine sends no ``timings``, they are read from ``usage``.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -29,6 +30,13 @@ class ApiFormat:
     #: Bytes that mark an SSE event worth parsing; a plain token event is passed by unparsed.
     markers: tuple[bytes, ...] = (b'"timings"', b'"usage"', b'"error"', b'"finish_reason":"',
                                   b'"finish_reason": "')
+    #: Bytes without which a ``data:`` line cannot end the stream (see :meth:`done`).
+    done_markers: tuple[bytes, ...] = (b"[DONE]",)
+
+    @functools.cached_property
+    def worth_reading(self) -> tuple[bytes, ...]:
+        """Found in a chunk that holds an event worth reading (a marker, or an end)."""
+        return self.markers + self.done_markers
 
     def timings(self, answer: Any) -> dict[str, Any] | None:
         """The ``timings`` of a whole (non-streamed) answer, read from ``usage`` if need be."""
@@ -111,6 +119,8 @@ class AnthropicFormat(ApiFormat):
         elif kind == "error":
             seen.error = str(event.get("error"))
 
+    done_markers = ()
+
     def done(self, data: bytes, seen: StreamSeen) -> bool:
         return False
 
@@ -181,6 +191,12 @@ class StreamSeen:
         self._timings = value
 
     def feed(self, chunk: bytes) -> None:
+        if not self._buffer and chunk.endswith(b"\n"):
+            for marker in self.api.worth_reading:
+                if marker in chunk:
+                    break
+            else:
+                return  # whole events of plain tokens (most chunks): nothing to learn
         self._buffer += chunk
         *lines, self._buffer = self._buffer.split(b"\n")
         for line in lines:

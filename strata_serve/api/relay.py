@@ -266,15 +266,27 @@ async def _relay_stream(
         )
         await response.prepare(request)
         seen = StreamSeen(api)
+        # The bytes after the event that ends the stream wait for the engine's end, to leave
+        # with the stream's own end in one write: each write is a system call, as costly as
+        # all the relay's Python work for a short answer.
+        held = b""
         try:
             async for chunk in upstream.chunks():
                 seen.feed(chunk)
-                await response.write(chunk)
-            await response.write_eof()
+                if held:
+                    await response.write(held)
+                    held = b""
+                if seen.finished:
+                    held = chunk
+                else:
+                    await response.write(chunk)
+            await response.write_eof(held)
         except EngineUnavailable as exc:
             # Headers are gone already: tell the client in the stream itself.
             outcome.error = str(exc)
             with contextlib.suppress(ConnectionError):
+                if held:
+                    await response.write(held)
                 await _end_with_error(response, str(exc), "engine_error", api)
             return response
         except ConnectionError:
@@ -287,6 +299,8 @@ async def _relay_stream(
                 # Cut at the end of the shutdown grace: end the stream properly, saying why.
                 outcome.error = "cut: the server is shutting down"
                 with contextlib.suppress(ConnectionError, RuntimeError):
+                    if held:
+                        await response.write(held)
                     await _end_with_error(response, outcome.error, "service_unavailable", api)
             raise
         finally:

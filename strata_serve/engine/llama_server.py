@@ -46,6 +46,14 @@ CORS_SHUT = "none"
 RESTARTED_DURING_CALL = "the engine was restarted during the call, which it never received; try again"
 #: prctl(2) option: the signal a process gets when its parent dies.
 PR_SET_PDEATHSIG = 1
+#: How long an idle connection to the engine is kept for the next call. llama-server closes
+#: one after 5 s idle (it says ``Keep-Alive: timeout=5``); giving it up well before that,
+#: we never send on a connection the engine is closing at that moment.
+KEEPALIVE_S = 2.0
+#: Asked of the engine for a streamed call: llama-server closes the connection after a
+#: stream whatever was asked; asking for it makes it say so (``Connection: close``), so the
+#: connection is never put back for another call.
+CLOSE_AFTER = {"Connection": "close"}
 
 
 def resolve_binary(configured: Path | None = None) -> Path:
@@ -86,8 +94,12 @@ def packaged_binary() -> Path | None:
     return None
 
 
-def _die_with_parent() -> None:
-    """In the engine's process, before exec: SIGTERM it when strata-serve dies (Linux)."""
+def _engine_preexec() -> None:
+    """In the engine's process, before exec: its files private, and SIGTERM when strata-serve dies.
+
+    The umask is set here rather than through ``umask=``, which uvloop's subprocesses refuse.
+    """
+    os.umask(0o077)  # what it writes (slot files, their temporaries) is private, whatever our umask
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -349,9 +361,9 @@ class LlamaServer:
         if self._api_key is not None:
             headers["Authorization"] = f"Bearer {self._api_key.get_secret_value()}"
         self._session = aiohttp.ClientSession(
-            # llama-server may close a connection after a streamed answer; a pooled
-            # connection could then fail the next request. A local connect is cheap.
-            connector=aiohttp.TCPConnector(force_close=True),
+            # Connections are kept for the next call (a connect per call was the largest
+            # part of what the layer added to a request), except a stream's (CLOSE_AFTER).
+            connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S),
             headers=headers,
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=self.settings.request_timeout_s),
         )
@@ -524,9 +536,7 @@ class LlamaServer:
             # Its own session: a Ctrl-C meant for us must not stop the engine before
             # we have drained and saved. But if we die unasked, it goes with us.
             start_new_session=True,
-            preexec_fn=_die_with_parent,
-            # What it writes (slot files, their temporaries) is private, whatever our umask.
-            umask=0o077,
+            preexec_fn=_engine_preexec,
         )
 
     def _engine_env(self) -> dict[str, str]:
@@ -675,6 +685,24 @@ class LlamaServer:
         await self._wait_up()
         return self._proc is not proc
 
+    async def _dropped_unanswered(self, proc: asyncio.subprocess.Process | None, resend: bool) -> bool:
+        """A kept connection closed before any answer came: send again on another one?
+
+        An engine may close an idle connection just as a call goes out on it; the call
+        then reached nothing, and sending it again is safe. But a connection also closes
+        unanswered when the engine dies with the call in hand: that is told as today
+        (the engine stopped while answering), never sent to the next engine. An engine
+        we started is known to live on by its process; one we attach to is not, so a
+        call that must not reach another engine (``resend=False``) is not sent again.
+        """
+        if self._stopping:
+            return False
+        if not self.managed:
+            return resend
+        # Rare (idle connections are given up before the engine closes them): waiting to
+        # be sure the process lives on costs little.
+        return proc is not None and not await _exited(proc, 1.0) and not self._replaced(proc)
+
     async def _gone(self, exc: BaseException, proc: asyncio.subprocess.Process | None) -> EngineUnavailable:
         """Describe a lost connection; ``proc`` is the engine process the call went to."""
         if self.managed and proc is not None and await _exited(proc, 1.0):
@@ -708,15 +736,20 @@ class LlamaServer:
         With ``resend``, a call that delivered nothing because the engine had just died
         is sent again once a new one is up. Slot operations pass ``resend=False``: the
         engine that comes back holds nothing, so saving it under the old name would be a lie.
+        Connections are kept between calls; one the engine closed before answering is
+        replaced and the call sent once more (see :meth:`_dropped_unanswered`).
 
         :raises EngineUnavailable: when the engine cannot be reached.
         """
         assert self._session is not None
-        for attempt in range(2 if resend else 1):
+        resent = dropped = False
+        while True:
             await self._wait_up()
             proc = self._proc
+            answered = False
             try:
                 async with self._session.request(method, self.info.url + path, json=json) as resp:
+                    answered = True
                     if resp.status == 503 and self._replaced(proc):
                         pass  # a new process, still loading, answered: nothing was done
                     elif resp.content_type == "application/json":
@@ -724,13 +757,20 @@ class LlamaServer:
                     else:
                         return resp.status, await resp.text()
             except aiohttp.ClientConnectorError as exc:
-                if resend and attempt == 0 and await self._came_back(proc):
+                if resend and not resent and await self._came_back(proc):
+                    resent = True
+                    continue
+                raise await self._gone(exc, proc) from exc
+            except aiohttp.ServerDisconnectedError as exc:
+                if not answered and not dropped and await self._dropped_unanswered(proc, resend):
+                    dropped = True
                     continue
                 raise await self._gone(exc, proc) from exc
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as exc:
                 raise await self._gone(exc, proc) from exc
-            if not (resend and attempt == 0 and await self._came_back(proc)):
+            if not (resend and not resent and await self._came_back(proc)):
                 break
+            resent = True
         raise EngineUnavailable(RESTARTED_DURING_CALL, status=502)
 
     @contextlib.asynccontextmanager
@@ -738,23 +778,32 @@ class LlamaServer:
         """A streamed call; leaving it early drops the connection, which stops the engine's work.
 
         Like :meth:`request`, it waits until the engine is up and is sent again once when
-        it delivered nothing to an engine that had just died.
+        it delivered nothing to an engine that had just died, or when the kept connection
+        it went out on was closed before any answer. Its own connection is not kept.
         """
         assert self._session is not None
-        for attempt in range(2):
+        resent = dropped = False
+        while True:
             await self._wait_up()
             proc = self._proc
             try:
-                resp = await self._session.post(self.info.url + path, json=json)
+                resp = await self._session.post(self.info.url + path, json=json, headers=CLOSE_AFTER)
             except aiohttp.ClientConnectorError as exc:
-                if attempt == 0 and await self._came_back(proc):
+                if not resent and await self._came_back(proc):
+                    resent = True
+                    continue
+                raise await self._gone(exc, proc) from exc
+            except aiohttp.ServerDisconnectedError as exc:
+                if not dropped and await self._dropped_unanswered(proc, True):
+                    dropped = True
                     continue
                 raise await self._gone(exc, proc) from exc
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
                 raise await self._gone(exc, proc) from exc
             if resp.status == 503 and self._replaced(proc):
                 resp.close()  # a new process, still loading, answered: nothing was done
-                if attempt == 0 and await self._came_back(proc):
+                if not resent and await self._came_back(proc):
+                    resent = True
                     continue
                 raise EngineUnavailable(RESTARTED_DURING_CALL, status=502)
             break
@@ -804,16 +853,25 @@ class StreamReply:
         except ValueError:
             return text
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """The bytes as they arrive.
+    def chunks(self) -> AsyncIterator[bytes]:
+        """The bytes as they arrive, as many as have arrived at each step.
 
         :raises EngineUnavailable: when the engine goes away mid-answer.
         """
+        return self
+
+    def __aiter__(self) -> StreamReply:
+        return self
+
+    async def __anext__(self) -> bytes:
+        # A plain iterator rather than an async generator: one step less for every chunk.
         try:
-            async for chunk in self._resp.content.iter_any():
-                yield chunk
+            chunk = await self._resp.content.readany()
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as exc:
             raise await self._gone(exc) from exc
+        if not chunk:
+            raise StopAsyncIteration
+        return chunk
 
 
 def _error_message(body: Any) -> str:

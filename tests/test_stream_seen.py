@@ -1,0 +1,73 @@
+"""What the relay learns from a stream does not depend on how the bytes were cut into chunks."""
+
+import json
+
+from hypothesis import given, strategies as st
+
+from strata_serve.api.formats import ANTHROPIC, LLAMA, OPENAI, RESPONSES, StreamSeen
+
+TIMINGS = {"cache_n": 40, "prompt_n": 7, "predicted_n": 3}
+
+
+def sse(*events: dict | str, named: bool = False) -> bytes:
+    out = b""
+    for event in events:
+        data = event if isinstance(event, str) else json.dumps(event, separators=(",", ":"))
+        if named and isinstance(event, dict):
+            out += f"event: {event['type']}\n".encode()
+        out += f"data: {data}\n\n".encode()
+    return out
+
+
+def token(text: str) -> dict:
+    return {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}],
+            "object": "chat.completion.chunk"}
+
+
+STREAMS = {
+    "openai": (OPENAI, sse(*[token(t) for t in ("a", "b", "c")],
+                           {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}], "timings": TIMINGS},
+                           "[DONE]")),
+    "openai, ended by [DONE] alone": (OPENAI, sse(token("a"), token("b"), "[DONE]")),
+    "openai, an error": (OPENAI, sse(token("a"), {"error": {"message": "boom"}})),
+    "llama": (LLAMA, sse({"content": "a", "stop": False}, {"content": "", "stop": True, "timings": TIMINGS})),
+    "anthropic": (ANTHROPIC, sse(
+        {"type": "message_start", "message": {"usage": {"input_tokens": 7, "cache_read_input_tokens": 40}}},
+        {"type": "content_block_delta", "delta": {"type": "text_delta", "text": "a"}},
+        {"type": "message_delta", "usage": {"output_tokens": 3}},
+        {"type": "message_stop"}, named=True)),
+    "responses": (RESPONSES, sse(
+        {"type": "response.output_text.delta", "delta": "a"},
+        {"type": "response.completed", "response": {"usage": {"input_tokens": 47, "output_tokens": 3,
+                                                              "input_tokens_details": {"cached_tokens": 40}}},
+         "timings": TIMINGS},
+        "[DONE]", named=True)),
+}
+
+
+def learnt(api, chunks: list[bytes]) -> tuple:
+    seen = StreamSeen(api)
+    for chunk in chunks:
+        seen.feed(chunk)
+    return seen.timings, seen.usage, seen.finished, seen.error
+
+
+def test_every_stream_tells_its_numbers_and_its_end():
+    for name, (api, stream) in STREAMS.items():
+        timings, _usage, finished, error = learnt(api, [stream])
+        if name == "openai, an error":
+            assert error is not None and "boom" in error and not finished
+        elif name == "openai, ended by [DONE] alone":
+            assert finished and error is None and timings is None
+        else:
+            assert finished and error is None, name
+            assert {k: timings[k] for k in TIMINGS} == TIMINGS, name
+
+
+@given(st.sampled_from(sorted(STREAMS)), st.lists(st.integers(min_value=0, max_value=2000), max_size=40))
+def test_the_same_whatever_the_chunks(name, cuts):
+    api, stream = STREAMS[name]
+    points = sorted({cut % (len(stream) + 1) for cut in cuts})
+    chunks = [stream[a:b] for a, b in zip([0, *points], [*points, len(stream)])]
+    assert learnt(api, chunks) == learnt(api, [stream])
+    assert learnt(api, [bytes([byte]) for byte in stream]) == learnt(api, [stream])
