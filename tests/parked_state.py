@@ -17,8 +17,10 @@ exactly what the parked state holds (measured: a difference of 0).
 
 from __future__ import annotations
 
+import asyncio
 import math
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -140,3 +142,12 @@ async def wrong_state_answer(engine, slot_dir: Path, a: list[dict[str, Any]], b:
     timings = answer["timings"]
     assert timings["cache_n"] >= 0.9 * saved["a"]["n_saved"] - 20, f"the wrong state was not reused: {timings}"
     return answer
+
+
+async def settle(client, deadline_s: float = 30) -> None:
+    """Wait (bounded) until the service is idle: every request has run or left."""
+    fifo = client.app[SERVICE].fifo
+    deadline = time.monotonic() + deadline_s
+    while not fifo.idle:
+        assert time.monotonic() < deadline, "the service never went idle"
+        await asyncio.sleep(0.02)

@@ -20,7 +20,7 @@ import httpx
 from strata_serve.api import SERVICE
 from strata_serve.testing import conversation
 
-from tests.parked_state import TOLERANCE, logprob_body, logprob_distance
+from tests.parked_state import logprob_body, logprob_distance, settle
 
 #: A turn reused its own state when it reused at least this much of its ~750-token opening.
 OWN_STATE = 600
@@ -58,14 +58,6 @@ async def ask(client, body: dict) -> tuple[dict, dict]:
 
 def more(messages: list[dict], text: str) -> list[dict]:
     return messages + [{"role": "assistant", "content": "noted"}, {"role": "user", "content": text}]
-
-
-async def settle(client, deadline_s: float = 60) -> None:
-    fifo = client.app[SERVICE].fifo
-    deadline = time.monotonic() + deadline_s
-    while not fifo.idle:
-        assert time.monotonic() < deadline, "the service never went idle"
-        await asyncio.sleep(0.02)
 
 
 def numbers(client) -> dict:
@@ -210,7 +202,7 @@ async def test_engine_killed_mid_save_on_one_slot_while_another_streams(auto_cli
             assert "error" in await reply.json()
     assert service.engine.generation == generation + 1, "the engine died once and came back"
     monkeypatch.setattr(service.engine, "save", real_save)
-    await settle(client)
+    await settle(client, 60)
     directory = Path(service.engine.info.slot_save_path)
     assert not list(directory.glob("tmp-*")), "no half-written file is left"
     # The engine is back; every slot's picture is of the new engine, and the next requests run.
@@ -256,7 +248,7 @@ async def test_an_engine_that_empties_idle_slots_itself_loses_no_conversation(au
     url = url_of(client)
     a, b = conversation("kvu-a"), conversation("kvu-b")
     _, ha = await stream_turn(url, a)
-    await settle(client)
+    await settle(client, 60)
     assert numbers(client)["saves"] == 1, "A was saved as its answer ended"
     await stream_turn(url, b)  # A's slot is emptied as B starts
     engine = {e["id"]: e.get("n_prompt_tokens") for e in await service.engine.slots()}

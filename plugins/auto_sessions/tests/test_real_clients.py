@@ -21,6 +21,8 @@ import requests
 from strata_serve.api import SERVICE
 from strata_serve.testing import conversation
 
+from tests.parked_state import settle
+
 #: How each request's client behaves.
 PATTERNS = (
     "after_last_event",   # read up to the event with the timings, then close (before [DONE])
@@ -85,15 +87,6 @@ async def read_all(url: str, messages: list[dict]) -> dict:
         return reply.json()
 
     return await asyncio.to_thread(call)
-
-
-async def settle(client, deadline_s: float = 30) -> None:
-    """Wait (bounded) until the FIFO is idle: every request has run or left."""
-    fifo = client.app[SERVICE].fifo
-    deadline = time.monotonic() + deadline_s
-    while not fifo.idle:
-        assert time.monotonic() < deadline, "the FIFO never went idle"
-        await asyncio.sleep(0.02)
 
 
 @pytest.mark.parametrize("cache_ram_mib,parallel", [(0, 1), (1, 1), (None, 1), (0, 2), (None, 2)],
