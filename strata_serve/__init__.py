@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from strata_serve.exchange import EngineError, KeyRefused, Outcome, StrataRequest, Verdict
+from strata_serve.hook_types import EngineError, KeyRefused, Outcome, StrataRequest, Verdict
 from strata_serve.hookspecs import hookimpl
 
 __version__ = "0.1.0"
@@ -31,14 +31,14 @@ _LAZY = {
     "SlotState": "strata_serve.slot_state",
     "Service": "strata_serve.service",
     "APIError": "strata_serve.api.errors",
-    "SERVICE": "strata_serve.api.keys",
-    "TENANT": "strata_serve.api.keys",
+    "SERVICE": "strata_serve.api.app_state",
+    "TENANT": "strata_serve.api.app_state",
     "first_result": "strata_serve.plugins",
     "call_each_sync": "strata_serve.plugins",
-    "message_text": "strata_serve.default_plugins.conversation_key",
-    "first_user_text": "strata_serve.default_plugins.conversation_key",
-    "opening": "strata_serve.default_plugins.conversation_key",
-    "text_key": "strata_serve.default_plugins.conversation_key",
+    "message_text": "strata_serve.default_plugins.opening_key",
+    "first_user_text": "strata_serve.default_plugins.opening_key",
+    "opening": "strata_serve.default_plugins.opening_key",
+    "text_key": "strata_serve.default_plugins.opening_key",
     "PRIVATE_FILE_MODE": "strata_serve.files",
     "make_private_dir": "strata_serve.files",
 }

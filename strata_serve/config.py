@@ -9,6 +9,7 @@ Each plugin owns the section ``plugins.<name>`` and validates it itself through
 from __future__ import annotations
 
 import json
+import logging
 import re
 import tomllib
 from pathlib import Path
@@ -32,12 +33,33 @@ from pydantic_settings import (
 
 M = TypeVar("M", bound=BaseModel)
 
+log = logging.getLogger("strata_serve.config")
+
+
+#: Built-in plugins that were renamed: old name -> new name. The old names still
+#: work in ``disable_plugins`` and ``server.conversation_key_order``, with a warning.
+RENAMED_PLUGINS = {"conversation_key": "opening_key"}
+
 
 def split_names(value: Any) -> Any:
     """``"a, b"`` (from the environment) -> ``["a", "b"]``; lists pass through."""
     if isinstance(value, str):
         return [name.strip() for name in value.split(",") if name.strip()]
     return value
+
+
+def plugin_names(value: Any) -> Any:
+    """:func:`split_names`, with a renamed built-in plugin's old name replaced by its new one."""
+    value = split_names(value)
+    if not isinstance(value, list):
+        return value
+    names = []
+    for name in value:
+        if isinstance(name, str) and name in RENAMED_PLUGINS:
+            log.warning("[strata] the plugin %r is now called %r; please use the new name", name, RENAMED_PLUGINS[name])
+            name = RENAMED_PLUGINS[name]
+        names.append(name)
+    return names
 
 
 def check_api_key(key: SecretStr | None, what: str) -> SecretStr | None:
@@ -59,10 +81,15 @@ class ConfigError(Exception):
 class ServerSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    @field_validator("conversation_key_order", "allowed_origins", mode="before")
+    @field_validator("allowed_origins", mode="before")
     @classmethod
     def _split_lists(cls, value: Any) -> Any:
         return split_names(value)
+
+    @field_validator("conversation_key_order", mode="before")
+    @classmethod
+    def _plugin_names(cls, value: Any) -> Any:
+        return plugin_names(value)
 
     @field_validator("api_keys")
     @classmethod
@@ -193,7 +220,7 @@ class Settings(BaseSettings):
     @field_validator("disable_plugins", mode="before")
     @classmethod
     def _split_names(cls, value: Any) -> Any:
-        return split_names(value)
+        return plugin_names(value)
 
     @model_validator(mode="after")
     def _strict_isolation_needs_no_ram_cache(self) -> Settings:

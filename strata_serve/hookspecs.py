@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from strata_serve.config import Settings
     from strata_serve.engine.base import Engine
-    from strata_serve.exchange import EngineError, Outcome, StrataRequest, Verdict
+    from strata_serve.hook_types import EngineError, Outcome, StrataRequest, Verdict
     from strata_serve.service import Service
 
 PROJECT = "strata_serve"

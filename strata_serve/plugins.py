@@ -21,7 +21,7 @@ ENTRY_POINT_GROUP = "strata_serve"
 
 DEFAULT_PLUGINS = (
     "strata_serve.default_plugins.llama_server",
-    "strata_serve.default_plugins.conversation_key",
+    "strata_serve.default_plugins.opening_key",
     "strata_serve.default_plugins.tenant_isolation",
 )
 

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from strata_serve.config import Settings
 from strata_serve.engine.base import Engine, EngineUnavailable
-from strata_serve.exchange import EngineError, KeyRefused, Outcome, StrataRequest, Verdict
+from strata_serve.hook_types import EngineError, KeyRefused, Outcome, StrataRequest, Verdict
 from strata_serve.plugins import broadcast, first_result
 from strata_serve.slot_state import SlotPicture, SlotState, tokens_after
 

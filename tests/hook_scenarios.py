@@ -134,7 +134,7 @@ async def parking_still_saves(env: Env, plugin: object) -> None:
     for messages in (a, b):  # the switch to b parks a, asking for a verdict first
         resp = await client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
         assert resp.status == 200, await resp.text()
-    from strata_serve.exchange import StrataRequest
+    from strata_serve.hook_types import StrataRequest
 
     service = client.app[SERVICE]
     key = service.conversation_key(StrataRequest(route="chat", body={"messages": a}))

@@ -7,8 +7,8 @@ import hashlib
 import pytest
 
 import strata_system_prompt_key
-from strata_serve.default_plugins.conversation_key import conversation_key
-from strata_serve.exchange import StrataRequest
+from strata_serve.default_plugins.opening_key import conversation_key
+from strata_serve.hook_types import StrataRequest
 
 TEXT = "Describe this picture"
 RED, BLUE = "data:image/png;base64,cmVk", "data:image/png;base64,Ymx1ZQ=="

@@ -1,5 +1,6 @@
 """Plugin discovery, toggles, listing, configuration refusal and added routes."""
 
+import logging
 import subprocess
 import sys
 
@@ -52,9 +53,17 @@ def test_entry_point_plugins_load_and_can_be_turned_off(probe_installed):
 
 
 def test_the_default_key_plugin_is_an_ordinary_plugin():
-    assert "conversation_key" in names(get_plugin_manager(Settings(), entrypoints=False))
-    off = Settings(disable_plugins=["conversation_key"])
-    assert "conversation_key" not in names(get_plugin_manager(off, entrypoints=False))
+    assert "opening_key" in names(get_plugin_manager(Settings(), entrypoints=False))
+    off = Settings(disable_plugins=["opening_key"])
+    assert "opening_key" not in names(get_plugin_manager(off, entrypoints=False))
+
+
+def test_the_default_key_plugins_old_name_still_turns_it_off(caplog):
+    caplog.set_level(logging.WARNING, logger="strata_serve.config")
+    off = Settings(disable_plugins="conversation_key", server={"conversation_key_order": ["conversation_key"]})
+    assert off.disable_plugins == ["opening_key"] and off.server.conversation_key_order == ["opening_key"]
+    assert "opening_key" not in names(get_plugin_manager(off, entrypoints=False))
+    assert any("now called 'opening_key'" in r.getMessage() for r in caplog.records)
 
 
 def test_plugin_refuses_unknown_and_wrong_typed_keys(probe_installed):

@@ -147,7 +147,7 @@ async def test_engine_killed_during_a_slot_operation(auto_client, during, caplog
 
 
 def _req(messages):
-    from strata_serve.exchange import StrataRequest
+    from strata_serve.hook_types import StrataRequest
 
     return StrataRequest(route="chat", body={"messages": messages})
 

@@ -228,7 +228,7 @@ async def test_conversation_key_order_decides_which_plugin_wins(
     await client.post("/v1/chat/completions", json=chat_body())
     assert recorder.keys[-1] == "from-first_keyer"
 
-    settings = strata_settings_factory(server={"conversation_key_order": ["conversation_key"]})
+    settings = strata_settings_factory(server={"conversation_key_order": ["opening_key"]})
     client = await strata_client_factory(first, second, recorder, settings=settings)
     await client.post("/v1/chat/completions", json=chat_body("ordered"))
     assert len(recorder.keys[-1]) == 16, "the built-in default can be put first too"

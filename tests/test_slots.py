@@ -2,7 +2,7 @@
 
 import pytest
 
-from strata_serve.api.keys import SERVICE
+from strata_serve.api.app_state import SERVICE
 from strata_serve.testing import assert_openai_error, chat_body
 
 PROMPT = "Tell me about the sea and the ships that sail on it"

@@ -15,7 +15,7 @@ from strata_auto_sessions.store import SessionStore, Sidecar
 from strata_serve.api import SERVICE
 from strata_serve.config import ConfigError, load_settings
 from strata_serve.engine.llama_server import build_command
-from strata_serve.exchange import EngineError
+from strata_serve.hook_types import EngineError
 from strata_serve.testing import assert_openai_error, chat_body, conversation
 
 ROOT = Path(__file__).resolve().parent.parent

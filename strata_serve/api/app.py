@@ -14,7 +14,7 @@ from aiohttp import web
 
 from strata_serve.api import anthropic_routes, llama_routes, openai_routes, openapi, slots
 from strata_serve.api.errors import APIError, error_middleware
-from strata_serve.api.keys import SERVICE, TENANT
+from strata_serve.api.app_state import SERVICE, TENANT
 from strata_serve.config import ConfigError, Settings
 from strata_serve.engine import Engine
 from strata_serve.plugins import call_each_sync, first_result

@@ -21,9 +21,9 @@ from pydantic import BaseModel
 
 from strata_serve.api.errors import APIError
 from strata_serve.api.formats import OPENAI, ApiFormat, StreamSeen
-from strata_serve.api.keys import SERVICE, TENANT
+from strata_serve.api.app_state import SERVICE, TENANT
 from strata_serve.engine.base import EngineUnavailable
-from strata_serve.exchange import KeyRefused, Outcome, StrataRequest
+from strata_serve.hook_types import KeyRefused, Outcome, StrataRequest
 from strata_serve.service import QueueFull, Service, ShuttingDown
 from strata_serve.slot_state import state_source
 

@@ -21,11 +21,11 @@ from typing import Any
 from aiohttp import web
 
 from strata_serve.api.errors import APIError
-from strata_serve.api.keys import TENANT
+from strata_serve.api.app_state import TENANT
 from strata_serve.api.relay import read_json, service_errors, service_of
 from strata_serve.api.schemas import SlotFile
 from strata_serve.engine.base import EngineUnavailable
-from strata_serve.exchange import EngineError, Outcome, StrataRequest
+from strata_serve.hook_types import EngineError, Outcome, StrataRequest
 from strata_serve.service import TENANT_SEPARATOR
 
 routes = web.RouteTableDef()

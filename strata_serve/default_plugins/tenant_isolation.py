@@ -16,7 +16,7 @@ from typing import Any
 
 import strata_serve
 from strata_serve.engine.base import EngineUnavailable
-from strata_serve.exchange import EngineError, StrataRequest
+from strata_serve.hook_types import EngineError, StrataRequest
 
 log = logging.getLogger("strata_serve.tenant_isolation")
 

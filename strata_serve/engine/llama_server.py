@@ -24,7 +24,7 @@ from pydantic import SecretStr
 
 from strata_serve.config import ConfigError, EngineSettings
 from strata_serve.engine.base import EngineInfo, EngineUnavailable, StateLayout
-from strata_serve.exchange import EngineError
+from strata_serve.hook_types import EngineError
 from strata_serve.files import make_private_dir
 
 log = logging.getLogger("strata_serve.engine")

@@ -11,7 +11,7 @@ import pytest
 import strata_auto_sessions
 import strata_serve
 from strata_serve.api import SERVICE
-from strata_serve.exchange import Verdict
+from strata_serve.hook_types import Verdict
 from strata_serve.testing import conversation
 
 MIN_TOKENS = 100
@@ -41,7 +41,7 @@ async def ask(client, messages, **extra) -> dict:
 
 
 def key_of(client, messages) -> str:
-    from strata_serve.exchange import StrataRequest
+    from strata_serve.hook_types import StrataRequest
 
     return client.app[SERVICE].conversation_key(StrataRequest(route="chat", body={"messages": messages}))
 

@@ -13,7 +13,7 @@ import pytest
 import strata_quirks_llama_cpp
 import strata_serve
 from strata_serve.api import SERVICE
-from strata_serve.exchange import StrataRequest, Verdict
+from strata_serve.hook_types import StrataRequest, Verdict
 from strata_serve.testing import conversation
 
 from .test_auto_sessions import ask, key_of, log_lines, parking, slot_dir

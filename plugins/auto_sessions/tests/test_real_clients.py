@@ -167,6 +167,6 @@ async def test_a_client_that_leaves_during_the_switch_save_leaves_no_temporary(a
 
 
 def _request(messages):
-    from strata_serve.exchange import StrataRequest
+    from strata_serve.hook_types import StrataRequest
 
     return StrataRequest(route="chat", body={"messages": messages})

@@ -98,6 +98,6 @@ def test_hook_wrappers_are_refused_at_start(strata_settings_factory):
 
 
 def _request(messages):
-    from strata_serve.exchange import StrataRequest
+    from strata_serve.hook_types import StrataRequest
 
     return StrataRequest(route="chat", body={"messages": messages})

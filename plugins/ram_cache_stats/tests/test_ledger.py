@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from strata_serve.exchange import Outcome, StrataRequest
+from strata_serve.hook_types import Outcome, StrataRequest
 
 from strata_ram_cache_stats.ledger import Ledger, RamCacheStatsConfig
 

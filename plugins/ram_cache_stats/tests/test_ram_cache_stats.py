@@ -49,7 +49,7 @@ async def metrics(client) -> dict[str, float]:
 
 
 def key_of(client, messages) -> str:
-    from strata_serve.exchange import StrataRequest
+    from strata_serve.hook_types import StrataRequest
 
     return client.app[SERVICE].conversation_key(StrataRequest(route="chat", body={"messages": messages}))
 

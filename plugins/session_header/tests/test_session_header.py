@@ -7,7 +7,7 @@ from multidict import CIMultiDict
 
 import strata_serve
 import strata_session_header
-from strata_serve.exchange import StrataRequest
+from strata_serve.hook_types import StrataRequest
 from strata_serve.plugins import get_plugin_manager
 from strata_serve.testing import assert_openai_error, chat_body, KeyRecorder
 

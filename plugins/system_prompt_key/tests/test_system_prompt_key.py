@@ -2,7 +2,7 @@
 
 import strata_system_prompt_key
 from strata_serve.default_plugins import conversation_key as default_key
-from strata_serve.exchange import StrataRequest
+from strata_serve.hook_types import StrataRequest
 from strata_serve.testing import KeyRecorder
 
 

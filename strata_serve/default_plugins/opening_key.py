@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import strata_serve
-from strata_serve.exchange import StrataRequest
+from strata_serve.hook_types import StrataRequest
 
 #: The key every ``/infill`` request gets from this plugin.
 INFILL_KEY = "infill"
