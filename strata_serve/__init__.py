@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from strata_serve.hook_types import EngineError, KeyRefused, Outcome, StrataRequest, Verdict
+from strata_serve.hook_types import EngineError, KeyRefused, Outcome, StrataRequest, Timings, Verdict
 from strata_serve.hookspecs import hookimpl
 
 __version__ = "0.1.0"
@@ -43,7 +43,7 @@ _LAZY = {
     "make_private_dir": "strata_serve.files",
 }
 
-__all__ = ["hookimpl", "EngineError", "KeyRefused", "Outcome", "StrataRequest", "Verdict", *_LAZY]
+__all__ = ["hookimpl", "EngineError", "KeyRefused", "Outcome", "StrataRequest", "Timings", "Verdict", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -51,6 +51,41 @@ class StrataRequest:
     found_in_slot: bool = False
 
 
+@dataclass(frozen=True)
+class Timings:
+    """The work one answer cost, in the same terms whatever the backend.
+
+    Each engine backend reads its own numbers into this (``Engine.read_timings``:
+    llama-server's ``timings`` object has ``cache_n``, ``prompt_n``, ``predicted_n``,
+    ``prompt_ms`` and ``predicted_ms``); where an API reports ``usage`` alone (Anthropic's
+    Messages, the Responses API's plain answers), the token counts come from it and the
+    milliseconds are None. ``raw`` keeps what the engine sent, for a plugin that knows
+    the backend and wants more.
+    """
+
+    #: Prompt tokens the engine found already in the slot and did not read again.
+    reused: int = 0
+    #: Prompt tokens the engine read (prefilled) for this answer.
+    prefilled: int = 0
+    #: Tokens generated.
+    generated: int = 0
+    #: Milliseconds spent prefilling the ``prefilled`` tokens, when the engine said.
+    prefill_ms: float | None = None
+    #: Milliseconds spent generating, when the engine said.
+    generate_ms: float | None = None
+    raw: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The whole prompt: reused plus prefilled."""
+        return self.reused + self.prefilled
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens the slot holds after the answer: prompt plus generated."""
+        return self.prompt_tokens + self.generated
+
+
 @dataclass
 class Outcome:
     """How a request ended, handed to ``post_request``.
@@ -62,26 +97,22 @@ class Outcome:
 
     status: Literal["ok", "error", "cancelled"]
     http_status: int | None = None
-    #: The engine's ``timings`` object (``prompt_n``, ``cache_n``, ``predicted_n``, ...).
-    timings: dict[str, Any] | None = None
+    #: What the answer cost (:class:`Timings`), read by the engine backend; None when
+    #: the engine said nothing of it (an error, a cancel before the end).
+    timings: Timings | None = None
     usage: dict[str, Any] | None = None
     error: str | None = None
     duration_ms: float = 0.0
 
     @property
     def prompt_tokens(self) -> int | None:
-        """Prompt tokens of the request: reused (``cache_n``) plus prefilled (``prompt_n``)."""
-        if not self.timings:
-            return None
-        return int(self.timings.get("cache_n", 0)) + int(self.timings.get("prompt_n", 0))
+        """Prompt tokens of the request: reused plus prefilled (None: not known)."""
+        return None if self.timings is None else self.timings.prompt_tokens
 
     @property
     def context_tokens(self) -> int | None:
         """Tokens the slot holds after this request: prompt plus generated."""
-        prompt = self.prompt_tokens
-        if prompt is None:
-            return None
-        return prompt + int(self.timings.get("predicted_n", 0))  # type: ignore[union-attr]
+        return None if self.timings is None else self.timings.context_tokens
 
 
 class KeyRefused(Exception):

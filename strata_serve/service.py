@@ -512,7 +512,7 @@ class Service:
             return
         if self.engine.generation != before.generation:
             self.sync_generation()  # the engine died during the request: the slot is empty
-        elif outcome.timings:
+        elif outcome.timings is not None:
             self.slots.finished(request.slot, tokens_after(outcome.timings))
         elif outcome.http_status is not None and 400 <= outcome.http_status < 500:
             self.slots.untouched(request.slot, before)  # refused before it touched the slot

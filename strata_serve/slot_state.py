@@ -17,6 +17,8 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from strata_serve.hook_types import Timings
+
 log = logging.getLogger("strata_serve.slots")
 
 #: Where a request's conversation state came from, as the core tells the client:
@@ -29,17 +31,16 @@ StateSource = Literal["slot", "disk", "ram", "none", "engine"]
 RAM_REUSE_SHARE = 0.5
 
 
-def state_source(request: Any, timings: dict[str, Any] | None) -> StateSource:
+def state_source(request: Any, timings: Timings | None) -> StateSource:
     """Where a request's conversation state came from (see :data:`StateSource`)."""
     if request.restored_tokens:
         return "disk"
     if request.found_in_slot:
         return "slot"
-    if not timings:
+    if timings is None:
         return "engine"
-    reused = int(timings.get("cache_n", 0))
-    prompt = reused + int(timings.get("prompt_n", 0))
-    return "ram" if prompt and reused >= RAM_REUSE_SHARE * prompt else "none"
+    prompt = timings.prompt_tokens
+    return "ram" if prompt and timings.reused >= RAM_REUSE_SHARE * prompt else "none"
 
 
 @dataclass
@@ -196,15 +197,10 @@ def engine_tokens(entry: dict[str, Any]) -> int | None:
     return tokens if isinstance(tokens, int) and tokens >= 0 else None
 
 
-def tokens_after(timings: dict[str, Any]) -> int | None:
+def tokens_after(timings: Timings) -> int:
     """Tokens a slot holds after a request with these ``timings``.
 
     The prompt (reused plus prefilled) and the tokens generated, except the last one:
     it was sampled, never fed back through the model.
     """
-    try:
-        prompt = int(timings.get("cache_n", 0)) + int(timings.get("prompt_n", 0))
-        predicted = int(timings.get("predicted_n", 0))
-    except (TypeError, ValueError):
-        return None
-    return prompt + max(predicted - 1, 0)
+    return timings.prompt_tokens + max(timings.generated - 1, 0)

@@ -4,7 +4,8 @@
 for the service, the OpenAI chat and completions routes and slot files to work, in
 milliseconds and without llama-server. A "token" is one character of the prompt as
 the double renders it; timings are synthetic but consistent (what the slot held is
-reused, the rest is "prefilled"); answers are a fixed text. Slot files are written to
+reused, the rest is "prefilled") and in a shape of the double's own, which only its
+``read_timings`` understands, as another engine's would be; answers are a fixed text. Slot files are written to
 ``info.slot_save_path`` when it is set (auto-sessions checks them on disk), else kept
 in memory.
 
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from strata_serve.engine.base import EngineInfo
+from strata_serve.hook_types import Timings
 
 #: What the double answers, token by token (one token per character, like its prompts).
 ANSWER = "ok."
@@ -88,8 +90,9 @@ class MemoryEngine:
         text = ANSWER[: max(1, min(int(body.get("max_tokens") or len(ANSWER)), len(ANSWER)))]
         self.slot = prompt + text[:-1]  # the last token generated is never fed back
         self.requests.append(body)
-        timings = {"cache_n": reused, "prompt_n": len(prompt) - reused, "prompt_ms": (len(prompt) - reused) * 0.01,
-                   "predicted_n": len(text), "predicted_ms": len(text) * 0.01}
+        # Its own numbers, in its own shape: the core learns them through read_timings alone.
+        timings = {"kept": reused, "read": len(prompt) - reused, "read_us": (len(prompt) - reused) * 10,
+                   "written": len(text), "written_us": len(text) * 10}
         return timings, text
 
     async def request(self, method: str, path: str, json: Any = None, *, op: str = "request",
@@ -100,7 +103,7 @@ class MemoryEngine:
             return 404, {"error": {"code": 404, "message": f"the memory engine has no {method} {path}",
                                    "type": "not_found_error"}}
         timings, text = self._answer(json or {})
-        prompt_tokens = timings["cache_n"] + timings["prompt_n"]
+        prompt_tokens = timings["kept"] + timings["read"]
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(text),
                  "total_tokens": prompt_tokens + len(text)}
         if path == "/v1/completions":
@@ -141,6 +144,13 @@ class MemoryEngine:
     async def slots(self) -> list[dict[str, Any]]:
         return [{"id": 0, "n_ctx": self.info.n_ctx, "is_processing": False, "id_task": len(self.requests),
                  "n_prompt_tokens": len(self.slot)}]
+
+    def read_timings(self, numbers: Any) -> Timings | None:
+        """The double's numbers (``kept``, ``read``, ``written``, in microseconds) in the core's terms."""
+        if not isinstance(numbers, dict) or not isinstance(numbers.get("kept"), int):
+            return None
+        return Timings(reused=numbers["kept"], prefilled=numbers["read"], generated=numbers["written"],
+                       prefill_ms=numbers["read_us"] / 1000, generate_ms=numbers["written_us"] / 1000, raw=numbers)
 
 
 class MemoryStream:

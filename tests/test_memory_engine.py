@@ -12,6 +12,8 @@ import time
 
 import strata_auto_sessions
 import strata_session_header
+import strata_serve
+from strata_serve import Timings
 from strata_serve.api import SERVICE
 from strata_serve.testing import KeyRecorder, chat_body, conversation
 from strata_serve.testing_engine import MemoryEngine
@@ -39,6 +41,33 @@ async def test_a_backend_from_a_plugin_runs_parking_in_milliseconds(strata_memor
     await service.check_slots()
     assert service.slots.corrections == 0 and service.slots[0].tokens == len(service.engine.slot)
     assert time.monotonic() - began < 5
+
+
+class OutcomeRecorder:
+    strata_name = "outcome_recorder"
+
+    def __init__(self) -> None:
+        self.timings: list = []
+
+    @strata_serve.hookimpl
+    def post_request(self, outcome) -> None:
+        self.timings.append(outcome.timings)
+
+
+async def test_the_backend_reads_its_own_numbers_for_the_core(strata_memory_client_factory):
+    """The double reports its work in a shape only it knows; plugins see it in the core's terms."""
+    recorder = OutcomeRecorder()
+    client = await strata_memory_client_factory(recorder)
+    messages = conversation("numbers")
+    first = await (await client.post("/v1/chat/completions", json=body(messages))).json()
+    assert "cache_n" not in first["timings"] and first["timings"]["read"] > 0, "not llama-server's shape"
+    again = await client.post("/v1/chat/completions", json=body(messages, stream=True))
+    await again.read()
+    before, after = recorder.timings
+    assert before == Timings(reused=0, prefilled=first["timings"]["read"], generated=3,
+                             prefill_ms=first["timings"]["read_us"] / 1000, generate_ms=0.03)
+    assert after.reused == before.prompt_tokens - 1 and after.raw["kept"] == after.reused, "the slot was reused"
+    assert client.app[SERVICE].slots[0].tokens == after.prompt_tokens + after.generated - 1
 
 
 async def test_a_keying_plugins_unit_test_needs_no_real_engine(strata_memory_client_factory):

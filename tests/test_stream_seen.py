@@ -4,9 +4,13 @@ import json
 
 from hypothesis import given, strategies as st
 
+from strata_serve import Timings
 from strata_serve.api.formats import ANTHROPIC, LLAMA, OPENAI, RESPONSES, StreamSeen
+from strata_serve.engine.llama_server import read_llama_timings
 
 TIMINGS = {"cache_n": 40, "prompt_n": 7, "predicted_n": 3}
+#: What every stream below says it cost, in the core's terms.
+COST = Timings(reused=40, prefilled=7, generated=3)
 
 
 def sse(*events: dict | str, named: bool = False) -> bytes:
@@ -30,6 +34,10 @@ STREAMS = {
                            "[DONE]")),
     "openai, ended by [DONE] alone": (OPENAI, sse(token("a"), token("b"), "[DONE]")),
     "openai, an error": (OPENAI, sse(token("a"), {"error": {"message": "boom"}})),
+    "openai, usage alone (another engine)": (OPENAI, sse(
+        token("a"), {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+                     "usage": {"prompt_tokens": 47, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 40}}},
+        "[DONE]")),
     "llama": (LLAMA, sse({"content": "a", "stop": False}, {"content": "", "stop": True, "timings": TIMINGS})),
     "anthropic": (ANTHROPIC, sse(
         {"type": "message_start", "message": {"usage": {"input_tokens": 7, "cache_read_input_tokens": 40}}},
@@ -46,10 +54,12 @@ STREAMS = {
 
 
 def learnt(api, chunks: list[bytes]) -> tuple:
+    """What the relay learns, with the engine's numbers read as llama-server's backend reads them."""
     seen = StreamSeen(api)
     for chunk in chunks:
         seen.feed(chunk)
-    return seen.timings, seen.usage, seen.finished, seen.error
+    timings = read_llama_timings(seen.timings) or api.timings_from_usage(seen.usage)
+    return timings, seen.usage, seen.finished, seen.error
 
 
 def test_every_stream_tells_its_numbers_and_its_end():
@@ -61,7 +71,22 @@ def test_every_stream_tells_its_numbers_and_its_end():
             assert finished and error is None and timings is None
         else:
             assert finished and error is None, name
-            assert {k: timings[k] for k in TIMINGS} == TIMINGS, name
+            assert timings == COST, name
+
+
+def test_usage_without_cached_tokens_says_nothing_of_reuse():
+    assert OPENAI.timings_from_usage({"prompt_tokens": 47, "completion_tokens": 3}) is None
+    assert OPENAI.timings_from_usage({"prompt_tokens": 47, "prompt_tokens_details": {"cached_tokens": 90}}) == \
+        Timings(reused=47, prefilled=0), "never more reused than the prompt"
+
+
+def test_llama_timings_are_read_with_their_milliseconds_and_kept_raw():
+    raw = {**TIMINGS, "prompt_ms": 12.5, "predicted_ms": 30, "predicted_per_second": 100.0}
+    timings = read_llama_timings(raw)
+    assert timings == Timings(reused=40, prefilled=7, generated=3, prefill_ms=12.5, generate_ms=30.0)
+    assert timings.raw is raw and timings.prompt_tokens == 47 and timings.context_tokens == 50
+    for nonsense in (None, [], {"predicted_n": 3}, {"cache_n": -1, "prompt_n": "7"}, {"cache_n": True}):
+        assert read_llama_timings(nonsense) is None, nonsense
 
 
 @given(st.sampled_from(sorted(STREAMS)), st.lists(st.integers(min_value=0, max_value=2000), max_size=40))

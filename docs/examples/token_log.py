@@ -26,7 +26,7 @@ def pre_request(request):
 
 @strata_serve.hookimpl
 async def post_request(request, outcome, service):
-    if outcome.timings:
+    if outcome.timings is not None:
         prefix = service.plugin_config("token_log", TokenLogConfig).prefix  # validated once per server
         log.info("%s: %s reused %d of %d prompt tokens", prefix, request.state["token_log"]["key"],
-                 outcome.timings["cache_n"], outcome.prompt_tokens)
+                 outcome.timings.reused, outcome.prompt_tokens)

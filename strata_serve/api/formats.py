@@ -4,9 +4,11 @@ The relay is the same for every API; what differs is where the engine's numbers 
 (``timings`` on OpenAI chat and the engine's own routes; ``usage`` alone on Anthropic's
 Messages and on the Responses API's plain answers), which event ends a stream, and how
 an error is told inside a stream whose headers are already gone. The core needs three
-numbers from every answer that ran in a slot: ``cache_n`` (prompt tokens reused),
-``prompt_n`` (prompt tokens read anew) and ``predicted_n`` (tokens generated); where the
-engine sends no ``timings``, they are read from ``usage``.
+numbers from every answer that ran in a slot (:class:`~strata_serve.Timings`): prompt
+tokens reused, prompt tokens read anew and tokens generated. The engine's own numbers
+(llama-server's ``timings`` object) are found here and read by the engine backend
+(``Engine.read_timings``); where there are none, the API's ``usage`` says as much as it
+can (:meth:`ApiFormat.timings_from_usage`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 from typing import Any
 
 from strata_serve.api.errors import ErrorShape
+from strata_serve.hook_types import Timings
 
 
 def _int(value: Any) -> int | None:
@@ -23,7 +26,7 @@ def _int(value: Any) -> int | None:
 
 
 class ApiFormat:
-    """OpenAI chat and completions (and embeddings): ``timings`` as the engine sends them."""
+    """OpenAI chat and completions (and embeddings): the engine's ``timings``, else ``usage``."""
 
     name = "openai"
     error_shape: ErrorShape = "openai"
@@ -38,16 +41,26 @@ class ApiFormat:
         """Found in a chunk that holds an event worth reading (a marker, or an end)."""
         return self.markers + self.done_markers
 
-    def timings(self, answer: Any) -> dict[str, Any] | None:
-        """The ``timings`` of a whole (non-streamed) answer, read from ``usage`` if need be."""
-        if not isinstance(answer, dict):
-            return None
-        if isinstance(answer.get("timings"), dict):
-            return answer["timings"]
-        return self.timings_from_usage(answer.get("usage"))
+    def engine_numbers(self, answer: Any) -> Any:
+        """The engine's own numbers in a whole (non-streamed) answer (its ``timings``)."""
+        return answer.get("timings") if isinstance(answer, dict) else None
 
-    def timings_from_usage(self, usage: Any) -> dict[str, Any] | None:
-        return None  # OpenAI chat answers carry ``timings``; usage alone says nothing of reuse
+    def usage(self, answer: Any) -> Any:
+        """The ``usage`` of a whole (non-streamed) answer."""
+        return answer.get("usage") if isinstance(answer, dict) else None
+
+    def timings_from_usage(self, usage: Any) -> Timings | None:
+        """OpenAI's ``usage``: ``prompt_tokens`` (reused ones included, as
+        ``prompt_tokens_details.cached_tokens``) and ``completion_tokens``. Without
+        ``cached_tokens`` it says nothing of reuse, so nothing is read from it."""
+        if not isinstance(usage, dict):
+            return None
+        prompt, details = _int(usage.get("prompt_tokens")), usage.get("prompt_tokens_details")
+        reused = _int(details.get("cached_tokens")) if isinstance(details, dict) else None
+        if prompt is None or reused is None:
+            return None
+        reused = min(reused, prompt)
+        return Timings(reused=reused, prefilled=prompt - reused, generated=_int(usage.get("completion_tokens")) or 0)
 
     def read_event(self, event: dict[str, Any], seen: StreamSeen) -> None:
         """Learn what one parsed SSE event says."""
@@ -96,14 +109,14 @@ class AnthropicFormat(ApiFormat):
     error_shape: ErrorShape = "anthropic"
     markers = (b'"usage"', b'"timings"', b'"message_stop"', b'"error"')
 
-    def timings_from_usage(self, usage: Any) -> dict[str, Any] | None:
+    def timings_from_usage(self, usage: Any) -> Timings | None:
         if not isinstance(usage, dict):
             return None
         prompt, reused = _int(usage.get("input_tokens")), _int(usage.get("cache_read_input_tokens"))
         predicted = _int(usage.get("output_tokens"))
         if prompt is None and reused is None:
             return None
-        return {"cache_n": reused or 0, "prompt_n": prompt or 0, "predicted_n": predicted or 0}
+        return Timings(reused=reused or 0, prefilled=prompt or 0, generated=predicted or 0)
 
     def read_event(self, event: dict[str, Any], seen: StreamSeen) -> None:
         kind = event.get("type")
@@ -142,14 +155,14 @@ class ResponsesFormat(ApiFormat):
     markers = (b'"response.completed"', b'"response.incomplete"', b'"response.failed"', b'"error"',
                b'"timings"')
 
-    def timings_from_usage(self, usage: Any) -> dict[str, Any] | None:
+    def timings_from_usage(self, usage: Any) -> Timings | None:
         if not isinstance(usage, dict) or _int(usage.get("input_tokens")) is None:
             return None
         details = usage.get("input_tokens_details")
         reused = _int(details.get("cached_tokens")) if isinstance(details, dict) else None
         reused = min(reused or 0, usage["input_tokens"])
-        return {"cache_n": reused, "prompt_n": usage["input_tokens"] - reused,
-                "predicted_n": _int(usage.get("output_tokens")) or 0}
+        return Timings(reused=reused, prefilled=usage["input_tokens"] - reused,
+                       generated=_int(usage.get("output_tokens")) or 0)
 
     def read_event(self, event: dict[str, Any], seen: StreamSeen) -> None:
         kind = event.get("type")
@@ -177,18 +190,11 @@ class StreamSeen:
     def __init__(self, api: ApiFormat) -> None:
         self.api = api
         self._buffer = b""
-        self._timings: dict[str, Any] | None = None
+        #: The engine's own numbers (its ``timings``), for the backend to read.
+        self.timings: dict[str, Any] | None = None
         self.usage: dict[str, Any] | None = None
         self.finished = False
         self.error: str | None = None
-
-    @property
-    def timings(self) -> dict[str, Any] | None:
-        return self._timings if self._timings is not None else self.api.timings_from_usage(self.usage)
-
-    @timings.setter
-    def timings(self, value: dict[str, Any]) -> None:
-        self._timings = value
 
     def feed(self, chunk: bytes) -> None:
         if not self._buffer and chunk.endswith(b"\n"):

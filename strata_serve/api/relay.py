@@ -22,8 +22,8 @@ from pydantic import BaseModel
 from strata_serve.api.errors import APIError
 from strata_serve.api.formats import OPENAI, ApiFormat, StreamSeen
 from strata_serve.api.app_state import SERVICE, TENANT
-from strata_serve.engine.base import EngineUnavailable
-from strata_serve.hook_types import KeyRefused, Outcome, StrataRequest
+from strata_serve.engine.base import Engine, EngineUnavailable
+from strata_serve.hook_types import KeyRefused, Outcome, StrataRequest, Timings
 from strata_serve.service import QueueFull, Service, ShuttingDown
 from strata_serve.slot_state import state_source
 
@@ -213,7 +213,14 @@ async def relay(request: web.Request, route: str, path: str, body: dict[str, Any
     return answer
 
 
-def state_headers(sreq: StrataRequest, timings: dict[str, Any] | None) -> dict[str, str]:
+def answer_timings(engine: Engine, api: ApiFormat, numbers: Any, usage: Any) -> Timings | None:
+    """What an answer cost: the backend reads the engine's own numbers; without them, the
+    API's ``usage`` says what it can."""
+    timings = engine.read_timings(numbers) if numbers is not None else None
+    return timings if timings is not None else api.timings_from_usage(usage)
+
+
+def state_headers(sreq: StrataRequest, timings: Timings | None) -> dict[str, str]:
     """What strata did for this request, for the client to see without reading logs."""
     # A stream's headers leave before the service learns which slot the engine chose
     # for a request it could not place itself: then no slot is named.
@@ -233,8 +240,9 @@ async def _relay_json(service: Service, path: str, body: dict[str, Any], outcome
     status, answer = await service.engine.request("POST", path, json=body, op="completion")
     outcome.http_status = status
     if isinstance(answer, dict) and 200 <= status < 300:
-        outcome.timings = api.timings(answer)
-        outcome.usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else None
+        usage = api.usage(answer)
+        outcome.timings = answer_timings(service.engine, api, api.engine_numbers(answer), usage)
+        outcome.usage = usage if isinstance(usage, dict) else None
     if 200 <= status < 300:
         outcome.status = "ok"
         outcome.error = None
@@ -306,7 +314,8 @@ async def _relay_stream(
         finally:
             # Whatever the client did, what the engine said it did is known: the slot's
             # picture needs it (a stream closed after its last event ran to the end).
-            outcome.timings, outcome.usage = seen.timings, seen.usage
+            outcome.timings = answer_timings(service.engine, api, seen.timings, seen.usage)
+            outcome.usage = seen.usage
         if seen.finished and seen.error is None:
             outcome.status, outcome.error = "ok", None
         else:

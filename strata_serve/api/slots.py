@@ -141,7 +141,6 @@ async def slot_action(request: web.Request) -> web.Response:
             answer = await service.erase_slot(slot)
         result.update(answer)
         outcome.status, outcome.http_status, outcome.error = "ok", 200, None
-        outcome.timings = answer.get("timings")
 
     try:
         with service_errors(service):

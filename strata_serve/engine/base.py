@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Protocol
 
+from strata_serve.hook_types import Timings
+
 
 class EngineUnavailable(Exception):
     """The engine cannot answer now (starting, restarting, or gone); maps to 502/503.
@@ -118,5 +120,14 @@ class Engine(Protocol):
     async def erase(self, slot: int = 0) -> dict[str, Any]: ...
 
     async def slots(self) -> list[dict[str, Any]]: ...
+
+    def read_timings(self, numbers: Any) -> Timings | None:
+        """What an answer cost, from the numbers this engine adds to it (llama-server's
+        ``timings`` object), in the core's terms; None when they say nothing usable.
+
+        The relay hands over whatever the answer carried under the engine's own key;
+        where an API reports only ``usage``, the core reads that itself.
+        """
+        ...
 
     async def health(self) -> bool: ...

@@ -24,7 +24,7 @@ from pydantic import SecretStr
 
 from strata_serve.config import ConfigError, EngineSettings
 from strata_serve.engine.base import EngineInfo, EngineUnavailable, StateLayout
-from strata_serve.hook_types import EngineError
+from strata_serve.hook_types import EngineError, Timings
 from strata_serve.files import make_private_dir
 
 log = logging.getLogger("strata_serve.engine")
@@ -834,6 +834,32 @@ class LlamaServer:
         if status != 200 or not isinstance(answer, list):
             raise EngineError(op="slots", message=_error_message(answer), status=status, body=answer)
         return answer
+
+    def read_timings(self, numbers: Any) -> Timings | None:
+        """llama-server's ``timings``: ``cache_n`` reused, ``prompt_n`` read, ``predicted_n``
+        generated, with ``prompt_ms`` and ``predicted_ms``."""
+        return read_llama_timings(numbers)
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _ms(value: Any) -> float | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+    return float(value) if ok else None
+
+
+def read_llama_timings(numbers: Any) -> Timings | None:
+    """:class:`Timings` from a llama-server ``timings`` object (None unless it has token counts)."""
+    if not isinstance(numbers, dict):
+        return None
+    reused, prefilled = _count(numbers.get("cache_n")), _count(numbers.get("prompt_n"))
+    if reused is None and prefilled is None:
+        return None
+    return Timings(reused=reused or 0, prefilled=prefilled or 0, generated=_count(numbers.get("predicted_n")) or 0,
+                   prefill_ms=_ms(numbers.get("prompt_ms")), generate_ms=_ms(numbers.get("predicted_ms")),
+                   raw=numbers)
 
 
 class StreamReply:

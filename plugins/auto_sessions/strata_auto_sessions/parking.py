@@ -241,10 +241,9 @@ class AutoSessions:
         await self._restore(key, request, service)
 
     def after(self, request: StrataRequest, outcome: Outcome, service: Any) -> None:
-        if request.route == "slots" or not outcome.timings:
+        if request.route == "slots" or outcome.timings is None:
             return
-        timings = outcome.timings
-        prefilled, prefill_ms = int(timings.get("prompt_n", 0)), float(timings.get("prompt_ms", 0.0))
+        prefilled, prefill_ms = outcome.timings.prefilled, outcome.timings.prefill_ms or 0.0
         if prefilled >= SPEED_MIN_TOKENS and prefill_ms > 0:
             self._prefill[0] += prefilled
             self._prefill[1] += prefill_ms
@@ -275,7 +274,7 @@ class AutoSessions:
         return True, ""
 
     def _check_reuse(self, request: StrataRequest, restored: int, outcome: Outcome, service: Any) -> None:
-        reused = int(outcome.timings.get("cache_n", 0))  # type: ignore[union-attr]
+        reused = outcome.timings.reused if outcome.timings is not None else 0
         if request.state.get(NAME, {}).get("prefix_of"):
             self._prefix_reused(request, restored, reused)
             return

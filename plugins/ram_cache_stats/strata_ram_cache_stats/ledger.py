@@ -26,7 +26,7 @@ from typing import Any, Callable
 from prometheus_client import Histogram
 from pydantic import BaseModel, ConfigDict, Field
 
-from strata_serve import Outcome, StrataRequest
+from strata_serve import Outcome, StrataRequest, Timings
 
 NAME = "ram_cache_stats"
 #: The plugin whose numbers give the engine's bytes per token of state (from its saves).
@@ -140,15 +140,15 @@ class Ledger:
         :returns: where its conversation's state came from, or None when it was not
             measured (a slot action, or no timings: an engine error, a cancel mid-prefill).
         """
-        if request.route == "slots" or not outcome.timings:
+        if request.route == "slots" or outcome.timings is None:
             return None
         key = request.conversation_key
         source = self._source(key, request, outcome)
         self._count(key, source, outcome.timings)
         slot = self.by_slot.setdefault(request.slot, {"requests": 0, "reused_tokens": 0, "prefilled_tokens": 0})
         slot["requests"] += 1
-        slot["reused_tokens"] += int(outcome.timings.get("cache_n", 0))
-        slot["prefilled_tokens"] += int(outcome.timings.get("prompt_n", 0))
+        slot["reused_tokens"] += outcome.timings.reused
+        slot["prefilled_tokens"] += outcome.timings.prefilled
         return source
 
     # -- inside --------------------------------------------------------------------
@@ -157,7 +157,7 @@ class Ledger:
         if key is None:
             return "unkeyed"
         prompt = outcome.prompt_tokens or 0
-        reused = int(outcome.timings.get("cache_n", 0))  # type: ignore[union-attr]
+        reused = outcome.timings.reused if outcome.timings is not None else 0
         restored = request.restored_tokens
         if restored:
             return "disk" if reused >= self.config.hit_ratio * min(prompt, restored) else "none"
@@ -169,15 +169,16 @@ class Ledger:
         self.returns_reread += 1
         return "none"
 
-    def _count(self, key: str | None, source: str, timings: dict[str, Any]) -> None:
-        reused, prefilled = int(timings.get("cache_n", 0)), int(timings.get("prompt_n", 0))
-        prefill_ms = float(timings.get("prompt_ms", 0.0))
+    def _count(self, key: str | None, source: str, timings: Timings) -> None:
+        reused, prefilled = timings.reused, timings.prefilled
+        prefill_ms = timings.prefill_ms or 0.0
         self.requests[source] += 1
         self.prompt_tokens += reused + prefilled
         self.reused_tokens += reused
         self.prefilled_tokens += prefilled
         self.prefill_ms += prefill_ms
-        self.prefill_seconds.observe(prefill_ms / 1000)
+        if timings.prefill_ms is not None:  # usage alone (Anthropic's Messages) gives no time
+            self.prefill_seconds.observe(prefill_ms / 1000)
         if prefilled >= self.config.speed_min_tokens and prefill_ms > 0:
             self._speed_tokens += prefilled
             self._speed_ms += prefill_ms

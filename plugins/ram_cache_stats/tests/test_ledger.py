@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from strata_serve.hook_types import Outcome, StrataRequest
+from strata_serve.hook_types import Outcome, StrataRequest, Timings
 
 from strata_ram_cache_stats.ledger import Ledger, RamCacheStatsConfig
 
@@ -23,8 +23,8 @@ def ask(ledger: Ledger, key: str | None, cache_n: int, prompt: int = PROMPT, *, 
     request.found_in_slot = (key is not None and key == last and not restored) if in_slot is None else in_slot
     ledger._test_last_key = key
     prompt_n = prompt - cache_n
-    timings = {"cache_n": cache_n, "prompt_n": prompt_n, "predicted_n": 8,
-               "prompt_ms": prompt_n * 0.5 if prompt_ms is None else prompt_ms}
+    timings = Timings(reused=cache_n, prefilled=prompt_n, generated=8,
+                      prefill_ms=prompt_n * 0.5 if prompt_ms is None else prompt_ms)
     return ledger.after(request, Outcome(status=status, timings=timings if status != "error" else None))
 
 
@@ -59,7 +59,7 @@ def test_a_cancelled_request_with_timings_is_measured():
     """A client that closed its stream right after the last event: the engine did the work."""
     ledger = make_ledger()
     request = StrataRequest(route="chat", body={}, conversation_key="a")
-    timings = {"cache_n": 0, "prompt_n": PROMPT, "predicted_n": 8, "prompt_ms": 400.0}
+    timings = Timings(reused=0, prefilled=PROMPT, generated=8, prefill_ms=400.0)
     assert ledger.after(request, Outcome(status="cancelled", timings=timings)) == "new"
 
 
