@@ -408,6 +408,7 @@ class Service:
                     outcome.status, outcome.error = "cancelled", "the client went away before the engine was asked"
                     await _to_the_end(self._post(request, outcome, began))
                     raise
+                tasks_before = await self._slot_tasks() if not request.pinned else None
                 before = self._sent(request)
                 try:
                     await send(outcome)
@@ -422,7 +423,7 @@ class Service:
                 finally:
                     self._answered(request, outcome, before)
                     if not request.pinned and before is not None:
-                        await _to_the_end(self._find_slot(request))
+                        await _to_the_end(self._find_slot(request, tasks_before))
                     await _to_the_end(self._post(request, outcome, began))
                 return outcome
         finally:
@@ -521,27 +522,44 @@ class Service:
         else:
             self.slots.finished(request.slot, None)  # cut off: ask the engine when it matters
 
-    async def _find_slot(self, request: StrataRequest) -> None:
-        """Which slot the engine chose for a request it was not told where to run.
+    async def _slot_tasks(self) -> dict[int, int] | None:
+        """Each slot's last task (``id_task``), as the engine says; None if it cannot."""
+        try:
+            answer = await self.engine.slots()
+        except (EngineError, EngineUnavailable) as exc:
+            log.info("[strata] could not ask the engine what its slots last ran: %s", exc)
+            return None
+        return _tasks(answer, len(self.slots))
+
+    async def _find_slot(self, request: StrataRequest, tasks_before: dict[int, int] | None) -> None:
+        """Which slots the engine used for a request it was not told where to run.
 
         The slot whose last task is the newest (``id_task``) ran it; the picture moves
         the request's record there. The slot chosen beforehand keeps its tokens with no
-        name: a conversation is never recorded in two slots.
+        name: a conversation is never recorded in two slots. A request the engine split
+        into several tasks (embeddings of several inputs) ran in several slots: every
+        other slot whose last task changed holds nothing nameable any more. When the
+        tasks before are not known, no other slot's name can be trusted.
         """
         try:
             answer = await self.engine.slots()
         except (EngineError, EngineUnavailable) as exc:
             log.info("[strata] could not ask the engine which slot ran request %d: %s", request.id, exc)
-            self.slots.unknown(request.slot, nameable=False)
+            for slot in range(len(self.slots)):
+                self.slots.unknown(slot, nameable=False)
             return
-        tasks = [(e["id_task"], e["id"]) for e in answer if isinstance(e, dict)
-                 and isinstance(e.get("id_task"), int) and isinstance(e.get("id"), int)
-                 and 0 <= e["id"] < len(self.slots)]
+        tasks = _tasks(answer, len(self.slots))
         if tasks:
-            ran = max(tasks)[1]
+            ran = max(tasks, key=lambda slot: tasks[slot])
             if ran != request.slot:
                 self.slots.moved(request.slot, ran)
                 request.slot = ran
+            for slot in range(len(self.slots)):
+                touched = tasks_before is None or tasks.get(slot) != tasks_before.get(slot)
+                if slot != ran and touched and self.slots[slot].key is not None:
+                    log.info("[strata] slot %d ran part of request %d: it no longer holds %s",
+                             slot, request.id, self.slots[slot].key)
+                    self.slots.unknown(slot, nameable=False)
         self.slots.check(answer)
 
     async def slot(self, slot: int = 0) -> SlotState:
@@ -640,3 +658,11 @@ async def _to_the_end(step: Awaitable[Any]) -> Any:
     if cancelled:
         raise asyncio.CancelledError()
     return result
+
+
+def _tasks(engine_slots: Any, count: int) -> dict[int, int]:
+    """slot -> its last task's id, from the engine's ``GET /slots``."""
+    if not isinstance(engine_slots, list):
+        return {}
+    return {e["id"]: e["id_task"] for e in engine_slots if isinstance(e, dict)
+            and isinstance(e.get("id_task"), int) and isinstance(e.get("id"), int) and 0 <= e["id"] < count}

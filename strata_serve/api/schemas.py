@@ -75,12 +75,31 @@ class Tool(_Open):
     function: FunctionDefinition
 
 
-class _Sampling(_Open):
+class _OneCompletion(_Open):
+    """A request the engine answers with completions (``n_cmpl``, alias ``n``: how many).
+
+    The engine runs each extra completion in another slot, over whatever conversation
+    that slot holds and behind the service's back: one completion per request.
+    """
+
+    n: int | None = None
+    n_cmpl: int | None = None
+
+    @field_validator("n", "n_cmpl")
+    @classmethod
+    def _one(cls, value: int | None) -> int | None:
+        if value is not None and value != 1:
+            raise ValueError(f"{value} completions asked; strata-serve answers one per request (the engine "
+                             "would run the others in other slots, over the conversations they hold): "
+                             "send one request per completion")
+        return value
+
+
+class _Sampling(_OneCompletion):
     model: StrictStr | None = None
     stream: StrictBool = False
     max_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
     max_completion_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
-    n: int | None = Field(None, ge=1, le=1)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = None
@@ -166,7 +185,7 @@ class _AnthropicPrompt(_Open):
     metadata: dict[str, Any] | None = None
 
 
-class AnthropicMessagesRequest(_AnthropicPrompt):
+class AnthropicMessagesRequest(_AnthropicPrompt, _OneCompletion):
     # Anthropic requires it; without it the engine would write until the context is full.
     max_tokens: int = Field(ge=1, le=INT32_MAX)
     stream: StrictBool = False
@@ -210,7 +229,7 @@ class ResponsesTool(_Open):
         return self
 
 
-class ResponsesRequest(_Open):
+class ResponsesRequest(_OneCompletion):
     model: StrictStr | None = None
     input: StrictStr | list[ResponsesItem]
     instructions: StrictStr | None = None
@@ -234,7 +253,7 @@ class InfillChunk(_Open):
     filename: StrictStr | None = None
 
 
-class InfillRequest(_Open):
+class InfillRequest(_OneCompletion):
     input_prefix: StrictStr
     input_suffix: StrictStr
     input_extra: list[InfillChunk] | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -311,3 +312,55 @@ async def test_a_request_without_a_conversation_takes_a_free_slot_not_a_conversa
     assert numbers(client)["saves"] == 0, "A was never displaced"
     timings, headers = await stream_turn(url, more(a, "back"))
     assert headers["X-Strata-State"] == "slot" and timings["cache_n"] >= OWN_STATE
+
+
+async def test_a_request_for_several_completions_never_spills_into_another_slot(auto_client):
+    """The engine runs ``n_cmpl`` completions in as many slots: the extra ones would overwrite
+    whatever the other slots hold, behind the picture's back. Refused, in the API's shape."""
+    client = await auto_client(engine=engine_for(2), idle_save_s=0)
+    service = client.app[SERVICE]
+    url = url_of(client)
+    a, b = conversation("spill-a"), conversation("spill-b")
+    _, ha = await stream_turn(url, a)
+    _, hb = await stream_turn(url, b)
+    slot_b = int(hb["X-Strata-Slot"])
+    held_b = (await service.engine.slots())[slot_b]["n_prompt_tokens"]
+    for field in ("n_cmpl", "n"):
+        body = {"messages": more(a, "two answers"), "max_tokens": 4, field: 2}
+        resp = await client.post("/v1/chat/completions", json=body)
+        assert resp.status == 400, (field, await resp.text())
+        error = (await resp.json())["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == field, error
+    resp = await client.post("/v1/completions", json={"prompt": "x y z", "max_tokens": 2, "n_cmpl": 2})
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "n_cmpl"
+    resp = await client.post("/v1/messages", json={"model": "m", "max_tokens": 2, "n_cmpl": 2,
+                                                   "messages": [{"role": "user", "content": "hi"}]})
+    assert resp.status == 400 and (await resp.json())["type"] == "error", await resp.text()
+    assert (await service.engine.slots())[slot_b]["n_prompt_tokens"] == held_b, "B's slot untouched"
+    timings, headers = await stream_turn(url, more(b, "back"))
+    assert headers["X-Strata-State"] == "slot" and timings["cache_n"] >= OWN_STATE, (headers, timings)
+    resp = await client.post("/v1/chat/completions", json={"messages": more(a, "one"), "max_tokens": 2, "n_cmpl": 1})
+    assert resp.status == 200, "one completion is what every request gets anyway"
+
+
+async def test_a_request_the_engine_spreads_over_slots_leaves_no_false_name(auto_client, caplog):
+    """Embeddings of several inputs run in several slots at once (the engine places them):
+    every slot they touched holds nothing nameable after, so its conversation comes back
+    from its file instead of being taken for still held and read anew."""
+    caplog.set_level(logging.INFO, logger="strata_serve")
+    client = await auto_client(engine=engine_for(2, extra_args=["--embeddings", "--pooling", "mean"]),
+                               idle_save_s=0)
+    service = client.app[SERVICE]
+    url = url_of(client)
+    a, b = conversation("emb-a"), conversation("emb-b")
+    await stream_turn(url, a)
+    await stream_turn(url, b)
+    resp = await client.post("/v1/embeddings", json={"input": ["hello there " * 20, "other words " * 30, "x " * 50]})
+    assert resp.status == 200, await resp.text()
+    engine_held = [entry["n_prompt_tokens"] for entry in await service.engine.slots()]
+    assert all(tokens < 400 for tokens in engine_held), ("both slots ran an input", engine_held)
+    assert [slot.key for slot in service.slots] == [None, None], "neither slot holds A or B any more"
+    assert any("ran part of request" in r.getMessage() for r in caplog.records)
+    for messages in (a, b):
+        timings, headers = await stream_turn(url, more(messages, "back"))
+        assert headers["X-Strata-State"] == "disk" and timings["cache_n"] >= OWN_STATE, (headers, timings)
