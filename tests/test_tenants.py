@@ -226,6 +226,27 @@ async def test_server_wide_figures_are_for_the_plain_key_only_when_strict(
             assert body["error"]["code"] == "strict_isolation"
 
 
+async def test_slots_never_show_one_tenant_anothers_text(strata_client_factory, strata_settings_factory,
+                                                         monkeypatch):
+    """An engine run with its slot debugging on (``LLAMA_SERVER_SLOTS_DEBUG``) puts each slot's
+    last prompt and answer in ``GET /slots``: figures are shared, words are not."""
+    monkeypatch.setenv("LLAMA_SERVER_SLOTS_DEBUG", "1")
+    client = await strata_client_factory(settings=strata_settings_factory(server=KEYS))
+    await ask(client, "ka", ALICE)
+    engine_view = (await client.app[SERVICE].engine.slots())[0]
+    assert ALICE in engine_view["prompt"], "the engine itself shows the text: the control"
+    for key in ("kb", "k-plain", "ka"):
+        resp = await client.get("/slots", headers=as_(key))
+        assert resp.status == 200
+        (slot,) = await resp.json()
+        assert slot["n_prompt_tokens"] == engine_view["n_prompt_tokens"], "the figures are there"
+        shown = {field for field in ("prompt", "generated") if field in slot}
+        if key == "ka":
+            assert ALICE in slot["prompt"] and "generated" in slot, "alice sees her own slot whole"
+        else:
+            assert not shown and ALICE[:40] not in await resp.text(), key
+
+
 def test_the_readmes_cost_of_strict_mode_is_the_measured_one():
     from bench.tenants import read_results, summary
 

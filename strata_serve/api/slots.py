@@ -93,11 +93,34 @@ async def list_slots(request: web.Request) -> web.Response:
                        "plain server.api_key", code="strict_isolation")
     try:
         await service.engine.wait_ready()
-        return web.json_response(await service.engine.slots())
+        answer = await service.engine.slots()
+        return web.json_response(figures_for(service, request.get(TENANT), answer))
     except EngineUnavailable as exc:
         raise APIError(exc.status, str(exc)) from None
     except EngineError as exc:
         raise APIError(502, str(exc)) from None
+
+
+#: What an engine may say of a slot beyond its figures: the words of its last prompt and
+#: answer, and the request's parameters (stop strings, grammars, schemas). llama-server
+#: shows them when run with ``LLAMA_SERVER_SLOTS_DEBUG``.
+SLOT_CONTENT = ("prompt", "generated", "params")
+
+
+def figures_for(service: Any, tenant: str | None, engine_slots: Any) -> Any:
+    """The engine's slots as ``tenant`` may see them: with named tenants, a slot's content
+    only to the tenant the slot's state belongs to; figures to everyone."""
+    if not service.settings.server.api_keys or not isinstance(engine_slots, list):
+        return engine_slots  # one user: everything is theirs
+    shown = []
+    for entry in engine_slots:
+        if isinstance(entry, dict):
+            slot = entry.get("id")
+            owner = service.slots[slot].tenant if isinstance(slot, int) and 0 <= slot < len(service.slots) else None
+            if owner is None or owner != tenant:
+                entry = {k: v for k, v in entry.items() if k not in SLOT_CONTENT}
+        shown.append(entry)
+    return shown
 
 
 @routes.post("/slots/{slot_id}")
