@@ -125,8 +125,11 @@ def register(cli: click.Group) -> None:
     def inspect(found: Sessions, key: str) -> None:
         """Show one: its file, whether it is intact and usable, and its sidecar."""
         with found.store.lock():
-            sidecar = found.store.sidecar(key)
-            path = found.store.bin_path(key)
+            try:
+                sidecar = found.store.sidecar(key)
+                path = found.store.bin_path(key)
+            except ValueError:  # not a key strata-serve makes: there is no such session
+                sidecar = None
             if sidecar is None or sidecar.key != key or not found.store.restorable(key):
                 raise click.ClickException(f"no session {key!r} in {found.store.directory}")
             intact = path.stat().st_size == sidecar.bytes and sample_digest(path) == sidecar.digest

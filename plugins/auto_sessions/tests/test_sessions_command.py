@@ -86,6 +86,9 @@ async def test_inspect_shows_one_session(parked):
     assert "intact: no" in sessions(parked, "inspect", key)[1]
     code, output = sessions(parked, "inspect", "nosuch")
     assert code == 1 and "no session 'nosuch'" in output
+    for odd in ("../../etc/passwd", "a.b", "", "auto-x"):
+        code, output = sessions(parked, "inspect", odd)
+        assert code == 1 and f"no session {odd!r}" in output and "Traceback" not in output, (odd, output)
 
 
 async def test_rm_a_key_a_tenant_or_all(parked):
