@@ -40,7 +40,8 @@ STREAMS = {
         "[DONE]")),
     "llama": (LLAMA, sse({"content": "a", "stop": False}, {"content": "", "stop": True, "timings": TIMINGS})),
     "anthropic": (ANTHROPIC, sse(
-        {"type": "message_start", "message": {"usage": {"input_tokens": 7, "cache_read_input_tokens": 40}}},
+        {"type": "message_start", "message": {"usage": {"input_tokens": 7, "cache_read_input_tokens": 40,
+                                                          "output_tokens": 0}}},
         {"type": "content_block_delta", "delta": {"type": "text_delta", "text": "a"}},
         {"type": "message_delta", "usage": {"output_tokens": 3}},
         {"type": "message_stop"}, named=True)),
@@ -72,6 +73,14 @@ def test_every_stream_tells_its_numbers_and_its_end():
         else:
             assert finished and error is None, name
             assert timings == COST, name
+
+
+def test_an_anthropic_stream_cut_before_its_output_count_says_nothing():
+    """``message_start`` counts the prompt; the engine goes on writing after the client left."""
+    _, stream = STREAMS["anthropic"]
+    cut = stream[: stream.index(b"event: content_block_delta")]
+    timings, usage, finished, _ = learnt(ANTHROPIC, [cut])
+    assert usage and not finished and timings is None
 
 
 def test_usage_without_cached_tokens_says_nothing_of_reuse():

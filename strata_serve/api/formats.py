@@ -110,13 +110,15 @@ class AnthropicFormat(ApiFormat):
     markers = (b'"usage"', b'"timings"', b'"message_stop"', b'"error"')
 
     def timings_from_usage(self, usage: Any) -> Timings | None:
+        """None until ``output_tokens`` is known: a stream cut after ``message_start``
+        has the prompt's counts only, and the engine went on generating meanwhile."""
         if not isinstance(usage, dict):
             return None
         prompt, reused = _int(usage.get("input_tokens")), _int(usage.get("cache_read_input_tokens"))
         predicted = _int(usage.get("output_tokens"))
-        if prompt is None and reused is None:
+        if (prompt is None and reused is None) or predicted is None:
             return None
-        return Timings(reused=reused or 0, prefilled=prompt or 0, generated=predicted or 0)
+        return Timings(reused=reused or 0, prefilled=prompt or 0, generated=predicted)
 
     def read_event(self, event: dict[str, Any], seen: StreamSeen) -> None:
         kind = event.get("type")
@@ -125,6 +127,8 @@ class AnthropicFormat(ApiFormat):
         usage = event.get("usage")
         if kind == "message_start" and isinstance(event.get("message"), dict):
             usage = event["message"].get("usage")
+            if isinstance(usage, dict):  # its output count (0) is not the answer's: message_delta's is
+                usage = {name: value for name, value in usage.items() if name != "output_tokens"}
         if isinstance(usage, dict):
             seen.usage = {**(seen.usage or {}), **usage}  # message_delta adds output_tokens
         if kind == "message_stop":

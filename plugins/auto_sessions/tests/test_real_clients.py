@@ -15,6 +15,7 @@ import socket
 import time
 from pathlib import Path
 
+import anthropic
 import pytest
 import requests
 
@@ -170,3 +171,54 @@ def _request(messages):
     from strata_serve.hook_types import StrataRequest
 
     return StrataRequest(route="chat", body={"messages": messages})
+
+
+async def anthropic_turn(sdk: anthropic.AsyncAnthropic, messages: list[dict], pattern: str) -> None:
+    """One turn through Anthropic's SDK, as an agent might leave it."""
+    if pattern == "read_all":
+        await sdk.messages.create(model="local", max_tokens=8, extra_body={"temperature": 0}, messages=messages)
+        return
+    async with sdk.messages.stream(model="local", max_tokens=8, messages=messages) as stream:
+        events = 0
+        async for event in stream:
+            events += 1
+            if pattern == "mid_stream" and events >= 2:
+                return
+            if pattern == "after_last_event" and event.type == "message_delta":
+                return  # leaves before message_stop: the SDK closes the connection
+
+
+async def test_impatient_anthropic_and_openai_clients_side_by_side_on_two_slots(auto_client):
+    """Claude Code's API beside OpenAI chat clients, concurrent and leaving early, on an
+    engine with two slots: the engine places each Anthropic request itself (it ignores
+    ``id_slot`` there), and still every conversation comes back with its own state."""
+    client = await auto_client(engine={"cache_ram_mib": 0, "parallel": 2, "ctx_size": 8192}, idle_save_s=0)
+    url = str(client.make_url("")).rstrip("/")
+    names = ["claude-a", "claude-b", "chat-c", "chat-d"]
+    chats = {name: conversation(name) for name in names}
+    patterns = itertools.cycle(["after_last_event", "mid_stream", "read_all", "after_last_event"])
+    async with anthropic.AsyncAnthropic(base_url=url, api_key="unused", max_retries=0) as sdk:
+        for round_ in range(1, 4):
+            turns = []
+            for name in names:
+                chats[name] = chats[name] + [{"role": "assistant", "content": f"noted {round_}"},
+                                             {"role": "user", "content": f"step {round_} of {name}?"}]
+                pattern = next(patterns)
+                if name.startswith("claude"):
+                    turns.append(anthropic_turn(sdk, chats[name], pattern))
+                else:
+                    pattern = "after_last_event" if pattern == "read_all" else pattern
+                    turns.append(asyncio.to_thread(client_turn, url, chats[name], pattern))
+            await asyncio.gather(*turns)
+            await settle(client)
+        for name in names + names:
+            if name.startswith("claude"):
+                reply = await sdk.messages.create(model="local", max_tokens=8, extra_body={"temperature": 0},
+                                                  messages=chats[name])
+                reused = reply.usage.cache_read_input_tokens
+            else:
+                reused = (await read_all(url, chats[name]))["timings"]["cache_n"]
+            assert reused is not None and reused >= OWN_STATE, (name, reused, parking_numbers(client))
+    service = client.app[SERVICE]
+    await service.check_slots()
+    assert service.slots.corrections == 0, "the picture matched the engine"
