@@ -1,7 +1,7 @@
 """system_prompt_key: an edited system prompt starts a new conversation."""
 
 import strata_system_prompt_key
-from strata_serve.default_plugins import conversation_key as default_key
+from strata_serve.default_plugins import opening_key as default_key
 from strata_serve.hook_types import StrataRequest
 from strata_serve.testing import KeyRecorder
 
