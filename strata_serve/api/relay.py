@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from strata_serve.api.errors import APIError
 from strata_serve.api.formats import OPENAI, ApiFormat, StreamSeen
 from strata_serve.api.keys import SERVICE, TENANT
-from strata_serve.engine.base import EngineUnavailable
+from strata_serve.engine.base import EngineUnavailable, JSONAnswer
 from strata_serve.exchange import KeyRefused, Outcome, StrataRequest
 from strata_serve.service import QueueFull, Service, ShuttingDown
 from strata_serve.slot_state import state_source
@@ -147,6 +147,8 @@ def engine_answer(status: int, body: Any) -> web.Response:
     the token counts of a context overflow) in the OpenAI shape.
     """
     if status < 400:
+        if isinstance(body, JSONAnswer):  # the engine's own bytes: no second encoding
+            return web.Response(body=body.raw, status=status, content_type="application/json", charset="utf-8")
         return web.json_response(body, status=status)
     error = body.get("error") if isinstance(body, dict) else None
     if not isinstance(error, dict):

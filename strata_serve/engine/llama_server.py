@@ -23,7 +23,7 @@ import aiohttp
 from pydantic import SecretStr
 
 from strata_serve.config import ConfigError, EngineSettings
-from strata_serve.engine.base import EngineInfo, EngineUnavailable, StateLayout
+from strata_serve.engine.base import EngineInfo, EngineUnavailable, JSONAnswer, StateLayout
 from strata_serve.exchange import EngineError
 from strata_serve.files import make_private_dir
 
@@ -753,7 +753,7 @@ class LlamaServer:
                     if resp.status == 503 and self._replaced(proc):
                         pass  # a new process, still loading, answered: nothing was done
                     elif resp.content_type == "application/json":
-                        return resp.status, await resp.json()
+                        return resp.status, _json_answer(await resp.read())
                     else:
                         return resp.status, await resp.text()
             except aiohttp.ClientConnectorError as exc:
@@ -872,6 +872,17 @@ class StreamReply:
         if not chunk:
             raise StopAsyncIteration
         return chunk
+
+
+def _json_answer(raw: bytes) -> Any:
+    """A JSON body as Python (an object keeps its bytes, for the relay to pass on as they came).
+
+    :raises ValueError: when the body is not JSON.
+    """
+    if not raw.strip():
+        return None
+    value = json_module.loads(raw)
+    return JSONAnswer(value, raw) if isinstance(value, dict) else value
 
 
 def _error_message(body: Any) -> str:
