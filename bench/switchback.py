@@ -181,7 +181,7 @@ def report(results: dict[str, Any]) -> list[str]:
             floor = statistics.median(results[size][HELD]["returns_s"])
             sentence += (f" The bare engine returning to A with nothing in between (no switch: the floor) took "
                          f"{floor:.3f} s ({full / floor:.0f}x faster than the re-read); the file-current return "
-                         f"took {current - floor:+.3f} s more than that floor ({current / floor:.2f}x its time).")
+                         f"is {current - floor:+.3f} s from that floor ({current / floor:.2f}x its time).")
         lines += ["", sentence]
     return lines
 
