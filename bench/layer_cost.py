@@ -67,8 +67,10 @@ async def strata_process(model: Path, work: Path, ctx: int = 4096, plugins: dict
     env = {**os.environ, **(extra_env or {})}
     if source is not None:  # another version of strata-serve, e.g. to compare with
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(source), env.get("PYTHONPATH")]))
+    # Run from the work directory: ``python -m`` puts its directory first on the path, and
+    # from a checkout that would be the checkout's strata_serve whatever ``source`` says.
     proc = subprocess.Popen([sys.executable, "-m", "strata_serve.cli", "run", "--config", str(config),
-                             "--log-level", "WARNING"], stdout=log, stderr=subprocess.STDOUT, env=env)
+                             "--log-level", "WARNING"], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120

@@ -4,7 +4,9 @@ Time to first token on each return, against the bare engine with its RAM cache o
 re-read). strata-serve with auto-sessions and the RAM cache off is measured twice in the
 same run: returning at once (the outgoing conversation is saved on the way: save, then
 restore) and returning after the server was idle long enough to save the outgoing
-conversation (its file is current: the switch is a restore alone).
+conversation (its file is current: the switch is a restore alone). A control row gives
+the floor any layer can reach: the bare engine returning to the conversation it still holds
+in its slot (no switch at all), which reads only the returning turn's new tokens.
 """
 
 from __future__ import annotations
@@ -22,11 +24,15 @@ from bench.harness import bare_engine, chat, client_session, conversation, follo
 #: name: (strata-serve?, engine RAM cache MiB: 0 off, None the engine's default)
 SETUPS = {
     "llama-server, RAM cache off": (False, 0),
+    "llama-server, no switch (A still in the slot)": (False, 0),
     "strata + auto-sessions, RAM cache off": (True, 0),
     "llama-server, RAM cache on": (False, None),
     "strata + auto-sessions, RAM cache on": (True, None),
 }
 BARE_OFF = "llama-server, RAM cache off"
+#: The control: A's next turn right after its previous one, nothing in between. The engine
+#: reads the new tokens over the KV it holds; no layer can return faster than this.
+HELD = "llama-server, no switch (A still in the slot)"
 PARKED_OFF = "strata + auto-sessions, RAM cache off"
 #: The returns of PARKED_OFF made after an idle save: the outgoing file was current.
 FILE_CURRENT = "strata + auto-sessions, RAM cache off, file current"
@@ -37,10 +43,15 @@ IDLE_SAVE_S = 0.5
 SHORT_B = 256
 
 
-async def idle_saves(session: aiohttp.ClientSession, url: str) -> int:
+async def auto_sessions_stats(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    """Auto-sessions' counters, from strata-serve's ``/stats``."""
     async with session.get(url + "/stats") as reply:
         found = await reply.json()
-    return int(((found.get("plugins") or {}).get("auto_sessions") or {}).get("idle_saves", 0))
+    return (found.get("plugins") or {}).get("auto_sessions") or {}
+
+
+async def idle_saves(session: aiohttp.ClientSession, url: str) -> int:
+    return int((await auto_sessions_stats(session, url)).get("idle_saves", 0))
 
 
 async def wait_idle_save(session: aiohttp.ClientSession, url: str, before: int, deadline_s: float = 120) -> None:
@@ -65,16 +76,28 @@ async def one_setup(name: str, model: Path, work: Path, size: int, rounds: int) 
     found: dict[str, Any] = {}
     async with setup as url, client_session() as session:
         first_a = await chat(session, url, a)
-        first_b = await chat(session, url, b)
-        history = {"a": follow_up(a, first_a.text, "Question 0?"), "b": follow_up(b, first_b.text, "Question 0?")}
+        history = {"a": follow_up(a, first_a.text, "Question 0?")}
+        if name != HELD:
+            first_b = await chat(session, url, b)
+            history["b"] = follow_up(b, first_b.text, "Question 0?")
         returns: dict[str, list[Any]] = {"now": [], "current": []}
+        #: The engine's restore alone, per return (auto-sessions' ``restore_ms``, from /stats).
+        restores_ms: dict[str, list[float]] = {"now": [], "current": []}
 
         async def back(which: str, n: int, kind: str) -> None:
+            before = await auto_sessions_stats(session, url) if through_strata else {}
             reply = await chat(session, url, history[which])
             returns[kind].append(reply)
             history[which] = follow_up(history[which], reply.text, f"Question {n + 1}?")
+            if through_strata:
+                after = await auto_sessions_stats(session, url)
+                if after.get("restores", 0) - before.get("restores", 0) == 1:
+                    restores_ms[kind].append(after["restore_ms"] - before["restore_ms"])
 
         for n in range(rounds):
+            if name == HELD:
+                await back("a", n, "now")  # A again, B never came
+                continue
             if name == BARE_OFF:
                 # Only A is long: return to it, with B's short turn in between.
                 await back("a", n, "now")
@@ -92,12 +115,13 @@ async def one_setup(name: str, model: Path, work: Path, size: int, rounds: int) 
         "first_prefill_s": first_a.ttft_s, "returns_s": [r.ttft_s for r in returns["now"]],
         "cache_n": [r.timings.get("cache_n", 0) for r in returns["now"]],
         "file_mb": max((f.stat().st_size for f in files), default=0) / 1e6,
+        "restore_ms": restores_ms["now"],
     }
     if returns["current"]:
         found[FILE_CURRENT] = {
             "first_prefill_s": first_a.ttft_s, "returns_s": [r.ttft_s for r in returns["current"]],
             "cache_n": [r.timings.get("cache_n", 0) for r in returns["current"]],
-            "file_mb": found[name]["file_mb"],
+            "file_mb": found[name]["file_mb"], "restore_ms": restores_ms["current"],
         }
     return found
 
@@ -110,8 +134,10 @@ async def switch_back(model: Path, work: Path, sizes: list[int], rounds: int,
         for name in SETUPS:
             if SETUPS[name][1] is None and ram_on_up_to is not None and size > ram_on_up_to:
                 continue
-            # The bare engine's returns are full re-reads: two of them give the spread.
-            for setup, figures in (await one_setup(name, model, work, size, 2 if name == BARE_OFF else rounds)).items():
+            # The bare engine's returns are full re-reads, and the control's cost little: two
+            # of them give the spread.
+            repeats = max(2, rounds) if name in (BARE_OFF, HELD) else rounds
+            for setup, figures in (await one_setup(name, model, work, size, repeats)).items():
                 found.setdefault(str(size), {})[setup] = figures
                 print(f"  switch-back {size} tokens, {setup}: {spread(figures['returns_s'])} s, "
                       f"cache_n {figures['cache_n']}", flush=True)
@@ -126,6 +152,8 @@ def report(results: dict[str, Any]) -> list[str]:
         "the bare engine with its RAM cache off, which re-reads the whole prompt (its B is short:",
         "any other prompt evicts A). The file-current row: the same server, each return made after",
         f"it was idle for {IDLE_SAVE_S:g} s and saved the outgoing conversation then, so the switch is a restore alone.",
+        "The no-switch row is the floor: A's next turn right after its previous one, on the bare engine,",
+        "which reads only the turn's new tokens over the KV it still holds.",
         "",
         "| tokens | setup | first prefill s | return s | ratio | cache_n on return |",
         "|---|---|---|---|---|---|",
@@ -142,9 +170,19 @@ def report(results: dict[str, Any]) -> list[str]:
         full = statistics.median(results[size][BARE_OFF]["returns_s"])
         current = statistics.median(results[size][FILE_CURRENT]["returns_s"])
         now = statistics.median(results[size][PARKED_OFF]["returns_s"])
-        lines += ["", f"At {size} tokens, a switch back with the outgoing conversation's file current took "
-                  f"{current:.3f} s against a re-read of {full:.3f} s ({full / current:.0f}x; the goal is 100x on "
-                  f"the bench model); returning at once, with its save on the way, {now:.3f} s ({full / now:.0f}x)."]
+        sentence = (f"At {size} tokens, a switch back with the outgoing conversation's file current took "
+                    f"{current:.3f} s against a re-read of {full:.3f} s ({full / current:.0f}x; the goal is 100x on "
+                    f"the bench model); returning at once, with its save on the way, {now:.3f} s ({full / now:.0f}x).")
+        restore_ms = results[size][FILE_CURRENT].get("restore_ms") or []
+        if restore_ms:
+            sentence += (f" The restore itself took {statistics.median(restore_ms):.0f} ms "
+                         f"(auto-sessions' restore_ms).")
+        if HELD in results[size]:
+            floor = statistics.median(results[size][HELD]["returns_s"])
+            sentence += (f" The bare engine returning to A with nothing in between (no switch: the floor) took "
+                         f"{floor:.3f} s ({full / floor:.0f}x faster than the re-read); the file-current return "
+                         f"is {current - floor:+.3f} s from that floor ({current / floor:.2f}x its time).")
+        lines += ["", sentence]
     return lines
 
 

@@ -20,7 +20,15 @@ async def test_quick_benchmark_writes_its_tables(tmp_path):
                     "Agents at work, tiny model", "sharing a 512-token system prompt, after a restart"):
         assert heading in report
     assert "| 512 | strata + auto-sessions, RAM cache off, file current |" in report
+    assert "| 512 | llama-server, no switch (A still in the slot) |" in report
     results = json.loads((tmp_path / "results.json").read_text())
+    # The control held A: its returns read only the new turn; a file-current return was a restore.
+    switch = results["switch_back"]["512"]
+    held = switch["llama-server, no switch (A still in the slot)"]
+    assert min(held["cache_n"]) >= 500, held["cache_n"]
+    current = switch["strata + auto-sessions, RAM cache off, file current"]
+    assert current["restore_ms"] and all(ms > 0 for ms in current["restore_ms"])
+    assert "The restore itself took" in report and "(no switch: the floor)" in report
 
     (agents,) = results["agents"]
     summary = agents["summary"]["agents"]

@@ -214,6 +214,19 @@ async def test_lines_are_read_whatever_their_length():
                      "last, no newline"]
 
 
+
+async def test_lines_come_in_one_batch_per_read():
+    """The engine writes several lines per request: handled a read at a time, not a line at a time."""
+    from strata_serve.engine.llama_server import read_line_batches
+
+    stream = asyncio.StreamReader()
+    batches = read_line_batches(stream)
+    stream.feed_data(b"one\ntwo\nthree\nhalf")
+    assert await anext(batches) == ["one", "two", "three"]
+    stream.feed_data(b" of four\n")
+    stream.feed_eof()
+    assert [batch async for batch in batches] == [["half of four"]]
+
 def _continue(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGCONT)

@@ -1,11 +1,13 @@
 """Connections to the engine: kept between calls, never reused once the engine closes them."""
 
 import asyncio
+import json
 import sys
 from pathlib import Path
 
 import pytest
 
+from strata_serve.api import SERVICE
 from strata_serve.config import EngineSettings
 from strata_serve.engine import EngineUnavailable, LlamaServer
 from strata_serve.testing import chat_body
@@ -96,3 +98,32 @@ async def test_a_call_on_a_kept_connection_closed_unanswered_is_sent_again():
         await engine.stop()
         server.close()
         await server.wait_closed()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="counts connections in /proc/net/tcp")
+async def test_requests_through_strata_keep_the_connection_to_the_engine(strata_client_factory):
+    """The relay's own path (read, FIFO, hooks, answer), not only the backend's: 60
+    non-streamed chat requests through strata-serve close at most a few connections to
+    the engine (a connection per request would close 60)."""
+    client = await strata_client_factory()
+    engine = client.server.app[SERVICE].engine
+    port = int(engine.info.url.rsplit(":", 1)[1])
+    before = closed_connections(port)
+    for _ in range(60):
+        resp = await client.post("/v1/chat/completions", json=chat_body(max_tokens=1))
+        assert resp.status == 200, await resp.text()
+    closed = closed_connections(port) - before
+    assert closed <= 3, f"{closed} connections to the engine closed for 60 requests"
+
+
+async def test_a_json_answer_reaches_the_client_as_the_engine_wrote_it(strata_client_factory):
+    """Not parsed and written out again: the engine's compact JSON (no spaces after ``:``
+    and ``,``) arrives as it is, where Python's encoder would have added them."""
+    client = await strata_client_factory()
+    resp = await client.post("/v1/chat/completions", json=chat_body(max_tokens=1))
+    body = await resp.read()
+    assert resp.status == 200 and resp.content_type == "application/json" and resp.charset == "utf-8"
+    answer = json.loads(body)
+    assert answer["choices"][0]["message"]["role"] == "assistant" and "timings" in answer
+    # One generated token is a character or a byte: it cannot hold either separator.
+    assert b'": ' not in body and b'", "' not in body, body[:200]

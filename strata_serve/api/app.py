@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hmac
 import ipaddress
 import logging
@@ -117,6 +118,7 @@ def _host_name(request: web.Request) -> str:
     return host[1:].partition("]")[0] if host.startswith("[") else host.rpartition(":")[0] or host
 
 
+@functools.lru_cache(maxsize=256)  # asked on every request, most often of the same few names
 def _unrebindable(name: str) -> bool:
     """An address no DNS answer can make point elsewhere: an IP literal or localhost."""
     if name == "localhost" or name.endswith(".localhost"):

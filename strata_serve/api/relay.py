@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from strata_serve.api.errors import APIError
 from strata_serve.api.formats import OPENAI, ApiFormat, StreamSeen
 from strata_serve.api.app_state import SERVICE, TENANT
-from strata_serve.engine.base import Engine, EngineUnavailable
+from strata_serve.engine.base import Engine, EngineUnavailable, JSONAnswer
 from strata_serve.hook_types import KeyRefused, Outcome, StrataRequest, Timings
 from strata_serve.service import QueueFull, Service, ShuttingDown
 from strata_serve.slot_state import state_source
@@ -41,8 +41,11 @@ async def read_json(request: web.Request, model: type[BaseModel]) -> dict[str, A
     """The body as a dict, checked against ``model`` (raises errors the middleware shapes)."""
     timeout = service_of(request).settings.server.read_timeout_s
     try:
-        raw = await asyncio.wait_for(request.read(), timeout)  # 413 past server.max_body_mib
-    except asyncio.TimeoutError:
+        # A deadline on this task (wait_for would run the read in a task of its own, on
+        # every request, for a body that has most often arrived with the headers).
+        async with asyncio.timeout(timeout):
+            raw = await request.read()  # 413 past server.max_body_mib
+    except TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="read_timeout") from None
     except RequestPayloadError as exc:  # e.g. Content-Encoding: gzip over bytes that are not gzip
         raise APIError(400, f"the request body could not be read: {exc.__cause__ or exc}",
@@ -144,6 +147,8 @@ def engine_answer(status: int, body: Any) -> web.Response:
     the token counts of a context overflow) in the OpenAI shape.
     """
     if status < 400:
+        if isinstance(body, JSONAnswer):  # the engine's own bytes: no second encoding
+            return web.Response(body=body.raw, status=status, content_type="application/json", charset="utf-8")
         return web.json_response(body, status=status)
     error = body.get("error") if isinstance(body, dict) else None
     if not isinstance(error, dict):

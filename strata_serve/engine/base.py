@@ -68,6 +68,20 @@ class StateLayout:
     n_gpu_layers: str | None = None
 
 
+class JSONAnswer(dict):
+    """A JSON object an engine answered, with the bytes it came in (``raw``).
+
+    A backend may return one from ``request``; the relay then hands the client those
+    bytes as they are instead of writing the object out again.
+    """
+
+    __slots__ = ("raw",)
+
+    def __init__(self, value: dict[str, Any], raw: bytes):
+        super().__init__(value)
+        self.raw = raw
+
+
 #: What a backend may declare in ``capabilities``:
 #: ``slots`` (``slots()`` reports what each slot holds), ``slot_files`` (``save``,
 #: ``restore`` and ``erase`` of a slot, into files in ``info.slot_save_path``),
@@ -107,7 +121,9 @@ class Engine(Protocol):
 
     async def request(
         self, method: str, path: str, json: Any = None, *, op: str = "request", resend: bool = True
-    ) -> tuple[int, Any]: ...
+    ) -> tuple[int, Any]:
+        """``(status, body)``: JSON as Python (an object may be a :class:`JSONAnswer`), else text."""
+        ...
 
     def stream(self, path: str, json: Any) -> AbstractAsyncContextManager[Any]:
         """Yields a reply with ``status``, ``await body()`` and ``async for chunk in chunks()``."""

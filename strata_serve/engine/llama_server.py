@@ -23,7 +23,7 @@ import aiohttp
 from pydantic import SecretStr
 
 from strata_serve.config import ConfigError, EngineSettings
-from strata_serve.engine.base import EngineInfo, EngineUnavailable, StateLayout
+from strata_serve.engine.base import EngineInfo, EngineUnavailable, JSONAnswer, StateLayout
 from strata_serve.hook_types import EngineError, Timings
 from strata_serve.files import make_private_dir
 
@@ -240,11 +240,20 @@ def state_layout(args: list[str], env: dict[str, str]) -> StateLayout:
 
 
 async def read_lines(stream: asyncio.StreamReader, max_bytes: int = LOG_LINE_MAX_BYTES) -> AsyncIterator[str]:
-    """The lines of ``stream`` until its end, each cut to ``max_bytes`` (what is cut is counted).
+    """The lines of ``stream`` until its end, each cut to ``max_bytes`` (what is cut is counted)."""
+    async for lines in read_line_batches(stream, max_bytes):
+        for line in lines:
+            yield line
+
+
+async def read_line_batches(stream: asyncio.StreamReader,
+                            max_bytes: int = LOG_LINE_MAX_BYTES) -> AsyncIterator[list[str]]:
+    """The lines of ``stream``, as many at a time as each read completes (see :func:`read_lines`).
 
     Reads chunks and splits them here: ``StreamReader.readline`` fails on a line longer
     than the reader's limit (64 KiB), and a reader that stops leaves the writer blocked
-    once the pipe is full.
+    once the pipe is full. A batch per read rather than a step per line: the engine
+    writes several lines for every request.
     """
     kept = bytearray()
     cut = 0
@@ -257,18 +266,21 @@ async def read_lines(stream: asyncio.StreamReader, max_bytes: int = LOG_LINE_MAX
 
     while chunk := await stream.read(READ_CHUNK_BYTES):
         *ended, rest = chunk.split(b"\n")
+        lines = []
         for piece in ended:
             room = max_bytes - len(kept)
             kept += piece[:room]
             cut += max(0, len(piece) - room)
-            yield finish()
+            lines.append(finish())
             kept.clear()
             cut = 0
         room = max_bytes - len(kept)
         kept += rest[:room]
         cut += max(0, len(rest) - room)
+        if lines:
+            yield lines
     if kept or cut:
-        yield finish()
+        yield [finish()]
 
 
 async def _exited(proc: asyncio.subprocess.Process, timeout: float | None = None, every: float = 0.02) -> bool:
@@ -559,14 +571,15 @@ class LlamaServer:
         level = logging.getLevelName(self.settings.log_level.upper())
         level = level if isinstance(level, int) else logging.INFO
         assert proc.stdout is not None
-        async for line in read_lines(proc.stdout):
-            if not line:
-                continue
-            self._tail.append(line)
-            try:
-                engine_log.log(level, "[strata] engine: %s", line)
-            except Exception:  # a broken log handler must not stop the reading
-                pass
+        async for batch in read_line_batches(proc.stdout):
+            lines = [line for line in batch if line]
+            self._tail.extend(lines)
+            if engine_log.isEnabledFor(level):  # asked once a batch, not once a line
+                for line in lines:
+                    try:
+                        engine_log.log(level, "[strata] engine: %s", line)
+                    except Exception:  # a broken log handler must not stop the reading
+                        pass
 
     async def _wait_healthy(self, proc: asyncio.subprocess.Process | None = None) -> None:
         deadline = time.monotonic() + self.settings.start_timeout_s
@@ -753,7 +766,7 @@ class LlamaServer:
                     if resp.status == 503 and self._replaced(proc):
                         pass  # a new process, still loading, answered: nothing was done
                     elif resp.content_type == "application/json":
-                        return resp.status, await resp.json()
+                        return resp.status, _json_answer(await resp.read())
                     else:
                         return resp.status, await resp.text()
             except aiohttp.ClientConnectorError as exc:
@@ -898,6 +911,17 @@ class StreamReply:
         if not chunk:
             raise StopAsyncIteration
         return chunk
+
+
+def _json_answer(raw: bytes) -> Any:
+    """A JSON body as Python (an object keeps its bytes, for the relay to pass on as they came).
+
+    :raises ValueError: when the body is not JSON.
+    """
+    if not raw.strip():
+        return None
+    value = json_module.loads(raw)
+    return JSONAnswer(value, raw) if isinstance(value, dict) else value
 
 
 def _error_message(body: Any) -> str:
