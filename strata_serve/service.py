@@ -404,11 +404,13 @@ class Service:
                 outcome = Outcome(status="error", error="not sent")
                 try:
                     await _to_the_end(broadcast(self.pm, "pre_request", request=request, service=self))
+                    # A request the engine places itself: what each slot last ran, to tell after
+                    # which slots it used.
+                    tasks_before = await self._slot_tasks() if not request.pinned else None
                 except asyncio.CancelledError:
                     outcome.status, outcome.error = "cancelled", "the client went away before the engine was asked"
                     await _to_the_end(self._post(request, outcome, began))
                     raise
-                tasks_before = await self._slot_tasks() if not request.pinned else None
                 before = self._sent(request)
                 try:
                     await send(outcome)
