@@ -51,6 +51,11 @@ class StrataRequest:
     found_in_slot: bool = False
 
 
+def token_count(value: Any) -> int | None:
+    """``value`` if it is a count an engine could report (an int, not a bool, not negative)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
 @dataclass(frozen=True)
 class Timings:
     """The work one answer cost, in the same terms whatever the backend.

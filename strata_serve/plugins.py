@@ -117,7 +117,7 @@ def _refuse_wrappers(pm: pluggy.PluginManager) -> None:
         for impl in caller.get_hookimpls():
             if impl.hookwrapper or getattr(impl, "wrapper", False):
                 raise ConfigError(
-                    f"plugin {impl_plugin_name(pm, impl)}: {hook_name} is a hook wrapper; strata-serve calls "
+                    f"plugin {impl.plugin_name}: {hook_name} is a hook wrapper; strata-serve calls "
                     "each implementation on its own (one plugin's failure never stops the others), "
                     "so wrappers are not supported: implement the hook plainly"
                 )
@@ -125,7 +125,7 @@ def _refuse_wrappers(pm: pluggy.PluginManager) -> None:
 
 def _raised_by(pm: pluggy.PluginManager, hook_name: str, exc: BaseException) -> str | None:
     """The plugin whose implementation of ``hook_name`` raised ``exc`` (pluggy does not say)."""
-    owners = {getattr(impl.function, "__code__", None): impl_plugin_name(pm, impl)
+    owners = {getattr(impl.function, "__code__", None): impl.plugin_name
               for impl in getattr(pm.hook, hook_name).get_hookimpls()}
     name, frame = None, exc.__traceback__
     while frame is not None:
@@ -155,11 +155,6 @@ def _trace(pm: pluggy.PluginManager, hook_name: str, plugin: str, result: Any) -
         log.info("[trace] %s -> %s returned %r", hook_name, plugin, result)
 
 
-def impl_plugin_name(pm: pluggy.PluginManager, impl: pluggy.HookImpl) -> str:
-    # The name the plugin was registered under (pluggy's get_name() would search every plugin).
-    return impl.plugin_name
-
-
 def call_impl(impl: pluggy.HookImpl, kwargs: dict[str, Any]) -> Any:
     return impl.function(*[kwargs[name] for name in impl.argnames])
 
@@ -177,7 +172,7 @@ async def broadcast(pm: pluggy.PluginManager, hook_name: str, **kwargs: Any) -> 
     for impl in reversed(hook.get_hookimpls()):
         name = impl.plugin_name
         try:
-            result = impl.function(*[kwargs[arg] for arg in impl.argnames])
+            result = call_impl(impl, kwargs)
             # Most implementations are plain functions that return None: await only what
             # needs it, without a coroutine of our own around every call.
             if result is not None and inspect.isawaitable(result):
@@ -226,9 +221,9 @@ def _iter_sync(
     if order:
         rank = {name: index for index, name in enumerate(order)}
         # sorted() is stable: plugins not named keep pluggy's order, after the named ones.
-        impls.sort(key=lambda impl: rank.get(impl_plugin_name(pm, impl), len(rank)))
+        impls.sort(key=lambda impl: rank.get(impl.plugin_name, len(rank)))
     for impl in impls:
-        name = impl_plugin_name(pm, impl)
+        name = impl.plugin_name
         try:
             result = call_impl(impl, kwargs)
         except passthrough:

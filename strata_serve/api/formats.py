@@ -18,11 +18,7 @@ import json
 from typing import Any
 
 from strata_serve.api.errors import ErrorShape
-from strata_serve.hook_types import Timings
-
-
-def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+from strata_serve.hook_types import Timings, token_count
 
 
 class ApiFormat:
@@ -55,12 +51,13 @@ class ApiFormat:
         ``cached_tokens`` it says nothing of reuse, so nothing is read from it."""
         if not isinstance(usage, dict):
             return None
-        prompt, details = _int(usage.get("prompt_tokens")), usage.get("prompt_tokens_details")
-        reused = _int(details.get("cached_tokens")) if isinstance(details, dict) else None
+        prompt, details = token_count(usage.get("prompt_tokens")), usage.get("prompt_tokens_details")
+        reused = token_count(details.get("cached_tokens")) if isinstance(details, dict) else None
         if prompt is None or reused is None:
             return None
         reused = min(reused, prompt)
-        return Timings(reused=reused, prefilled=prompt - reused, generated=_int(usage.get("completion_tokens")) or 0)
+        return Timings(reused=reused, prefilled=prompt - reused,
+                       generated=token_count(usage.get("completion_tokens")) or 0)
 
     def read_event(self, event: dict[str, Any], seen: StreamSeen) -> None:
         """Learn what one parsed SSE event says."""
@@ -114,8 +111,8 @@ class AnthropicFormat(ApiFormat):
         has the prompt's counts only, and the engine went on generating meanwhile."""
         if not isinstance(usage, dict):
             return None
-        prompt, reused = _int(usage.get("input_tokens")), _int(usage.get("cache_read_input_tokens"))
-        predicted = _int(usage.get("output_tokens"))
+        prompt, reused = token_count(usage.get("input_tokens")), token_count(usage.get("cache_read_input_tokens"))
+        predicted = token_count(usage.get("output_tokens"))
         if (prompt is None and reused is None) or predicted is None:
             return None
         return Timings(reused=reused or 0, prefilled=prompt or 0, generated=predicted)
@@ -160,13 +157,13 @@ class ResponsesFormat(ApiFormat):
                b'"timings"')
 
     def timings_from_usage(self, usage: Any) -> Timings | None:
-        if not isinstance(usage, dict) or _int(usage.get("input_tokens")) is None:
+        if not isinstance(usage, dict) or token_count(usage.get("input_tokens")) is None:
             return None
         details = usage.get("input_tokens_details")
-        reused = _int(details.get("cached_tokens")) if isinstance(details, dict) else None
+        reused = token_count(details.get("cached_tokens")) if isinstance(details, dict) else None
         reused = min(reused or 0, usage["input_tokens"])
         return Timings(reused=reused, prefilled=usage["input_tokens"] - reused,
-                       generated=_int(usage.get("output_tokens")) or 0)
+                       generated=token_count(usage.get("output_tokens")) or 0)
 
     def read_event(self, event: dict[str, Any], seen: StreamSeen) -> None:
         kind = event.get("type")

@@ -24,7 +24,7 @@ from pydantic import SecretStr
 
 from strata_serve.config import ConfigError, EngineSettings
 from strata_serve.engine.base import EngineInfo, EngineUnavailable, JSONAnswer, StateLayout
-from strata_serve.hook_types import EngineError, Timings
+from strata_serve.hook_types import EngineError, Timings, token_count
 from strata_serve.files import make_private_dir
 
 log = logging.getLogger("strata_serve.engine")
@@ -854,10 +854,6 @@ class LlamaServer:
         return read_llama_timings(numbers)
 
 
-def _count(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
-
-
 def _ms(value: Any) -> float | None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
     return float(value) if ok else None
@@ -867,10 +863,10 @@ def read_llama_timings(numbers: Any) -> Timings | None:
     """:class:`Timings` from a llama-server ``timings`` object (None unless it has token counts)."""
     if not isinstance(numbers, dict):
         return None
-    reused, prefilled = _count(numbers.get("cache_n")), _count(numbers.get("prompt_n"))
+    reused, prefilled = token_count(numbers.get("cache_n")), token_count(numbers.get("prompt_n"))
     if reused is None and prefilled is None:
         return None
-    return Timings(reused=reused or 0, prefilled=prefilled or 0, generated=_count(numbers.get("predicted_n")) or 0,
+    return Timings(reused=reused or 0, prefilled=prefilled or 0, generated=token_count(numbers.get("predicted_n")) or 0,
                    prefill_ms=_ms(numbers.get("prompt_ms")), generate_ms=_ms(numbers.get("predicted_ms")),
                    raw=numbers)
 
