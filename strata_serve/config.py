@@ -158,6 +158,10 @@ class ServerSettings(BaseModel):
     #: another tenant's state (its slot is erased first, the RAM cache is off) and only the
     #: plain ``api_key`` sees the server-wide ``/slots``, ``/stats`` and ``/metrics``.
     tenant_isolation: Literal["shared", "strict"] = "shared"
+    #: Let the engine download images, audio and video that a request names by an
+    #: http(s) URL. Off: such requests get a 400 (the engine would fetch any address its
+    #: machine reaches, on a client's word); media sent inline always works.
+    fetch_media_urls: bool = False
 
     def sees_every_tenant(self, tenant: str | None) -> bool:
         """Whether the holder of ``tenant``'s key may see server-wide figures (slots, stats).

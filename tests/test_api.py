@@ -479,3 +479,48 @@ async def test_a_symlink_loop_in_the_slot_directory_gets_400(client, action):
     body = await resp.json()
     assert_openai_error(body, 400, resp.status)
     assert body["error"]["param"] == "filename"
+
+
+PNG = "data:image/png;base64,iVBORw0KGgo="
+
+
+@pytest.mark.parametrize("path, body, shape", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": PNG}}]}],
+        "max_tokens": 2}, "openai"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}]}], "max_tokens": 2}, "openai"),
+    ("/v1/responses", {"input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": PNG}]}], "max_output_tokens": 2}, "openai"),
+    ("/v1/messages", {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]},
+     "anthropic"),
+    # A tool's result carries the image, one level down.
+    ("/v1/messages", {"model": "m", "max_tokens": 2, "messages": [
+        {"role": "user", "content": "look"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "shot", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+            {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}]}]},
+     "anthropic"),
+    ("/v1/messages/count_tokens", {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]},
+     "anthropic"),
+    ("/apply-template", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": PNG}}]}]}, "openai"),
+])
+async def test_media_a_text_only_model_cannot_take_gets_400_before_the_line(client, recorder, path, body, shape):
+    # The engine answers these with a 500 ("image input is not supported"), which reached
+    # the client as a 502 "the engine failed", after evicting the slot's conversation.
+    resp = await client.post(path, json=body)
+    answer = await resp.json()
+    assert resp.status == 400, answer
+    if shape == "openai":
+        assert_openai_error(answer, 400, resp.status)
+        assert answer["error"]["code"] == "not_supported"
+        message = answer["error"]["message"]
+    else:
+        assert answer["type"] == "error" and answer["error"]["type"] == "invalid_request_error", answer
+        message = answer["error"]["message"]
+    assert "takes no" in message and "engine.mmproj" in message
+    assert recorder.keys == [], "never queued: no plugin saw it, nothing was evicted"
+    assert client.app[SERVICE].engine.info.modalities == frozenset()

@@ -35,6 +35,9 @@ class EngineInfo:
     #: ``--cache-ram`` budget in MiB as started (None: the engine's default, unknown when attached).
     cache_ram_mib: int | None = None
     multimodal: bool = False
+    #: What the model takes besides text (``vision``, ``audio``, ``video``), as the engine's
+    #: ``/props`` says; None: not known (requests with media are then left to the engine).
+    modalities: frozenset[str] | None = None
     #: True when strata-serve started (and supervises) the engine process.
     managed: bool = False
     #: Whether the engine may empty an idle slot on its own when another slot gets a

@@ -615,6 +615,9 @@ class LlamaServer:
                 self.info.parallel = props.get("total_slots") or self.info.parallel
                 self.info.build = props.get("build_info") or self.info.build
                 self.info.model_ftype = props.get("model_ftype") or self.info.model_ftype
+                modalities = props.get("modalities")
+                if isinstance(modalities, dict):
+                    self.info.modalities = frozenset(name for name, on in modalities.items() if on is True)
                 if not self.info.model_path and props.get("model_path"):
                     self.info.model_path = props["model_path"]
 

@@ -114,3 +114,46 @@ async def test_this_build_parks_a_multimodal_conversation_image_included(
     assert parking.active, "nothing refused, nothing given up"
     timings = again["timings"]
     assert timings["cache_n"] >= timings["cache_n"] + timings["prompt_n"] - 2, "the restored state is reused"
+
+
+@pytest.mark.parametrize("fetch", [False, True])
+async def test_an_image_named_by_url_is_fetched_only_when_allowed(
+    strata_client_factory, strata_settings_factory, tiny_mmproj, aiohttp_server, fetch
+):
+    """The engine downloads an image named by an http URL itself, from its own machine,
+    whatever address it names: off by default, so a client cannot make the engine reach
+    what the client cannot. Inline images are answered either way."""
+    from aiohttp import web
+
+    fetched = []
+
+    async def image(request):
+        fetched.append(request.path)
+        png = base64.b64decode(png_data_url().split(",", 1)[1])
+        return web.Response(body=png, content_type="image/png")
+
+    app = web.Application()
+    app.router.add_get("/inside.png", image)
+    inside = await aiohttp_server(app)  # a service only this machine reaches
+    settings = strata_settings_factory(engine={"mmproj": str(tiny_mmproj), "extra_args": ["-t", "1"]},
+                                       server={"fetch_media_urls": fetch})
+    client = await strata_client_factory(settings=settings)
+    assert "vision" in client.app[SERVICE].engine.info.modalities
+
+    def asking(url):
+        return {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": url}}]}],
+            "max_tokens": 2, "temperature": 0}
+
+    resp = await client.post("/v1/chat/completions", json=asking(str(inside.make_url("/inside.png"))))
+    answer = await resp.json()
+    if fetch:
+        assert resp.status == 200, answer
+        assert fetched == ["/inside.png"]
+    else:
+        assert resp.status == 400, answer
+        assert answer["error"]["code"] == "media_url_refused"
+        assert "server.fetch_media_urls" in answer["error"]["message"]
+        assert fetched == [], "the engine never asked for it"
+    inline = await client.post("/v1/chat/completions", json=asking(png_data_url()))
+    assert inline.status == 200, await inline.text()

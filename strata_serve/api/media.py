@@ -1,0 +1,96 @@
+"""Images, audio and video in a request: checked before the engine sees them.
+
+llama-server turns every media part of every API (OpenAI chat's ``image_url``,
+``input_audio`` and ``input_video``, Anthropic's ``image`` blocks, the Responses API's
+``input_image``) into one of its own, then:
+
+- answers a part the model cannot take (no ``--mmproj``, or a projector without
+  audio) with an HTTP 500, which would reach the client as our 502 "the engine
+  failed", though asking again can never help: here it is the client's 400;
+- downloads a part given by an ``http(s)`` URL itself, from the machine it runs on,
+  whatever address that URL names (a cloud's metadata service, a router's admin
+  page, any service bound to localhost). A client of strata-serve could make the
+  engine reach what the client cannot, so such URLs are refused unless
+  ``server.fetch_media_urls`` allows them. Media sent inline (``data:`` URLs,
+  base64) is what chat UIs and coding agents send.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from strata_serve.api.errors import APIError
+from strata_serve.config import ServerSettings
+from strata_serve.engine.base import EngineInfo
+
+#: Fields of a request body that hold messages or items with content parts.
+_CONTENT_FIELDS = ("messages", "input")
+
+
+def _url_of(part: dict[str, Any]) -> tuple[str, Any] | None:
+    """The modality a media part needs and the URL (or inline data) it names."""
+    kind = part.get("type")
+    if kind == "image_url":  # OpenAI chat: {"image_url": {"url": ...}}
+        image = part.get("image_url")
+        return "vision", image.get("url") if isinstance(image, dict) else None
+    if kind == "input_image":  # Responses: {"image_url": "..."}
+        return "vision", part.get("image_url")
+    if kind == "image":  # Anthropic: {"source": {"type": "base64"|"url", ...}}
+        source = part.get("source")
+        if isinstance(source, dict) and source.get("type") == "url":
+            return "vision", source.get("url")
+        return "vision", None
+    if kind in ("input_audio", "input_video", "video_url"):
+        # The engine reads "data", else "url", from either, and fetches an http one.
+        media = part.get(kind)
+        url = (media.get("data") or media.get("url")) if isinstance(media, dict) else None
+        return ("audio" if kind == "input_audio" else "video"), url
+    return None
+
+
+def media_parts(body: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """Each media part of a request as (modality, URL or data), at any depth of its
+    messages or items (tool results carry images too)."""
+    stack: list[Any] = [body.get(field) for field in _CONTENT_FIELDS]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            found = _url_of(node)
+            if found is not None:
+                yield found
+            for value in node.values():
+                if isinstance(value, (list, dict)):
+                    stack.append(value)
+
+
+def is_fetched(url: Any) -> bool:
+    """Whether the engine would download this URL (it does for any text starting ``http``)."""
+    return isinstance(url, str) and url.startswith("http")
+
+
+def check_media(body: Any, info: EngineInfo, server: ServerSettings) -> None:
+    """Refuse, as the client's error, media the engine cannot take or must not fetch.
+
+    :raises APIError: 400 ``not_supported`` for a modality the model does not take (when
+        the engine has said which it takes), 400 ``media_url_refused`` for a URL the
+        engine would download, unless ``server.fetch_media_urls`` allows that.
+    """
+    if not isinstance(body, dict):
+        return
+    for modality, url in media_parts(body):
+        if info.modalities is not None and modality not in info.modalities:
+            raise APIError(
+                400,
+                f"the model takes no {modality} input: start the engine with a projector "
+                "that gives it (engine.mmproj), or send text only",
+                code="not_supported",
+            )
+        if is_fetched(url) and not server.fetch_media_urls:
+            raise APIError(
+                400,
+                "media given by an http(s) URL is not fetched: send it inline (a data: URL, "
+                "base64), or let the engine download it with server.fetch_media_urls = true",
+                code="media_url_refused",
+            )
