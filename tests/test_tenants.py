@@ -289,3 +289,34 @@ async def test_strict_mode_on_an_attached_engine_with_several_slots_erases_them_
 
     right, wrong = await bob_guesses(ALICE), await bob_guesses(WRONG)
     assert right["cache_n"] == wrong["cache_n"] < 10, (right, wrong)
+
+
+@pytest.mark.parametrize("mode", ["shared", "strict"])
+async def test_state_headers_tell_a_tenant_nothing_of_another_when_strict(
+    strata_client_factory, strata_settings_factory, mode
+):
+    """Bob sends alice's exact words right after her, then other words: in shared mode
+    his headers say the state came from the engine's cache for the right guess only
+    (the documented leak); in strict mode both answers carry the same headers, his own
+    conversation's, and nothing of hers."""
+    settings = strata_settings_factory(server={**KEYS, "tenant_isolation": mode},
+                                       plugins={"auto_sessions": {"min_tokens": 100}})
+    client = await strata_client_factory(strata_auto_sessions, settings=settings)
+
+    async def bob_guesses(text: str) -> dict:
+        await ask(client, "ka", ALICE)
+        resp = await client.post("/v1/chat/completions", json=chat_body(text), headers=as_("kb"))
+        assert resp.status == 200, await resp.text()
+        return {name: value for name, value in resp.headers.items() if name.startswith("X-Strata-")}
+
+    right, wrong = await bob_guesses(ALICE), await bob_guesses(WRONG)
+    for headers in (right, wrong):
+        assert headers["X-Strata-Conversation"].startswith("bob--"), headers
+        assert "alice" not in " ".join(headers.values())
+        assert headers["X-Strata-Restored-Tokens"] == "0"
+    if mode == "shared":
+        assert (right["X-Strata-State"], wrong["X-Strata-State"]) == ("ram", "none")
+    else:
+        assert right["X-Strata-State"] == wrong["X-Strata-State"] == "none"
+        assert {k: v for k, v in right.items() if k != "X-Strata-Conversation"} == \
+               {k: v for k, v in wrong.items() if k != "X-Strata-Conversation"}
