@@ -135,6 +135,11 @@ async def layer_cost(model: Path, work: Path, requests: int = 200, blocks: int =
                 found[f"{kind}_p{pct}_ms"] = {name: percentile(t, pct) * 1000 for name, t in times.items()}
                 found[f"{kind}_added_p{pct}_ms"] = (found[f"{kind}_p{pct}_ms"]["strata"]
                                                    - found[f"{kind}_p{pct}_ms"]["engine"])
+            # The spread: the same figure over each fifth of the requests.
+            step = max(1, requests // 5)
+            found[f"{kind}_added_p50_ms_blocks"] = [
+                (percentile(times["strata"][i:i + step], 50) - percentile(times["engine"][i:i + step], 50)) * 1000
+                for i in range(0, requests - step + 1, step)]
 
         async def client(url: str) -> None:
             for _ in range(max(1, requests // concurrency)):
@@ -166,6 +171,7 @@ async def layer_cost(model: Path, work: Path, requests: int = 200, blocks: int =
                     tokens += predicted
         found["stream_tps"] = tps
         found["stream_ratio"] = statistics.median(tps["strata"]) / statistics.median(tps["engine"])
+        found["stream_ratios"] = [s / e for s, e in zip(tps["strata"], tps["engine"])]
         found["engine_tps"] = engine_tps  # as the engine timed its own work, either way
         found["cpu_s_per_1000_tokens"] = cpu / tokens * 1000 if tokens else None
     return found
@@ -182,12 +188,20 @@ def sizes(model: str, quick: bool) -> dict[str, int]:
 
 def summary(name: str, v: dict[str, Any]) -> list[str]:
     """Markdown lines for one model's figures."""
-    lines = [f"| {name} | {v['stream_added_p50_ms']:.2f} | {v['stream_added_p95_ms']:.2f} | "
-             f"{v['json_added_p50_ms']:.2f} | {v['json_added_p95_ms']:.2f} | "
+    def blocks(kind: str) -> str:
+        values = v.get(f"{kind}_added_p50_ms_blocks")
+        return f" ({min(values):.2f}-{max(values):.2f})" if values and len(values) > 1 else ""
+
+    def ratios(values: list[float] | None, digits: int) -> str:
+        return f", {min(values):.{digits}f}-{max(values):.{digits}f}" if values and len(values) > 1 else ""
+
+    rps = [s / e for s, e in zip(v["rps_8"]["strata"], v["rps_8"]["engine"])]
+    lines = [f"| {name} | {v['stream_added_p50_ms']:.2f}{blocks('stream')} | {v['stream_added_p95_ms']:.2f} | "
+             f"{v['json_added_p50_ms']:.2f}{blocks('json')} | {v['json_added_p95_ms']:.2f} | "
              f"{v['rps_8_ratio']:.2f} ({statistics.median(v['rps_8']['strata']):.0f} / "
-             f"{statistics.median(v['rps_8']['engine']):.0f}) | "
+             f"{statistics.median(v['rps_8']['engine']):.0f}{ratios(rps, 2)}) | "
              f"{v['stream_ratio']:.3f} ({statistics.median(v['stream_tps']['strata']):.0f} / "
-             f"{statistics.median(v['stream_tps']['engine']):.0f}) | "
+             f"{statistics.median(v['stream_tps']['engine']):.0f}{ratios(v.get('stream_ratios'), 3)}) | "
              f"{v['cpu_s_per_1000_tokens']:.3f} | {v['stream_cpu_ms_per_request']:.2f} / "
              f"{v['json_cpu_ms_per_request']:.2f} |"]
     return lines

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 
-from bench import prefix, switchback, workloads
+from bench import prefix, profile, switchback, workloads
 from bench.harness import bare_engine, chat, client_session, conversation, spread, strata
 from bench.layer_cost import HEADER as LAYER_HEADER, layer_cost, sizes as layer_sizes, summary as layer_summary
 from strata_serve.demo_model import write_demo_model
@@ -113,13 +113,18 @@ def report(results: dict[str, Any], quick: bool, command: str) -> str:
         "`strata-serve run` in its own process (installed plugins), told its engine's port and key; each",
         "figure alternates a request straight to that engine with one through strata-serve. A cached",
         "64-token prompt and 1 new token per request; 8 clients share one connection pool; streams of",
-        f"{results['overhead_sizes']['stream_tokens']} tokens (tokens/s over the whole call). The layer's CPU is "
-        "its own process's (user + system), read from /proc.",
+        f"{results['overhead_sizes']['stream_tokens']} tokens on the tiny model"
+        + (f" and {layer_sizes('smollm2', False)['stream_tokens']} on SmolLM2" if "smollm2" in results["overhead"]
+           else "") + " (tokens/s over the whole call). The "
+        "layer's CPU is its own process's (user + system), read from /proc. In brackets: the added p50 over "
+        "each fifth of the requests (lowest-highest), and the lowest-highest ratio of the interleaved pairs.",
         "",
         *LAYER_HEADER,
     ]
     for name, v in results["overhead"].items():
         lines += layer_summary(name, v)
+    if results.get("profile"):
+        lines += profile.report(results["profile"])
     lines.append("")
 
     lines += switchback.report(results["switch_back"])
@@ -179,7 +184,8 @@ AGENT_PLANS = {
             }}},
         {"model": "smollm2", "name": "SmolLM2-135M", "args": {
             "label": "smollm2", "repeats": 2, "limited_mib": 8, "min_tokens": 128,
-            "only": ["bare-default", "bare-off", "bare-np4", "strata-default", "strata-off", "strata-np4", "hearth"],
+            "only": ["bare-default", "bare-limited", "bare-off", "bare-np4", "strata-default", "strata-limited",
+                     "strata-off", "strata-np4", "hearth"],
             "shape": workloads.Workload(steps=2, opening=192, grow=32, sub=64, side=16, real=True)}},
     ],
 }
@@ -218,6 +224,7 @@ async def main(quick: bool, out: Path, sizes: list[int] | None = None, command: 
         results["overhead"] = {
             "tiny": await layer_cost(tiny, _made(work / "layer-tiny"), **layer_sizes("tiny", quick)),
         }
+        results["profile"] = await profile.measure(tiny, _made(work / "profile"), *((10, 10) if quick else (200, 300)))
         smollm2 = packaged_model_path("smollm2")
         if not quick and smollm2 is not None:
             results["overhead"]["smollm2"] = await layer_cost(Path(smollm2), _made(work / "layer-smollm2"),

@@ -17,7 +17,8 @@ async def test_quick_benchmark_writes_its_tables(tmp_path):
     await main(quick=True, out=tmp_path)
     report = (tmp_path / "README.md").read_text()
     for heading in ("Engine start", "What the layer costs", "Switching back", "save and restore throughput",
-                    "Agents at work, tiny model", "sharing a 512-token system prompt, after a restart"):
+                    "Agents at work, tiny model", "sharing a 512-token system prompt, after a restart",
+                    "Where the layer's time goes"):
         assert heading in report
     assert "| 512 | strata + auto-sessions, RAM cache off, file current |" in report
     assert "| 512 | llama-server, no switch (A still in the slot) |" in report
@@ -50,3 +51,10 @@ async def test_quick_benchmark_writes_its_tables(tmp_path):
     assert parked["reread_tokens"] == 0 and parked["bytes_per_request"] > 0
     assert parked["file_current"]["switches"] > 0
     assert "not installed" in report if not prefix_restore_installed() else results["prefix"]["with"]
+
+    # Where the time goes: the bare relay and strata-serve both measured, a profile taken.
+    found = results["profile"]
+    assert found["stream_cpu_ms bare relay"] > 0 and found["stream_cpu_ms strata"] > 0
+    assert found["profile"]["total"] > 0 and "strata-serve core" in found["profile"]["categories"]
+    assert "Where the layer's time goes" in report and "| bare relay |" in report
+    print(f"bench-quick took {results['seconds']['total']:.0f} s")
