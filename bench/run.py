@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 
-from bench import prefix, profile, switchback, workloads
+from bench import prefix, profile, readme, switchback, workloads
 from bench.harness import bare_engine, chat, client_session, conversation, spread, strata
 from bench.layer_cost import HEADER as LAYER_HEADER, layer_cost, sizes as layer_sizes, summary as layer_summary
 from strata_serve.demo_model import write_demo_model
@@ -128,7 +128,6 @@ def report(results: dict[str, Any], quick: bool, command: str) -> str:
     lines.append("")
 
     lines += switchback.report(results["switch_back"])
-    lines += ["", f"What the project README says: {switchback.readme_sentence(results['switch_back'])}"]
     if results.get("plot"):
         lines += ["", f"![switch-back time and file size against context length]({results['plot']})"]
     for found in results["agents"]:
@@ -147,6 +146,7 @@ def report(results: dict[str, Any], quick: bool, command: str) -> str:
         lines.append(f"| {name} | {spread(v['save_mbps'], 0)} | {spread(v['restore_mbps'], 0)} |")
     lines.append(f"| the disk, sequential (write with fsync / read) | {speed['disk']['write_mbps']:.0f} | "
                  f"{speed['disk']['read_mbps']:.0f} |")
+    lines += readme.report(results)
     if results.get("seconds"):
         taken = results["seconds"]
         lines += ["", f"The run took {taken['total'] / 60:.1f} minutes (" + ", ".join(
