@@ -191,3 +191,32 @@ async def test_the_readmes_python_example_gets_a_real_answer(strata_client_facto
     reply, timings, streamed = capsys.readouterr().out.split("\n", 2)
     assert "Rome" in reply and streamed == reply
     assert "'prompt_n'" in timings and "'cache_n'" in timings
+
+
+async def test_the_default_threshold_parks_what_takes_seconds_to_reread_and_nothing_shorter(
+    strata_client_factory, strata_settings_factory, smollm2, caplog
+):
+    """auto-sessions at its defaults on SmolLM2 (``min_prefill_s`` 2 s, measured from the
+    engine's own timings here): a conversation that takes seconds to re-read is parked and
+    comes back from its file; a short one is left, with the reason logged."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="strata_auto_sessions")
+    settings = strata_settings_factory(engine={"model": str(smollm2), "ctx_size": CTX_SIZE, "start_timeout_s": 120})
+    client = await strata_client_factory(strata_auto_sessions, settings=settings)
+    config = parking(client).config
+    assert (config.min_prefill_s, config.min_tokens) == (2.0, 0), "the defaults"
+    long = journal("the long conversation", days=45)  # about 900 tokens: 4-9 s to read here
+    short = [{"role": "user", "content": "Say hello."}]
+    body = {"max_tokens": 4, "temperature": 0}
+    first = await ask(client, {"messages": long, **body})
+    assert first["timings"]["prompt_ms"] > 2500, "re-reading it takes more than the threshold"
+    await ask(client, {"messages": short, **body})  # the long one is parked
+    back = await ask(client, {"messages": long, **body})  # the short one is not; the long one is restored
+    stats = parking(client).stats
+    assert stats.saves == 1 and stats.restores == 1, stats
+    assert back["timings"]["cache_n"] >= first["usage"]["prompt_tokens"] - 2
+    slots = client.app[SERVICE].engine.info.slot_save_path
+    assert len(list(slots.glob("auto-*.bin"))) == 1
+    assert any("less than min_prefill_s (2 s) more than a restore" in record.getMessage()
+               for record in caplog.records), "the short one's reason is logged"
