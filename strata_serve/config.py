@@ -162,6 +162,9 @@ class ServerSettings(BaseModel):
     #: http(s) URL. Off: such requests get a 400 (the engine would fetch any address its
     #: machine reaches, on a client's word); media sent inline always works.
     fetch_media_urls: bool = False
+    #: Most messages (or Responses items) in one request. The engine renders its chat
+    #: template in a time that grows faster than their number, and cannot stop midway.
+    max_messages: int = Field(10_000, ge=1)
 
     def sees_every_tenant(self, tenant: str | None) -> bool:
         """Whether the holder of ``tenant``'s key may see server-wide figures (slots, stats).

@@ -1,6 +1,7 @@
 """The HTTP API against the real engine: OpenAI SDK, streaming, errors in the OpenAI shape."""
 
 import asyncio
+import io
 import json
 import logging
 from pathlib import Path
@@ -524,3 +525,36 @@ async def test_media_a_text_only_model_cannot_take_gets_400_before_the_line(clie
     assert "takes no" in message and "engine.mmproj" in message
     assert recorder.keys == [], "never queued: no plugin saw it, nothing was evicted"
     assert client.app[SERVICE].engine.info.modalities == frozenset()
+
+
+async def test_more_messages_than_the_context_or_the_limit_get_400_before_validation(
+    strata_client_factory, strata_settings_factory, recorder
+):
+    # The engine renders its chat template in a time that grows faster than the number of
+    # messages and cannot stop midway: 400,000 one-word messages kept it busy for hours
+    # after the client left. Counted before anything else looks at them.
+    settings = strata_settings_factory(server={"max_messages": 50})
+    client = await strata_client_factory(recorder, settings=settings)
+    n_ctx = client.app[SERVICE].engine.info.n_ctx
+    assert n_ctx and n_ctx > 50
+    hi = {"role": "user", "content": "hi"}
+    for path, body, field in [
+        ("/v1/chat/completions", {"messages": [hi] * 51, "max_tokens": 1}, "messages"),
+        ("/v1/chat/completions", {"messages": [hi] * (n_ctx + 1), "max_tokens": 1}, "messages"),
+        ("/v1/chat/completions", {"messages": [hi] * 400_000, "max_tokens": 1}, "messages"),
+        ("/apply-template", {"messages": [hi] * 51}, "messages"),
+        ("/v1/responses", {"input": [hi] * 51, "max_output_tokens": 1}, "input"),
+    ]:
+        resp = await client.post(path, data=io.BytesIO(json.dumps(body).encode()),
+                                 headers={"Content-Type": "application/json"})
+        answer = await resp.json()
+        assert_openai_error(answer, 400, resp.status)
+        assert (answer["error"]["code"], answer["error"]["param"]) == ("too_many_messages", field), answer
+    resp = await client.post("/v1/messages", json={"model": "m", "max_tokens": 1, "messages": [hi] * 51})
+    answer = await resp.json()
+    assert resp.status == 400 and "server.max_messages (50)" in answer["error"]["message"], answer
+    assert recorder.keys == [], "none reached the line"
+    # At the limit: answered. Other lists (embeddings' inputs) are not messages.
+    assert (await client.post("/v1/chat/completions", json={"messages": [hi] * 50, "max_tokens": 1})).status == 200
+    embeddings = await (await client.post("/v1/embeddings", json={"input": ["a"] * 60})).json()
+    assert embeddings["error"]["code"] != "too_many_messages"

@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from strata_serve.api.errors import APIError
 from strata_serve.api.formats import OPENAI, ApiFormat, StreamSeen
-from strata_serve.api.media import check_media
+from strata_serve.api.checks import check_media, check_messages
 from strata_serve.api.app_state import SERVICE, TENANT
 from strata_serve.engine.base import Engine, EngineUnavailable, JSONAnswer
 from strata_serve.hook_types import KeyRefused, Outcome, StrataRequest, Timings
@@ -62,6 +62,9 @@ async def read_json(request: web.Request, model: type[BaseModel]) -> dict[str, A
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    service = service_of(request)
+    # Counted first: validating 400,000 messages would hold the event loop for seconds.
+    check_messages(body, getattr(model, "message_fields", ()), service.engine.info, service.settings.server)
     check_json_value(body)
     model.model_validate(body)
     return body

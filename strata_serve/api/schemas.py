@@ -18,6 +18,9 @@ Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
+    #: The fields that hold the conversation's messages (or items), each of which the
+    #: engine's chat template renders: counted before validation (``api/checks.py``).
+    message_fields: ClassVar[tuple[str, ...]] = ()
 
 
 #: What each kind of content part must carry. The engine answers a part without it with
@@ -109,6 +112,7 @@ class _Sampling(_OneCompletion):
 
 
 class ChatCompletionRequest(_Sampling):
+    message_fields = ("messages",)
     messages: list[Message] = Field(min_length=1)
     tools: list[Tool] | None = None
 
@@ -177,6 +181,7 @@ class AnthropicTool(_Open):
 
 
 class _AnthropicPrompt(_Open):
+    message_fields = ("messages",)
     model: StrictStr | None = None
     system: StrictStr | list[AnthropicTextBlock] | None = None
     messages: list[AnthropicMessage] = Field(min_length=1)
@@ -230,6 +235,7 @@ class ResponsesTool(_Open):
 
 
 class ResponsesRequest(_OneCompletion):
+    message_fields = ("input",)
     model: StrictStr | None = None
     input: StrictStr | list[ResponsesItem]
     instructions: StrictStr | None = None
@@ -283,6 +289,7 @@ class DetokenizeRequest(_Open):
 
 
 class ApplyTemplateRequest(_Open):
+    message_fields = ("messages",)
     messages: list[Message]
 
 

@@ -1,6 +1,13 @@
-"""Images, audio and video in a request: checked before the engine sees them.
+"""What a request body asks of the engine, checked before the engine sees it.
 
-llama-server turns every media part of every API (OpenAI chat's ``image_url``,
+**Messages.** llama-server renders the chat template over every message in a time
+that grows faster than their number (16,000 one-word messages took 12 s here,
+400,000 kept it busy for hours), in a step no closed connection interrupts: one
+request could take the engine's CPU from everyone long after its client left. A
+message takes at least one token of the prompt, so more messages than the context
+has tokens can never be answered; ``server.max_messages`` bounds the rest.
+
+**Media.** llama-server turns every media part of every API (OpenAI chat's ``image_url``,
 ``input_audio`` and ``input_video``, Anthropic's ``image`` blocks, the Responses API's
 ``input_image``) into one of its own, then:
 
@@ -23,8 +30,8 @@ from strata_serve.api.errors import APIError
 from strata_serve.config import ServerSettings
 from strata_serve.engine.base import EngineInfo
 
-#: Fields of a request body that hold messages or items with content parts.
-_CONTENT_FIELDS = ("messages", "input")
+#: Fields of a request body that hold its messages (chat, Anthropic) or items (Responses).
+_MESSAGE_FIELDS = ("messages", "input")
 
 
 def _url_of(part: dict[str, Any]) -> tuple[str, Any] | None:
@@ -51,7 +58,7 @@ def _url_of(part: dict[str, Any]) -> tuple[str, Any] | None:
 def media_parts(body: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     """Each media part of a request as (modality, URL or data), at any depth of its
     messages or items (tool results carry images too)."""
-    stack: list[Any] = [body.get(field) for field in _CONTENT_FIELDS]
+    stack: list[Any] = [body.get(field) for field in _MESSAGE_FIELDS]
     while stack:
         node = stack.pop()
         if isinstance(node, list):
@@ -68,6 +75,26 @@ def media_parts(body: dict[str, Any]) -> Iterator[tuple[str, Any]]:
 def is_fetched(url: Any) -> bool:
     """Whether the engine would download this URL (it does for any text starting ``http``)."""
     return isinstance(url, str) and url.startswith("http")
+
+
+def check_messages(body: dict[str, Any], fields: tuple[str, ...], info: EngineInfo,
+                   server: ServerSettings) -> None:
+    """Refuse more messages (in ``fields``) than the context could hold or
+    ``server.max_messages`` allows.
+
+    :raises APIError: 400 ``too_many_messages``.
+    """
+    for field in fields:
+        items = body.get(field)
+        if not isinstance(items, list):
+            continue
+        count = len(items)
+        if info.n_ctx and count > info.n_ctx:
+            raise APIError(400, f"{count:,} {field}: more than the {info.n_ctx:,} tokens of the context, and each "
+                                "takes at least one", param=field, code="too_many_messages")
+        if count > server.max_messages:
+            raise APIError(400, f"{count:,} {field}: more than server.max_messages ({server.max_messages:,})",
+                           param=field, code="too_many_messages")
 
 
 def check_media(body: Any, info: EngineInfo, server: ServerSettings) -> None:
