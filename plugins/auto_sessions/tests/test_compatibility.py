@@ -213,3 +213,61 @@ async def test_the_engine_rereads_a_restored_swa_state_without_swa_full(llama_se
         _, reply = await engine.request("POST", "/v1/chat/completions", json=request)
         assert (reply["timings"]["cache_n"] > 600) is reused, (flags, reply["timings"])
         await engine.stop()
+
+
+# -- engine builds ----------------------------------------------------------------
+
+async def parked_with_builds(strata_client_factory, auto_settings, builds: dict[str, str]):
+    """Park one conversation per entry of ``builds`` (name -> the build its sidecar then
+    names), and return a new server on the same directory with the conversations."""
+    conversations = {name: conversation(name) for name in builds}
+    first = await strata_client_factory(strata_auto_sessions, settings=auto_settings({}))
+    for messages in conversations.values():
+        await ask(first, messages)  # each switch saves the one before; the stop, the last
+    directory = slot_dir(first)
+    await first.close()
+    for name, build in builds.items():
+        path = directory / f"auto-{key_of(first, conversations[name])}.json"
+        sidecar = json.loads(path.read_text())
+        sidecar["fingerprint"]["build"] = build
+        path.write_text(json.dumps(sidecar))
+    client = await strata_client_factory(strata_auto_sessions, strata_ram_cache_stats, settings=auto_settings({}))
+    return client, conversations
+
+
+async def test_a_file_from_a_build_out_of_range_is_refused_and_one_within_is_restored(
+        strata_client_factory, auto_settings, caplog):
+    client, talks = await parked_with_builds(strata_client_factory, auto_settings,
+                                             {"far": "b10000-0aaaaaa", "near": "b11000-0bbbbbb"})
+    # The engine here was built outside llama.cpp's git and reports no build number
+    # (b0-unknown); one built from git reports b<number>. The running engine's report is
+    # given one, and auto-sessions takes the engine's fingerprint again as after a restart.
+    service = client.app[SERVICE]
+    assert service.engine.info.build == "b0-unknown"
+    service.engine.info.build = "b11434-0cccccc"
+    parking(client).engine_restarted(service)
+
+    far = await ask(client, talks["far"])  # 1,434 builds apart
+    stats = parking(client).stats
+    assert stats.restores_refused_build == 1 and stats.restores == 0 and stats.restore_failures == 0
+    assert far["timings"]["cache_n"] < 40, "the engine never saw the file"
+    assert any(f"not restoring auto-{key_of(client, talks['far'])}.bin (build)" in line
+               and "1434 builds apart" in line for line in log_lines(caplog))
+
+    near = await ask(client, talks["near"])  # 434 builds apart
+    assert stats.restores == 1 and stats.restores_refused_build == 1
+    assert near["timings"]["cache_n"] > 600, "the restored state was reused"
+    metrics = await (await client.get("/metrics")).text()
+    assert 'strata_auto_sessions_restore_skips_total{reason="build"} 1.0' in metrics
+
+
+async def test_a_file_from_a_numbered_build_is_refused_by_an_engine_without_a_number(
+        strata_client_factory, auto_settings, caplog):
+    """How far apart cannot be told: the file is refused, never given to the engine on a guess."""
+    client, talks = await parked_with_builds(strata_client_factory, auto_settings, {"numbered": "b11434-0aaaaaa"})
+    reply = await ask(client, talks["numbered"])
+    stats = parking(client).stats
+    assert stats.restores_refused_build == 1 and stats.restores == 0
+    assert reply["timings"]["cache_n"] < 40
+    assert any("(build)" in line and "the engine is b0-unknown (cannot tell how far apart" in line
+               for line in log_lines(caplog))
