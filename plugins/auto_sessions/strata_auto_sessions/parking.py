@@ -378,8 +378,13 @@ class AutoSessions:
         if key is None or held.empty:
             return None
         if held.file_current:
-            self.stats.save_skips_unchanged += 1
-            return True
+            if self._file_kept(key):
+                self.stats.save_skips_unchanged += 1
+                return True
+            # Its file went since it was made (`strata-serve sessions prune`, or by hand):
+            # the slot holds the only copy, so it is saved like any other.
+            log.info("[strata] auto sessions: %s's file is gone since it was saved: saving it again", key)
+            held.file_current = False
         if self.unsaveable is not None:
             self.stats.save_skips_swa += 1  # said once, at start: no file would be of use
             return None
@@ -441,6 +446,13 @@ class AutoSessions:
                  "" if reason == "switch" else f" ({reason})", _from_slot(service, slot))
         self._prune(protect=in_use(service, key, incoming))
         return True
+
+    def _file_kept(self, key: str) -> bool:
+        """Whether the store still has the conversation's file (its sidecar describes it)."""
+        try:
+            return self.store.sidecar(key) is not None  # type: ignore[union-attr]
+        except OSError:
+            return False
 
     async def _removed_by_hand(self, key: str, slot: int, service: Any) -> None:
         """The session was removed by hand (``strata-serve sessions rm``) while the slot held
