@@ -180,3 +180,24 @@ async def test_prune_while_the_server_holds_a_conversation_does_not_lose_it(auto
     assert any(f"{key}'s file is gone since it was saved: saving it again" in line for line in log_lines(caplog))
     back = await ask(client, a)
     assert stats.restores == 1 and back["timings"]["cache_n"] > 600, "a came back from its file"
+
+
+async def test_rm_of_a_held_conversation_whose_file_is_current_erases_it_from_the_slot(auto_client, caplog):
+    """rm is deletion: the held copy goes too, even when the file was current (nothing left to save)."""
+    caplog.set_level(logging.INFO, logger="strata_auto_sessions")
+    client = await auto_client(idle_save_s=0.2)
+    a, b = conversation("secret"), conversation("next")
+    await ask(client, a)
+    key, directory, stats = key_of(client, a), slot_dir(client), parking(client).stats
+    deadline = time.monotonic() + 20
+    while stats.idle_saves < 1:
+        assert time.monotonic() < deadline, "no save while idle"
+        await asyncio.sleep(0.05)
+
+    code, output = await asyncio.to_thread(sessions, directory, "rm", key)
+    assert code == 0 and f"removed {key}" in output, output
+    await ask(client, b)  # a leaves the slot: its save is dropped and the slot erased
+    assert not (directory / f"auto-{key}.bin").exists()
+    assert any(f"{key} was removed by hand" in line for line in log_lines(caplog))
+    again = await ask(client, a)
+    assert again["timings"]["cache_n"] < 40, "nothing of it was kept"
