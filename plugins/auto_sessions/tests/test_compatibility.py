@@ -164,7 +164,7 @@ async def test_an_swa_model_without_swa_full_neither_saves_nor_restores(strata_c
     assert 'strata_auto_sessions_save_skips_total{reason="swa"} 2.0' in metrics
 
 
-def test_the_sliding_window_is_read_from_the_model_file(tmp_path, swa_model, strata_demo_model, monkeypatch):
+def test_the_sliding_window_is_read_from_the_model_file(tmp_path, swa_model, strata_demo_model):
     import gguf
 
     from strata_auto_sessions.store import sliding_window
@@ -183,6 +183,8 @@ def test_the_sliding_window_is_read_from_the_model_file(tmp_path, swa_model, str
     assert sliding_window(str(tmp_path / "missing.gguf")) is None
     (tmp_path / "not.gguf").write_bytes(b"not a model")
     assert sliding_window(str(tmp_path / "not.gguf")) is None
+    (tmp_path / "cut.gguf").write_bytes(swa_model.read_bytes()[:100_000])
+    assert sliding_window(str(tmp_path / "cut.gguf")) is None
 
 
 def test_without_the_gguf_package_the_window_is_unknown_and_nothing_is_refused(swa_model, monkeypatch):
