@@ -8,10 +8,12 @@ import json
 import logging
 
 import pytest
+from click.testing import CliRunner
 
 import strata_auto_sessions
 import strata_ram_cache_stats
 from strata_serve.api import SERVICE
+from strata_serve.cli import cli
 from strata_serve.testing import conversation
 
 from .test_auto_sessions import ask, key_of, log_lines, parking, slot_dir
@@ -162,6 +164,8 @@ async def test_an_swa_model_without_swa_full_neither_saves_nor_restores(strata_c
     assert any(f"not restoring auto-{key_of(client, a)}.bin (swa)" in line for line in lines)
     metrics = await (await client.get("/metrics")).text()
     assert 'strata_auto_sessions_save_skips_total{reason="swa"} 2.0' in metrics
+    listing = CliRunner().invoke(cli, ["sessions", "--slot-dir", str(directory), "ls", "--json"])
+    assert [json.loads(row)["compatible"][:8] for row in listing.output.splitlines()] == ["no (swa)"], listing.output
 
 
 def test_the_sliding_window_is_read_from_the_model_file(tmp_path, swa_model, strata_demo_model):
