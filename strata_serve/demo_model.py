@@ -12,6 +12,10 @@ one token per character. The chat template is standard ChatML and
 ``<|im_end|>`` is the end-of-sequence token, as in a real chat model. The
 output layer is shaped so that greedy (temperature 0) replies are printable
 ASCII and never end early: they always run to ``max_tokens``.
+
+With ``sliding_window`` it is a Gemma-2-architecture model instead, whose
+every other layer attends to that many last tokens only (sliding-window
+attention, SWA), with the same vocabulary and template.
 """
 
 from __future__ import annotations
@@ -91,11 +95,13 @@ def _tensor_name(tensor: gguf.MODEL_TENSOR, bid: int | None = None) -> str:
 
 
 def write_demo_model(
-    path: str | os.PathLike[str], size: str = "tiny", seed: int = 0, *, fim: bool = False
+    path: str | os.PathLike[str], size: str = "tiny", seed: int = 0, *, fim: bool = False,
+    sliding_window: int | None = None,
 ) -> pathlib.Path:
     """Write a random-weight llama GGUF model to ``path`` and return its path.
 
     ``fim`` adds fill-in-the-middle tokens, so the engine serves ``/infill`` with it.
+    ``sliding_window`` makes it a Gemma-2 model whose sliding layers see that many tokens.
 
     The output is byte-for-byte deterministic for a given ``size`` and
     ``seed``. The file appears atomically: a reader never sees a partial model.
@@ -122,7 +128,8 @@ def write_demo_model(
     def norm() -> np.ndarray:
         return np.ones(shape.n_embd, dtype=np.float32)
 
-    arch = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA]
+    swa = sliding_window is not None
+    arch = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.GEMMA2 if swa else gguf.MODEL_ARCH.LLAMA]
     writer = gguf.GGUFWriter(tmp, arch)
     writer.add_name(f"strata-serve demo ({size}, random weights)")
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
@@ -133,7 +140,12 @@ def write_demo_model(
     writer.add_feed_forward_length(shape.n_ff)
     writer.add_head_count(shape.n_head)
     writer.add_head_count_kv(shape.n_head_kv)
-    writer.add_rope_dimension_count(head_dim)
+    if swa:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_sliding_window(sliding_window)
+    else:
+        writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(1e-5)
 
     writer.add_tokenizer_model("llama")
@@ -160,7 +172,15 @@ def write_demo_model(
     q_dim = shape.n_head * head_dim
     kv_dim = shape.n_head_kv * head_dim
     T = gguf.MODEL_TENSOR
-    writer.add_tensor(_tensor_name(T.TOKEN_EMBD), weight(len(tokens), shape.n_embd))
+    embedding = weight(len(tokens), shape.n_embd)
+    # Random logits would mostly pick byte tokens (256 of the ~350), which
+    # decode to control characters and invalid UTF-8. Zero rows pin every
+    # non-NORMAL token's logit at 0, below the best of ~95 random printable
+    # ones, so greedy decoding emits only printable text and never <|im_end|>.
+    printable_only = np.array(token_types) != gguf.TokenType.NORMAL
+    if swa:  # Gemma 2's output layer is its embedding
+        embedding[printable_only] = 0
+    writer.add_tensor(_tensor_name(T.TOKEN_EMBD), embedding)
     for bid in range(shape.n_layer):
         writer.add_tensor(_tensor_name(T.ATTN_NORM, bid), norm())
         writer.add_tensor(_tensor_name(T.ATTN_Q, bid), weight(q_dim, shape.n_embd))
@@ -171,14 +191,14 @@ def write_demo_model(
         writer.add_tensor(_tensor_name(T.FFN_GATE, bid), weight(shape.n_ff, shape.n_embd))
         writer.add_tensor(_tensor_name(T.FFN_UP, bid), weight(shape.n_ff, shape.n_embd))
         writer.add_tensor(_tensor_name(T.FFN_DOWN, bid), weight(shape.n_embd, shape.n_ff))
+        if swa:
+            writer.add_tensor(_tensor_name(T.ATTN_POST_NORM, bid), norm())
+            writer.add_tensor(_tensor_name(T.FFN_POST_NORM, bid), norm())
     writer.add_tensor(_tensor_name(T.OUTPUT_NORM), norm())
-    output = weight(len(tokens), shape.n_embd)
-    # Random logits would mostly pick byte tokens (256 of the ~350), which
-    # decode to control characters and invalid UTF-8. Zero rows pin every
-    # non-NORMAL token's logit at 0, below the best of ~95 random printable
-    # ones, so greedy decoding emits only printable text and never <|im_end|>.
-    output[np.array(token_types) != gguf.TokenType.NORMAL] = 0
-    writer.add_tensor(_tensor_name(T.OUTPUT), output)
+    if not swa:
+        output = weight(len(tokens), shape.n_embd)
+        output[printable_only] = 0
+        writer.add_tensor(_tensor_name(T.OUTPUT), output)
 
     try:
         writer.write_header_to_file()

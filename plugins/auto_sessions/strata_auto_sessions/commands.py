@@ -4,7 +4,9 @@ inspected, removed and pruned, beside a running server or not.
 Every command takes the store's lock (an exclusive ``flock`` on the directory), which
 the server takes around each commit, prune and restore, so neither sees the other's
 work half-done. A conversation removed while a server holds it in its slot is not
-written back: the server drops that save and erases the slot.
+written back: the server drops that save and erases the slot. A pruned one is: pruning
+makes room on disk, and the server saves the conversation it holds again when it
+leaves the slot, since its file is gone.
 """
 
 from __future__ import annotations
@@ -179,7 +181,11 @@ def register(cli: click.Group) -> None:
     @click.option("--max-gb", type=float, required=True, help="Keep at most this many GB, newest first.")
     @click.pass_obj
     def prune(found: Sessions, max_gb: float) -> None:
-        """Remove the least recently used sessions until they fit in --max-gb."""
+        """Remove the least recently used sessions until they fit in --max-gb.
+
+        A running server saves the conversation its slot holds again when it leaves the
+        slot, if its file was pruned (use rm to delete a conversation for good).
+        """
         if max_gb < 0:
             raise click.UsageError("--max-gb must be 0 or more")
         removed = found.store.prune(keep=1 << 30, max_bytes=int(max_gb * GB))

@@ -27,6 +27,7 @@ from strata_serve import first_result
 from strata_auto_sessions.prefix import ParkedConversation, message_chain
 from strata_auto_sessions.store import (
     REFUSAL_REASONS, SIDECAR_VERSION, ParkingStore, SessionStore, Sidecar, engine_fingerprint, incompatibility,
+    swa_unusable,
 )
 
 log = logging.getLogger("strata_auto_sessions")
@@ -87,6 +88,9 @@ class AutoSessionsStats:
     save_skips_below_min: int = 0
     save_skips_verdict: int = 0
     save_skips_unchanged: int = 0
+    #: Saves not made because the model uses a sliding window and the engine runs
+    #: without ``--swa-full`` (no restore of the file would be reused).
+    save_skips_swa: int = 0
     idle_saves: int = 0
     restores: int = 0
     restored_tokens: int = 0
@@ -148,6 +152,8 @@ class AutoSessions:
         self.prompts: dict[str, dict[str, Any]] = {}
         #: Saves waiting for a slot to be idle, by slot.
         self._idle: dict[int, Any] = {}
+        #: Why no state of this engine is worth a file (``store.swa_unusable``), or None.
+        self.unsaveable: str | None = None
 
     @classmethod
     def start(cls, config: AutoSessionsConfig, service: Any) -> AutoSessions:
@@ -172,6 +178,7 @@ class AutoSessions:
         parking = cls(config, store, engine_fingerprint(info))
         parking.bytes_per_token = store.bytes_per_token(parking.fingerprint)
         parking.describe_engine()
+        parking.judge_engine()
         parking.refresh_usage()
         log.info("[strata] auto sessions: on, files in %s (%d file(s), %s); a conversation is worth a file "
                  "from %s", directory, parking.stats.files_on_disk, _size(parking.stats.bytes_on_disk),
@@ -196,6 +203,18 @@ class AutoSessions:
         if self.store is not None:
             self.fingerprint = engine_fingerprint(info)
             self.describe_engine()
+            self.judge_engine()
+
+    def judge_engine(self) -> None:
+        """Whether this engine's state is worth a file at all; said once, when it changes."""
+        unsaveable = swa_unusable(self.fingerprint)
+        if unsaveable is not None and unsaveable != self.unsaveable:
+            log.warning("[strata] auto sessions: conversations are neither saved nor restored: %s. Start the "
+                        "engine with --swa-full (engine.extra_args) to park them: its cache then keeps the "
+                        "whole context for the sliding layers too, which takes more memory", unsaveable)
+        elif unsaveable is None and self.unsaveable is not None:
+            log.info("[strata] auto sessions: the engine now keeps its whole context: parking resumes")
+        self.unsaveable = unsaveable
 
     def describe_engine(self) -> None:
         """Leave what this engine is beside the files, for ``strata-serve sessions ls``."""
@@ -322,7 +341,8 @@ class AutoSessions:
     def schedule_idle_save(self, service: Any, slot: int = 0) -> None:
         """Save the slot's conversation once the slot has been idle ``idle_save_s``."""
         held = service.slots[slot]
-        if self.config.idle_save_s <= 0 or held.key is None or held.file_current or held.empty:
+        if (self.config.idle_save_s <= 0 or held.key is None or held.file_current or held.empty
+                or self.unsaveable is not None):
             return
         self._cancel_idle_save(slot)
         # With one slot, once the whole service is idle (as ever); with several, once this
@@ -358,8 +378,16 @@ class AutoSessions:
         if key is None or held.empty:
             return None
         if held.file_current:
-            self.stats.save_skips_unchanged += 1
-            return True
+            if self._file_kept(key):
+                self.stats.save_skips_unchanged += 1
+                return True
+            # Its file went since it was made (`strata-serve sessions prune`, or by hand):
+            # the slot holds the only copy, so it is saved like any other.
+            log.info("[strata] auto sessions: %s's file is gone since it was saved: saving it again", key)
+            held.file_current = False
+        if self.unsaveable is not None:
+            self.stats.save_skips_swa += 1  # said once, at start: no file would be of use
+            return None
         worth, why_not = self.worth_a_file(held.tokens)
         if not worth:
             self.stats.save_skips_below_min += 1
@@ -418,6 +446,13 @@ class AutoSessions:
                  "" if reason == "switch" else f" ({reason})", _from_slot(service, slot))
         self._prune(protect=in_use(service, key, incoming))
         return True
+
+    def _file_kept(self, key: str) -> bool:
+        """Whether the store still has the conversation's file (its sidecar describes it)."""
+        try:
+            return self.store.sidecar(key) is not None  # type: ignore[union-attr]
+        except OSError:
+            return False
 
     async def _removed_by_hand(self, key: str, slot: int, service: Any) -> None:
         """The session was removed by hand (``strata-serve sessions rm``) while the slot held

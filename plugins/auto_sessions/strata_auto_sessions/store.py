@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -81,11 +82,58 @@ def fingerprint(model_path: str | None, n_ctx: int | None) -> dict[str, Any]:
     return result
 
 
+#: Architectures whose loader takes a sliding window when the file names none
+#: (llama.cpp's ``src/models/<arch>.cpp``).
+_WINDOW_BY_DEFAULT = {"gemma2": 4096, "llama4": 8192}
+#: Architectures whose sliding window the engine ignores (Phi-3's is disabled there).
+_WINDOW_IGNORED = frozenset({"phi3"})
+
+
+@functools.lru_cache(maxsize=8)
+def _sliding_window(model_path: str, size: int, mtime_ns: int) -> int | None:
+    try:
+        import gguf  # an optional extra: only needed to tell SWA models apart
+    except ImportError:
+        return None
+    try:
+        reader = gguf.GGUFReader(model_path)
+        arch_field = reader.fields.get("general.architecture")
+        if arch_field is None:
+            return None
+        arch = str(arch_field.contents())
+        field = reader.fields.get(f"{arch}.attention.sliding_window")
+        window = int(field.contents()) if field is not None else _WINDOW_BY_DEFAULT.get(arch, 0)
+    except Exception:  # any file, read by another package: what it cannot read is not known
+        return None
+    return 0 if arch in _WINDOW_IGNORED else window
+
+
+def sliding_window(model_path: str | None) -> int | None:
+    """The model's sliding attention window in tokens, from its GGUF metadata
+    (``<arch>.attention.sliding_window``, or the architecture's default): 0 when it has
+    none; None when not known (no readable file, not a GGUF, or the optional ``gguf``
+    package is not installed).
+
+    Such a model's engine keeps only the window's last tokens for its sliding layers
+    unless started with ``--swa-full``: a restored state then loads, yet the engine
+    finds no checkpoint to resume from and reads the whole conversation again.
+    """
+    if not model_path:
+        return None
+    try:
+        stat = os.stat(model_path)
+    except OSError:
+        return None
+    return _sliding_window(model_path, stat.st_size, stat.st_mtime_ns)
+
+
 def engine_fingerprint(info: Any) -> dict[str, Any]:
-    """What a state file saved now depends on: the model (:func:`fingerprint`), its weight
-    type and the engine's build (``/props``), and the state layout its start flags give
-    (``info.layout``, None when not known: an engine strata-serve attached to)."""
+    """What a state file saved now depends on: the model (:func:`fingerprint`) and its
+    sliding window (:func:`sliding_window`), its weight type and the engine's build
+    (``/props``), and the state layout its start flags give (``info.layout``, None when
+    not known: an engine strata-serve attached to)."""
     result = fingerprint(info.model_path, info.n_ctx)
+    result["sliding_window"] = sliding_window(info.model_path)
     result["ftype"] = getattr(info, "model_ftype", None)
     result["build"] = getattr(info, "build", None)
     layout = getattr(info, "layout", None)
@@ -144,7 +192,8 @@ def incompatibility(sidecar: Sidecar | None, current: dict[str, Any], *,
     Refused: another model file; more saved tokens than the engine's context holds;
     another KV cache type (``-ctk``/``-ctv``), flash-attention setting or ``--swa-full``;
     an engine build more than ``build_range`` apart (or builds that cannot be told
-    apart by number). Harmless: another context size that still holds the tokens,
+    apart by number); any file, when the engine's model uses a sliding window and it
+    runs without ``--swa-full`` (:func:`swa_unusable`). Harmless: another context size that still holds the tokens,
     GPU layers, a build within the range. A layout not known on one side (a file
     saved before the layout was recorded, or an engine strata-serve attached to) is
     judged equal to the engine's defaults; when the other side runs other flags, the
@@ -181,7 +230,21 @@ def incompatibility(sidecar: Sidecar | None, current: dict[str, Any], *,
             how_far = "cannot tell how far apart" if apart is None else f"{apart} builds apart"
             return Refusal("build", f"it was saved by engine build {built}, the engine is {running} "
                                     f"({how_far}; at most {build_range} is taken as compatible)")
+    unusable = swa_unusable(current)
+    if unusable is not None:
+        return Refusal("swa", unusable)
     return None
+
+
+def swa_unusable(current: dict[str, Any]) -> str | None:
+    """Why no state of the engine ``current`` (an :func:`engine_fingerprint`) describes is
+    worth a file: its model uses a sliding window and it runs without ``--swa-full``.
+    None when it is not so, or not known (the window, or an attached engine's flags)."""
+    window, layout = current.get("sliding_window"), current.get("layout")
+    if not window or layout is None or _layout_flags(layout)["swa_full"]:
+        return None
+    return (f"the model uses a sliding attention window ({window:,} tokens) and the engine runs without "
+            f"--swa-full: it would load a saved state, then read the whole conversation again")
 
 
 def _describe(layout: dict[str, Any]) -> str:
@@ -277,7 +340,9 @@ class ParkingStore(Protocol):
         """Make ``bin_name(key)`` available in the slot directory; False when there is no file."""
         ...
 
-    def sidecar(self, key: str) -> Sidecar | None: ...
+    def sidecar(self, key: str) -> Sidecar | None:
+        """The file's sidecar; None when there is no file (never made, removed or pruned)."""
+        ...
 
     def intact(self, key: str, sidecar: Sidecar) -> bool: ...
 

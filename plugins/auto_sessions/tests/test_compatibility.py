@@ -8,10 +8,12 @@ import json
 import logging
 
 import pytest
+from click.testing import CliRunner
 
 import strata_auto_sessions
 import strata_ram_cache_stats
 from strata_serve.api import SERVICE
+from strata_serve.cli import cli
 from strata_serve.testing import conversation
 
 from .test_auto_sessions import ask, key_of, log_lines, parking, slot_dir
@@ -106,3 +108,172 @@ async def test_a_file_saved_by_the_earlier_sidecar_format_still_restores(strata_
     reply = await ask(client, a)
     assert parking(client).stats.restores == 1
     assert reply["timings"]["cache_n"] > 600
+
+
+# -- models with a sliding attention window -------------------------------------
+
+@pytest.fixture(scope="module")
+def swa_model(tmp_path_factory):
+    """A Gemma-2 demo model whose sliding layers see the last 64 tokens."""
+    from strata_serve.demo_model import write_demo_model
+
+    return write_demo_model(tmp_path_factory.mktemp("swa") / "swa.gguf", sliding_window=64)
+
+
+def swa_engine(model, *flags):
+    return {"model": str(model), "extra_args": list(flags)}
+
+
+async def test_an_swa_model_with_swa_full_parks_and_its_restore_is_reused(strata_client_factory, auto_settings,
+                                                                          swa_model):
+    a, b = conversation("window"), conversation("other")
+    client = await strata_client_factory(strata_auto_sessions,
+                                         settings=auto_settings(swa_engine(swa_model, "--swa-full")))
+    assert parking(client).fingerprint["sliding_window"] == 64
+    await ask(client, a)
+    await ask(client, b)  # the switch saves a
+    reply = await ask(client, a)  # and restores it
+    stats = parking(client).stats
+    assert stats.saves >= 1 and stats.restores == 1 and stats.save_skips_swa == 0
+    assert reply["timings"]["cache_n"] > 600, "the restored state was reused"
+
+
+async def test_an_swa_model_without_swa_full_neither_saves_nor_restores(strata_client_factory, auto_settings,
+                                                                        swa_model, caplog):
+    """The engine would load such a file and read the whole conversation again: nothing is
+    saved, a file saved before (with --swa-full) is refused with the reason, and the log
+    says once, at start, what to do."""
+    a, b = conversation("window"), conversation("other")
+    await saved_with(strata_client_factory, auto_settings, a, swa_engine(swa_model, "--swa-full"))
+    caplog.clear()
+
+    client = await strata_client_factory(strata_auto_sessions, strata_ram_cache_stats,
+                                         settings=auto_settings(swa_engine(swa_model)))
+    directory = slot_dir(client)
+    before = sorted(path.name for path in directory.iterdir())
+    await ask(client, b)
+    await ask(client, a)  # a switch: b is not saved, a's file is refused
+    reply = await ask(client, b)  # and back: nothing to restore
+    stats = parking(client).stats
+    assert stats.saves == 0 and stats.save_skips_swa == 2, "no save was attempted"
+    assert sorted(path.name for path in directory.iterdir()) == before, "no file was written"
+    assert stats.restores_refused_swa == 1 and stats.restores == 0 and stats.restore_failures == 0
+    assert reply["timings"]["cache_n"] < 40
+    lines = log_lines(caplog)
+    assert sum("--swa-full" in line and "neither saved nor restored" in line for line in lines) == 1
+    assert any(f"not restoring auto-{key_of(client, a)}.bin (swa)" in line for line in lines)
+    metrics = await (await client.get("/metrics")).text()
+    assert 'strata_auto_sessions_save_skips_total{reason="swa"} 2.0' in metrics
+    listing = CliRunner().invoke(cli, ["sessions", "--slot-dir", str(directory), "ls", "--json"])
+    assert [json.loads(row)["compatible"][:8] for row in listing.output.splitlines()] == ["no (swa)"], listing.output
+
+
+def test_the_sliding_window_is_read_from_the_model_file(tmp_path, swa_model, strata_demo_model):
+    import gguf
+
+    from strata_auto_sessions.store import sliding_window
+
+    assert sliding_window(str(swa_model)) == 64
+    assert sliding_window(str(strata_demo_model)) == 0, "a llama model has no window"
+    # Gemma 2 has a window when its file names none (the engine takes 4096); Phi-3's is ignored.
+    for arch, expected in (("gemma2", 4096), ("phi3", 0)):
+        writer = gguf.GGUFWriter(tmp_path / f"{arch}.gguf", arch)
+        if arch == "phi3":
+            writer.add_sliding_window(2047)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.close()
+        assert sliding_window(str(tmp_path / f"{arch}.gguf")) == expected, arch
+    assert sliding_window(str(tmp_path / "missing.gguf")) is None
+    (tmp_path / "not.gguf").write_bytes(b"not a model")
+    assert sliding_window(str(tmp_path / "not.gguf")) is None
+    (tmp_path / "cut.gguf").write_bytes(swa_model.read_bytes()[:100_000])
+    assert sliding_window(str(tmp_path / "cut.gguf")) is None
+
+
+def test_without_the_gguf_package_the_window_is_unknown_and_nothing_is_refused(swa_model, monkeypatch):
+    import sys
+
+    from strata_auto_sessions import store
+
+    store._sliding_window.cache_clear()
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf now raises ImportError
+    try:
+        assert store.sliding_window(str(swa_model)) is None
+    finally:
+        store._sliding_window.cache_clear()
+    unknown = {"model": str(swa_model), "sliding_window": None, "layout": {"swa_full": False}}
+    assert store.swa_unusable(unknown) is None
+    assert store.swa_unusable({**unknown, "sliding_window": 64}) is not None
+
+
+async def test_the_engine_rereads_a_restored_swa_state_without_swa_full(llama_server_factory, swa_model):
+    """Why such files are refused: the bare engine loads one, then reuses none of it."""
+    request = {"messages": conversation("bare"), "max_tokens": 4, "temperature": 0}
+    for flags, reused in (([], False), (["--swa-full"], True)):
+        engine = await llama_server_factory(model=swa_model, extra_args=flags)
+        await engine.request("POST", "/v1/chat/completions", json=request)
+        assert (await engine.save("swa.bin"))["n_saved"] > 600
+        await engine.erase()
+        assert (await engine.restore("swa.bin"))["n_restored"] > 600, "the restore itself succeeds"
+        _, reply = await engine.request("POST", "/v1/chat/completions", json=request)
+        assert (reply["timings"]["cache_n"] > 600) is reused, (flags, reply["timings"])
+        await engine.stop()
+
+
+# -- engine builds ----------------------------------------------------------------
+
+async def parked_with_builds(strata_client_factory, auto_settings, builds: dict[str, str]):
+    """Park one conversation per entry of ``builds`` (name -> the build its sidecar then
+    names), and return a new server on the same directory with the conversations."""
+    conversations = {name: conversation(name) for name in builds}
+    first = await strata_client_factory(strata_auto_sessions, settings=auto_settings({}))
+    for messages in conversations.values():
+        await ask(first, messages)  # each switch saves the one before; the stop, the last
+    directory = slot_dir(first)
+    await first.close()
+    for name, build in builds.items():
+        path = directory / f"auto-{key_of(first, conversations[name])}.json"
+        sidecar = json.loads(path.read_text())
+        sidecar["fingerprint"]["build"] = build
+        path.write_text(json.dumps(sidecar))
+    client = await strata_client_factory(strata_auto_sessions, strata_ram_cache_stats, settings=auto_settings({}))
+    return client, conversations
+
+
+async def test_a_file_from_a_build_out_of_range_is_refused_and_one_within_is_restored(
+        strata_client_factory, auto_settings, caplog):
+    client, talks = await parked_with_builds(strata_client_factory, auto_settings,
+                                             {"far": "b10000-0aaaaaa", "near": "b11000-0bbbbbb"})
+    # The engine here was built outside llama.cpp's git and reports no build number
+    # (b0-unknown); one built from git reports b<number>. The running engine's report is
+    # given one, and auto-sessions takes the engine's fingerprint again as after a restart.
+    service = client.app[SERVICE]
+    assert service.engine.info.build == "b0-unknown"
+    service.engine.info.build = "b11434-0cccccc"
+    parking(client).engine_restarted(service)
+
+    far = await ask(client, talks["far"])  # 1,434 builds apart
+    stats = parking(client).stats
+    assert stats.restores_refused_build == 1 and stats.restores == 0 and stats.restore_failures == 0
+    assert far["timings"]["cache_n"] < 40, "the engine never saw the file"
+    assert any(f"not restoring auto-{key_of(client, talks['far'])}.bin (build)" in line
+               and "1434 builds apart" in line for line in log_lines(caplog))
+
+    near = await ask(client, talks["near"])  # 434 builds apart
+    assert stats.restores == 1 and stats.restores_refused_build == 1
+    assert near["timings"]["cache_n"] > 600, "the restored state was reused"
+    metrics = await (await client.get("/metrics")).text()
+    assert 'strata_auto_sessions_restore_skips_total{reason="build"} 1.0' in metrics
+
+
+async def test_a_file_from_a_numbered_build_is_refused_by_an_engine_without_a_number(
+        strata_client_factory, auto_settings, caplog):
+    """How far apart cannot be told: the file is refused, never given to the engine on a guess."""
+    client, talks = await parked_with_builds(strata_client_factory, auto_settings, {"numbered": "b11434-0aaaaaa"})
+    reply = await ask(client, talks["numbered"])
+    stats = parking(client).stats
+    assert stats.restores_refused_build == 1 and stats.restores == 0
+    assert reply["timings"]["cache_n"] < 40
+    assert any("(build)" in line and "the engine is b0-unknown (cannot tell how far apart" in line
+               for line in log_lines(caplog))

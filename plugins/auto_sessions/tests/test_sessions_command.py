@@ -154,3 +154,50 @@ async def test_rm_while_the_server_runs_is_never_undone_by_its_saves(auto_client
     again = await ask(client, a)
     assert again["timings"]["cache_n"] < 40, "nothing of it was kept"
     assert parking(client).stats.restores == 2, "a before the rm, b after it: nothing since"
+
+
+async def test_prune_while_the_server_holds_a_conversation_does_not_lose_it(auto_client, caplog):
+    """Pruning is about disk, not deletion: the held conversation whose file is pruned is
+    saved again when it leaves the slot, and comes back from that file."""
+    caplog.set_level(logging.INFO, logger="strata_auto_sessions")
+    client = await auto_client(idle_save_s=0.2)
+    a, b = conversation("kept"), conversation("next")
+    await ask(client, a)
+    key, directory, stats = key_of(client, a), slot_dir(client), parking(client).stats
+    deadline = time.monotonic() + 20
+    while stats.idle_saves < 1:  # saved while idle: its file is current
+        assert time.monotonic() < deadline, "no save while idle"
+        await asyncio.sleep(0.05)
+    assert client.app[SERVICE].slots[0].file_current
+
+    code, output = await asyncio.to_thread(sessions, directory, "prune", "--max-gb", "0")
+    assert code == 0 and f"pruned {key}" in output, output
+    assert not (directory / f"auto-{key}.bin").exists()
+
+    await ask(client, b)  # a leaves the slot: its file is gone, so it is saved again
+    assert (directory / f"auto-{key}.bin").exists()
+    assert stats.saves == 2 and stats.save_skips_unchanged == 0
+    assert any(f"{key}'s file is gone since it was saved: saving it again" in line for line in log_lines(caplog))
+    back = await ask(client, a)
+    assert stats.restores == 1 and back["timings"]["cache_n"] > 600, "a came back from its file"
+
+
+async def test_rm_of_a_held_conversation_whose_file_is_current_erases_it_from_the_slot(auto_client, caplog):
+    """rm is deletion: the held copy goes too, even when the file was current (nothing left to save)."""
+    caplog.set_level(logging.INFO, logger="strata_auto_sessions")
+    client = await auto_client(idle_save_s=0.2)
+    a, b = conversation("secret"), conversation("next")
+    await ask(client, a)
+    key, directory, stats = key_of(client, a), slot_dir(client), parking(client).stats
+    deadline = time.monotonic() + 20
+    while stats.idle_saves < 1:
+        assert time.monotonic() < deadline, "no save while idle"
+        await asyncio.sleep(0.05)
+
+    code, output = await asyncio.to_thread(sessions, directory, "rm", key)
+    assert code == 0 and f"removed {key}" in output, output
+    await ask(client, b)  # a leaves the slot: its save is dropped and the slot erased
+    assert not (directory / f"auto-{key}.bin").exists()
+    assert any(f"{key} was removed by hand" in line for line in log_lines(caplog))
+    again = await ask(client, a)
+    assert again["timings"]["cache_n"] < 40, "nothing of it was kept"

@@ -63,8 +63,13 @@ def auto_sessions_fallback(request, chain, parked, parking, service) -> str | No
         if prefill_s is None:
             gain = -float(candidate.bytes)  # speeds not measured yet: any opening this long is worth it
         else:
-            gain = prefill_s - (parking.restore_seconds(candidate.bytes) or 0.0)
+            restore_s = parking.restore_seconds(candidate.bytes) or 0.0
+            gain = prefill_s - restore_s
             if gain < config.min_gain_s:
+                log.info("[strata] prefix restore: %s shares its opening (about %s tokens) with %s, not worth "
+                         "a restore: reading it takes about %.2f s here, restoring %.2f s (min_gain_s %g)",
+                         request.conversation_key, f"{tokens:,}", candidate.key, prefill_s, restore_s,
+                         config.min_gain_s)
                 continue
         if best is None or (links, gain) > best[0]:
             best = ((links, gain), candidate, tokens)

@@ -104,3 +104,67 @@ async def test_tenants_never_share_an_opening(server):
     alice = await ask(again, opening("And what is rule93?"), key="alice-key")
     assert alice["timings"]["cache_n"] > 2_500, "alice does, from her own"
     assert parking(again).stats.prefix_restores == 1
+
+
+# -- the cost rule, at its default (min_gain_s 0.2 s) -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def slower_model(tmp_path_factory):
+    """The bench-size demo model: it reads a few hundred tokens a second on these machines."""
+    from strata_serve.demo_model import write_demo_model
+
+    return write_demo_model(tmp_path_factory.mktemp("bench") / "bench.gguf", size="bench")
+
+
+async def new_conversation_after_a_restart(strata_client_factory, strata_settings_factory, system: str,
+                                           slots, model=None, measure_first: bool = True, **prefix_config) -> dict:
+    """In the slot directory ``slots``, park ``[system, q1]``, restart, then (``measure_first``)
+    answer an unrelated prompt, so the prefill speed is measured, and return the answer to
+    ``[system, q2]`` with the stats."""
+    engine = {"slot_save_path": str(slots), **({"model": str(model)} if model else {})}
+
+    def settings():
+        return strata_settings_factory(plugins={"auto_sessions": {"min_tokens": 10}, "prefix_restore": prefix_config},
+                                       engine=engine)
+
+    first = await strata_client_factory(strata_auto_sessions, strata_prefix_restore, settings=settings())
+    messages = lambda question: [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    await ask(first, messages("What is rule7?"))
+    await first.close()
+    again = await strata_client_factory(strata_auto_sessions, strata_prefix_restore, settings=settings())
+    if measure_first:
+        await ask(again, [{"role": "user", "content": "Something else entirely: " + "tell me more " * 12}])
+        assert parking(again).prefill_seconds(1000) is not None, "the prefill speed is measured"
+    reply = await ask(again, messages("And what is rule93?"))
+    reply["stats"] = parking(again).stats
+    await again.close()
+    return reply
+
+
+async def test_a_short_shared_opening_is_not_worth_a_restore(strata_client_factory, strata_settings_factory, caplog,
+                                                             tmp_path):
+    """About 80 tokens: the tiny model reads them in well under 0.2 s."""
+    system = "Rules: " + " ".join(f"r{n} calm" for n in range(9))
+    # min_shared_tokens is lowered so the opening reaches the cost rule; min_gain_s stays 0.2.
+    unmeasured = await new_conversation_after_a_restart(strata_client_factory, strata_settings_factory, system,
+                                                        tmp_path / "unmeasured", measure_first=False,
+                                                        min_shared_tokens=32)
+    assert unmeasured["stats"].prefix_restores == 1, "before the speeds are measured, any such opening is worth it"
+
+    caplog.clear()
+    reply = await new_conversation_after_a_restart(strata_client_factory, strata_settings_factory, system,
+                                                   tmp_path / "measured", min_shared_tokens=32)
+    assert reply["stats"].prefix_restores == 0 and reply["stats"].restores == 0
+    assert reply["timings"]["cache_n"] < 40, reply["timings"]
+    assert any("not worth a restore" in r.getMessage() and "min_gain_s 0.2" in r.getMessage()
+               for r in caplog.records if r.name == "strata_prefix_restore")
+
+
+async def test_a_long_shared_opening_is_worth_a_restore(strata_client_factory, strata_settings_factory,
+                                                        slower_model, tmp_path):
+    """About 400 tokens on the bench-size model: seconds of prefill against a restore in milliseconds."""
+    reply = await new_conversation_after_a_restart(strata_client_factory, strata_settings_factory, SYSTEM[:400],
+                                                   tmp_path / "slots", model=slower_model)
+    assert reply["stats"].prefix_restores == 1
+    assert reply["timings"]["cache_n"] > 350, reply["timings"]

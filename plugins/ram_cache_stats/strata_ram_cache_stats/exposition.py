@@ -24,6 +24,7 @@ AUTO_SESSIONS_COUNTERS: dict[str, tuple[str, dict[str, str], str, float]] = {
     "save_failures": ("save_failures", {}, "Saves that failed", 1),
     "save_skips_below_min": ("save_skips", {"reason": "below_min_tokens"}, "Saves skipped", 1),
     "save_skips_verdict": ("save_skips", {"reason": "engine_verdict"}, "Saves skipped", 1),
+    "save_skips_swa": ("save_skips", {"reason": "swa"}, "Saves skipped", 1),
     "restores": ("restores", {}, "Conversations restored from disk", 1),
     "restored_tokens": ("restored_tokens", {}, "Tokens restored from disk", 1),
     "restored_bytes": ("restored_bytes", {}, "Bytes read by restores", 1),
