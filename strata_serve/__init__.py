@@ -39,6 +39,11 @@ _LAZY = {
     "first_user_text": "strata_serve.default_plugins.opening_key",
     "opening": "strata_serve.default_plugins.opening_key",
     "text_key": "strata_serve.default_plugins.opening_key",
+    "Metric": "strata_serve.metrics",
+    "counter": "strata_serve.metrics",
+    "gauge": "strata_serve.metrics",
+    "metrics_of": "strata_serve.metrics",
+    "collect_metrics": "strata_serve.metrics",
     "PRIVATE_FILE_MODE": "strata_serve.files",
     "make_private_dir": "strata_serve.files",
 }

@@ -202,6 +202,23 @@ def collect_stats(service: Service) -> dict[str, Any] | None:
 
 
 @hookspec
+def collect_metrics(service: Service) -> Any:
+    """Publish this plugin's numbers as metrics, each with its name, help, kind and unit.
+
+    Declare the numbers where they are kept: a dataclass whose fields are made with
+    ``strata_serve.counter(help, ...)`` or ``strata_serve.gauge(help, ...)``, and
+    return the instance; or return ``strata_serve.Metric`` values. A stats plugin reads
+    every plugin's answer with ``strata_serve.collect_metrics(service)`` and exports
+    it with no table of your names (``ram_cache_stats`` shows it at ``/metrics`` as
+    ``strata_<plugin>_<name>``). Must be synchronous and cheap (it runs on every scrape).
+
+    :param service: The running service.
+    :returns: A dataclass instance with declared fields, an iterable of
+        ``strata_serve.Metric``, or None.
+    """
+
+
+@hookspec
 def register_commands(cli: click.Group) -> None:
     """Add commands to the ``strata-serve`` command line.
 

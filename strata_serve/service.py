@@ -585,7 +585,7 @@ class Service:
     async def save_slot(self, filename: str, *, slot: int = 0) -> dict[str, Any]:
         """Save a slot to ``filename`` in the slot directory, and record it."""
         answer = await self.engine.save(filename, slot)
-        self.slots.saved(slot, int(answer.get("n_saved", 0)))
+        self.slots.saved(slot, int(answer.get("n_saved", 0)), int(answer.get("n_written", 0)))
         return answer
 
     async def restore_slot(self, filename: str, *, slot: int = 0, key: str | None = None,

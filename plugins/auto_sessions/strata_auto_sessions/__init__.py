@@ -12,7 +12,8 @@ A request without a conversation key, and a slot restore or erase by hand, park 
 held conversation first too.
 
 Its numbers are in :class:`AutoSessionsStats`, reported through ``collect_stats``
-and kept at ``service.state["auto_sessions"].stats``.
+(a dict) and ``collect_metrics`` (declared metrics), and kept at
+``service.state["auto_sessions"].stats``.
 """
 
 from __future__ import annotations
@@ -99,6 +100,12 @@ def collect_stats(service):
     if parking is None:
         return None
     return parking.stats.snapshot()
+
+
+@strata_serve.hookimpl
+def collect_metrics(service):
+    parking = _parking(service)
+    return None if parking is None else parking.stats  # its fields declare name, help and unit
 
 
 @strata_serve.hookimpl

@@ -22,7 +22,7 @@ import strata_serve
 
 from strata_ram_cache_stats import exposition
 from strata_ram_cache_stats.ledger import AUTO_SESSIONS, NAME, Ledger, RamCacheStatsConfig
-from strata_ram_cache_stats.peers import bytes_per_token, plugin_numbers
+from strata_ram_cache_stats.peers import plugin_numbers
 
 __all__ = ["Ledger", "RamCacheStats", "RamCacheStatsConfig"]
 
@@ -47,7 +47,7 @@ class RamCacheStats:
     def start(cls, config: RamCacheStatsConfig, service: Any) -> RamCacheStats:
         mib = service.engine.info.cache_ram_mib
         budget = None if mib is None or mib < 0 else mib * 2**20
-        ledger = Ledger(config, budget, lambda: bytes_per_token(plugin_numbers(service)))
+        ledger = Ledger(config, budget, lambda: service.slots.bytes_per_token)  # the core measures it
         registry = CollectorRegistry(auto_describe=False)
         registry.register(exposition.LedgerCollector(ledger, service))
         shown = ("off" if budget == 0 else "not known (the engine's default, or attached)" if mib is None

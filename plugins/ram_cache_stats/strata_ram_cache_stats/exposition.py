@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Iterator
 
 from aiohttp import web
@@ -9,42 +10,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from strata_serve import SERVICE, TENANT
-from strata_serve import APIError
+from strata_serve import APIError, collect_metrics
 
 from strata_ram_cache_stats.ledger import AUTO_SESSIONS, NAME, Ledger
 from strata_ram_cache_stats.peers import plugin_numbers
 
-#: auto-sessions' ``collect_stats`` names -> (metric, labels, help, scale). Milliseconds
-#: become seconds, Prometheus' base unit; counters get ``_total`` from prometheus_client.
-AUTO_SESSIONS_COUNTERS: dict[str, tuple[str, dict[str, str], str, float]] = {
-    "saves": ("saves", {}, "Conversations saved to disk", 1),
-    "saved_tokens": ("saved_tokens", {}, "Tokens saved to disk", 1),
-    "saved_bytes": ("saved_bytes", {}, "Bytes written by saves", 1),
-    "save_ms": ("save_seconds", {}, "Time spent saving", 1e-3),
-    "save_failures": ("save_failures", {}, "Saves that failed", 1),
-    "save_skips_below_min": ("save_skips", {"reason": "below_min_tokens"}, "Saves skipped", 1),
-    "save_skips_verdict": ("save_skips", {"reason": "engine_verdict"}, "Saves skipped", 1),
-    "restores": ("restores", {}, "Conversations restored from disk", 1),
-    "restored_tokens": ("restored_tokens", {}, "Tokens restored from disk", 1),
-    "restored_bytes": ("restored_bytes", {}, "Bytes read by restores", 1),
-    "restore_ms": ("restore_seconds", {}, "Time spent restoring", 1e-3),
-    "restore_failures": ("restore_failures", {}, "Restores that failed", 1),
-    "restores_withheld": ("restore_skips", {"reason": "save_failed"}, "Restores not attempted", 1),
-    "restores_refused_other_model": ("restore_skips", {"reason": "other_model"}, "Restores not attempted", 1),
-    "restores_refused_context": ("restore_skips", {"reason": "context"}, "Restores not attempted", 1),
-    "restores_refused_cache_type": ("restore_skips", {"reason": "cache_type"}, "Restores not attempted", 1),
-    "restores_refused_flash_attn": ("restore_skips", {"reason": "flash_attn"}, "Restores not attempted", 1),
-    "restores_refused_swa": ("restore_skips", {"reason": "swa"}, "Restores not attempted", 1),
-    "restores_refused_build": ("restore_skips", {"reason": "build"}, "Restores not attempted", 1),
-    "restores_refused_unjudged": ("restore_skips", {"reason": "unjudged"}, "Restores not attempted", 1),
-    "restores_not_reused": ("restores_not_reused", {}, "Restores the next request barely reused", 1),
-    "prunes": ("prunes", {}, "Session files pruned", 1),
-    "pruned_bytes": ("pruned_bytes", {}, "Bytes of session files pruned", 1),
-}
-AUTO_SESSIONS_GAUGES: dict[str, tuple[str, str]] = {
-    "files_on_disk": ("files_on_disk", "Session files on disk"),
-    "bytes_on_disk": ("on_disk_bytes", "Bytes of session files on disk"),
-}
+log = logging.getLogger("strata_ram_cache_stats")
+
 MIB = 1024**2
 GIB = 1024**3
 
@@ -60,9 +32,8 @@ class LedgerCollector:
         numbers = self.ledger.snapshot()
         yield from self._own(numbers)
         yield from self._slots(numbers["slots"])
-        auto = plugin_numbers(self.service).get(AUTO_SESSIONS)
-        if auto is not None:
-            yield from auto_sessions_metrics(auto)
+        for plugin, declared in collect_metrics(self.service).items():
+            yield from plugin_families(plugin, declared)
 
     def _own(self, numbers: dict[str, Any]) -> Iterator[Metric]:
         by_source = CounterMetricFamily(
@@ -129,34 +100,30 @@ class LedgerCollector:
         yield busy
 
 
-def auto_sessions_metrics(auto: dict[str, Any]) -> Iterator[Metric]:
-    """auto-sessions' numbers as ``strata_auto_sessions_*`` families.
+def plugin_families(plugin: str, declared: list[Any]) -> Iterator[Metric]:
+    """A plugin's declared metrics (``strata_serve.Metric``) as ``strata_<plugin>_<name>`` families.
 
-    The table above gives names, labels and help to the known ones; any other number
-    is exported as a counter under its own name (``_ms`` as seconds), so a counter
-    added to auto-sessions reaches Prometheus without an edit here.
+    Metrics sharing a name are one family, one sample per label set; one that does not
+    fit the family begun under its name (another kind, unit or label names) is logged
+    and left out.
     """
-    counters: dict[str, CounterMetricFamily] = {}
-    table = dict(AUTO_SESSIONS_COUNTERS)
-    for stat, value in auto.items():
-        if stat in table or stat in AUTO_SESSIONS_GAUGES or not isinstance(value, (int, float)):
+    families: dict[str, tuple[Any, Metric]] = {}
+    for metric in declared:
+        labels = sorted(metric.labels)
+        begun = families.get(metric.name)
+        if begun is None:
+            family_type = CounterMetricFamily if metric.kind == "counter" else GaugeMetricFamily
+            family = family_type(f"strata_{plugin}_{metric.name}", f"{plugin}: {metric.help}",
+                                 labels=labels, unit=metric.unit)
+            begun = families[metric.name] = (metric, family)
+        first, family = begun
+        if (metric.kind, metric.unit, labels) != (first.kind, first.unit, sorted(first.labels)):
+            log.warning("[strata] ram cache stats: %s's metric %s does not fit the family of that name "
+                        "(kind, unit or labels differ); not exported", plugin, metric.name)
             continue
-        if stat.endswith("_ms"):
-            table[stat] = (stat[:-3] + "_seconds", {}, stat.replace("_", " "), 1e-3)
-        else:
-            table[stat] = (stat, {}, stat.replace("_", " "), 1)
-    for stat, (name, labels, doc, scale) in table.items():
-        if stat not in auto:
-            continue
-        family = counters.get(name)
-        if family is None:
-            family = counters[name] = CounterMetricFamily(
-                f"strata_auto_sessions_{name}", f"auto-sessions: {doc}", labels=list(labels))
-        family.add_metric(list(labels.values()), auto[stat] * scale)
-    yield from counters.values()
-    for stat, (name, doc) in AUTO_SESSIONS_GAUGES.items():
-        if stat in auto:
-            yield GaugeMetricFamily(f"strata_auto_sessions_{name}", f"auto-sessions: {doc}", value=auto[stat])
+        family.add_metric([metric.labels[label] for label in labels], metric.value)
+    for _first, family in families.values():
+        yield family
 
 
 def summary_line(numbers: dict[str, Any], auto: dict[str, Any] | None) -> str:
