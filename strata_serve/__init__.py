@@ -44,6 +44,9 @@ _LAZY = {
     "gauge": "strata_serve.metrics",
     "metrics_of": "strata_serve.metrics",
     "collect_metrics": "strata_serve.metrics",
+    "tenant_key": "strata_serve.tenants",
+    "tenant_of": "strata_serve.tenants",
+    "in_tenant": "strata_serve.tenants",
     "PRIVATE_FILE_MODE": "strata_serve.files",
     "make_private_dir": "strata_serve.files",
 }

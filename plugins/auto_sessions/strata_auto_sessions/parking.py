@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from strata_serve import EngineError, Outcome, StrataRequest, Verdict, counter, gauge
+from strata_serve import EngineError, Outcome, StrataRequest, Verdict, counter, gauge, in_tenant
 from strata_serve import EngineUnavailable
 
 from strata_serve import first_result
@@ -567,7 +567,7 @@ class AutoSessions:
             # (and an unnamed tenant's keys have no tenant prefix).
             if other == request.conversation_key or sidecar.tenant != request.tenant:
                 continue
-            if ("--" in other) if request.tenant is None else not other.startswith(f"{request.tenant}--"):
+            if not in_tenant(other, request.tenant):
                 continue
             prompt = sidecar.prompt or {}
             if not prompt.get("chain") or incompatibility(sidecar, self.fingerprint,

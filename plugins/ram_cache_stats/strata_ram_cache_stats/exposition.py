@@ -182,6 +182,6 @@ async def stats(request: web.Request) -> web.Response:
     tenant = request.get(TENANT)
     return web.json_response({
         **ledger.snapshot(),
-        "conversations": ledger.recent_conversations(f"{tenant}--" if tenant is not None else ""),
+        "conversations": ledger.recent_conversations(tenant),
         "plugins": plugin_numbers(request.app[SERVICE]),
     })

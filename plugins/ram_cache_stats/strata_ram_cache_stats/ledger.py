@@ -26,7 +26,7 @@ from typing import Any, Callable
 from prometheus_client import Histogram
 from pydantic import BaseModel, ConfigDict, Field
 
-from strata_serve import Outcome, StrataRequest, Timings
+from strata_serve import Outcome, StrataRequest, Timings, in_tenant
 
 NAME = "ram_cache_stats"
 #: The plugin whose numbers give the engine's bytes per token of state (from its saves).
@@ -231,10 +231,10 @@ class Ledger:
             "slots": {str(n): dict(numbers) for n, numbers in sorted(self.by_slot.items())},
         }
 
-    def recent_conversations(self, key_prefix: str = "") -> list[dict[str, Any]]:
-        """Conversation records, most recently seen first (only keys starting with ``key_prefix``)."""
+    def recent_conversations(self, tenant: str | None = None) -> list[dict[str, Any]]:
+        """Conversation records, most recently seen first: every one, or only ``tenant``'s."""
         return [record.as_dict() for key, record in reversed(self.conversations.items())
-                if key.startswith(key_prefix)]
+                if tenant is None or in_tenant(key, tenant)]
 
 
 def _rounded(value: float | None) -> float | None:
