@@ -159,17 +159,17 @@ def engine_verdict(
     ``"erase"``): before the call with ``error=None`` (return ``Verdict.SKIP`` or
     ``Verdict.UNSUPPORTED`` to prevent it), and after a failure with the error
     (return what the failure means; ``Verdict.RETRY`` gets the call made once more).
-    auto-sessions also asks with ``op="restore_reuse"`` when the request after a
-    restore reused far fewer tokens than were restored; then ``held_tokens`` is the
-    number restored and ``error.body`` holds ``restored``, ``reused`` and
-    ``prompt_tokens``. Backend quirk plugins implement this hook; must be synchronous.
+    Verdicts about what a plugin does with the engine (auto-sessions' restores that
+    went unused) are that plugin's own hooks, not ``op`` values here. Backend quirk
+    plugins implement this hook; must be synchronous.
 
     Stops at the first non-None result; return None to defer.
 
-    :param op: The engine operation.
+    :param op: The slot operation: ``"save"``, ``"restore"`` or ``"erase"``.
     :param error: The failure, or None when asked before the call.
     :param engine: The engine backend (its ``info`` tells model, build, flags).
-    :param held_tokens: Tokens the slot holds, when known.
+    :param held_tokens: Tokens the slot holds (the core's picture, ``service.slots``),
+        None when not known.
     :param service: The running service (keep per-server state in ``service.state``).
     :returns: A :class:`strata_serve.Verdict`, or None when this plugin has no opinion.
     """

@@ -304,9 +304,9 @@ class AutoSessions:
         log.warning("[strata] auto sessions: restore not reused: restored %s tokens for %s, and the next "
                     "request, which continues that conversation, reused only %s",
                     f"{restored:,}", request.conversation_key, f"{reused:,}")
-        error = EngineError(op="restore_reuse", message=f"restored {restored} tokens, reused {reused}",
-                            body={"restored": restored, "reused": reused, "prompt_tokens": outcome.prompt_tokens})
-        if service.verdict("restore_reuse", error, restored) == Verdict.UNSUPPORTED:
+        verdict = first_result(service.pm, "auto_sessions_restore_unused", restored=restored, reused=reused,
+                               prompt_tokens=outcome.prompt_tokens, engine=service.engine, service=service)
+        if verdict == Verdict.UNSUPPORTED:
             self._pause("the engine does not reuse restored state for this model")
 
     def _pause(self, why: str) -> None:
