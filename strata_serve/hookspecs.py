@@ -31,6 +31,21 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
+@hookspec
+def adjust_settings(settings: Settings) -> None:
+    """Change the server's settings before they are validated: the one hook that may.
+
+    The order at start: the plugins are loaded, ``adjust_settings`` runs for each
+    (change ``settings`` in place, e.g. give the engine a directory your plugin
+    needs), then ``on_config`` validates the result, so every plugin's check sees the
+    settings the server runs with, whichever plugin changed them. Read your own
+    section with ``settings.plugin_config`` here too. Raise
+    :class:`strata_serve.config.ConfigError` to refuse to start. Must be synchronous.
+
+    :param settings: The server settings, to change in place.
+    """
+
+
 @hookspec(historic=True)
 def on_config(settings: Settings) -> None:
     """Validate this plugin's configuration before the server starts.
@@ -39,8 +54,9 @@ def on_config(settings: Settings) -> None:
     validates ``plugins.<name>`` (minus ``enabled``) into your pydantic model and
     raises an error naming any unknown or wrong-typed key. Raise
     :class:`strata_serve.config.ConfigError` (or let that validation error
-    propagate) to refuse to start. Must be synchronous. Historic: a plugin
-    registered after the call still receives it.
+    propagate) to refuse to start. Validate only: settings are changed in
+    ``adjust_settings``, which has run for every plugin before this hook. Must be
+    synchronous. Historic: a plugin registered after the call still receives it.
 
     :param settings: The complete, validated server settings.
     """

@@ -157,7 +157,7 @@ async def parking_still_saves(env: Env, plugin: object) -> None:
     assert (Path(service.engine.info.slot_save_path) / f"auto-{key}.bin").is_file(), "a was parked"
 
 
-@scenario("on_config")
+@scenario("on_config", "adjust_settings")
 async def the_start_is_refused_naming_the_plugin(env: Env, plugin: object) -> None:
     # The one hook whose failure stops the start, on purpose: a plugin refuses its section.
     try:

@@ -40,14 +40,19 @@ def _parking(service: Any) -> AutoSessions | None:
 
 
 @strata_serve.hookimpl
+def adjust_settings(settings):
+    config = settings.plugin_config(NAME, AutoSessionsConfig)
+    if config.slot_dir is not None and settings.engine.slot_save_path is None:
+        # The engine must write where we look: give it our directory.
+        settings.engine.slot_save_path = config.slot_dir
+
+
+@strata_serve.hookimpl
 def on_config(settings):
     config = settings.plugin_config(NAME, AutoSessionsConfig)
     engine_dir = settings.engine.slot_save_path
     if config.slot_dir is not None:
-        if engine_dir is None:
-            # The engine must write where we look: give it our directory.
-            settings.engine.slot_save_path = config.slot_dir
-        elif engine_dir.resolve() != config.slot_dir.resolve():
+        if engine_dir is None or engine_dir.resolve() != config.slot_dir.resolve():
             raise ConfigError(
                 f"plugins.{NAME}.slot_dir ({config.slot_dir}) must be the engine's slot directory "
                 f"(engine.slot_save_path = {engine_dir})"
