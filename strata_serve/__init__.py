@@ -27,6 +27,7 @@ _LAZY = {
     "StateLayout": "strata_serve.engine.base",
     "EngineUnavailable": "strata_serve.engine.base",
     "CAPABILITIES": "strata_serve.engine.base",
+    "ENGINE_ROUTES": "strata_serve.engine.base",
     "LlamaServer": "strata_serve.engine.llama_server",
     "SlotState": "strata_serve.slot_state",
     "Service": "strata_serve.service",
