@@ -37,6 +37,9 @@ class MetricSpec:
     labels: Mapping[str, str] = field(default_factory=dict)
     #: The field's value times ``scale`` is in ``unit`` (``1e-3`` for milliseconds to seconds).
     scale: float = 1.0
+    #: A short label (``"saves"``): a stats plugin may show the number in a one-line
+    #: summary as "<value> <label>". None: not in summaries.
+    summary: str | None = None
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,8 @@ class Metric:
     value: float
     unit: str = ""
     labels: Mapping[str, str] = field(default_factory=dict)
+    #: See :attr:`MetricSpec.summary`.
+    summary: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("counter", "gauge"):
@@ -61,18 +66,18 @@ class Metric:
 
 
 def counter(help: str, *, unit: str = "", name: str | None = None, labels: Mapping[str, str] | None = None,
-            scale: float = 1.0, default: float = 0) -> Any:
+            scale: float = 1.0, summary: str | None = None, default: float = 0) -> Any:
     """A dataclass field that counts up from ``default``, declared as a metric.
 
     ``saves: int = counter("Conversations saved to disk")``
     """
-    return _field(MetricSpec(help, "counter", unit, name, dict(labels or {}), scale), default)
+    return _field(MetricSpec(help, "counter", unit, name, dict(labels or {}), scale, summary), default)
 
 
 def gauge(help: str, *, unit: str = "", name: str | None = None, labels: Mapping[str, str] | None = None,
-          scale: float = 1.0, default: float = 0) -> Any:
+          scale: float = 1.0, summary: str | None = None, default: float = 0) -> Any:
     """A dataclass field that goes up and down, declared as a metric."""
-    return _field(MetricSpec(help, "gauge", unit, name, dict(labels or {}), scale), default)
+    return _field(MetricSpec(help, "gauge", unit, name, dict(labels or {}), scale, summary), default)
 
 
 def _field(spec: MetricSpec, default: float) -> Any:
@@ -91,7 +96,8 @@ def metrics_of(numbers: Any) -> list[Metric]:
         spec = f.metadata.get(_SPEC)
         if spec is not None:
             found.append(Metric(name=spec.name or f.name, help=spec.help, kind=spec.kind, unit=spec.unit,
-                                labels=spec.labels, value=_scaled(getattr(numbers, f.name), spec.scale)))
+                                labels=spec.labels, value=_scaled(getattr(numbers, f.name), spec.scale),
+                                summary=spec.summary))
     return found
 
 

@@ -88,7 +88,7 @@ class AutoSessionsStats:
     exported as seconds, Prometheus' base unit).
     """
 
-    saves: int = counter("Conversations saved to disk")
+    saves: int = counter("Conversations saved to disk", summary="saves")
     saved_tokens: int = counter("Tokens saved to disk")
     saved_bytes: int = counter("Bytes written by saves", unit="bytes")
     save_ms: float = counter("Time spent saving", name="save_seconds", unit="seconds", scale=1e-3)
@@ -97,7 +97,7 @@ class AutoSessionsStats:
     save_skips_verdict: int = counter(_SAVE_SKIPS, name="save_skips", labels={"reason": "engine_verdict"})
     save_skips_unchanged: int = counter(_SAVE_SKIPS, name="save_skips", labels={"reason": "unchanged"})
     idle_saves: int = counter("Saves made while the server was idle")
-    restores: int = counter("Conversations restored from disk")
+    restores: int = counter("Conversations restored from disk", summary="restores")
     restored_tokens: int = counter("Tokens restored from disk")
     restored_bytes: int = counter("Bytes read by restores", unit="bytes")
     restore_ms: float = counter("Time spent restoring", name="restore_seconds", unit="seconds", scale=1e-3)
@@ -131,8 +131,9 @@ class AutoSessionsStats:
     prefix_reused_tokens: int = counter("Tokens of another conversation's file the next request reused")
 
     #: Session files and their bytes, as of the last save or prune.
-    files_on_disk: int = gauge("Session files on disk")
-    bytes_on_disk: int = gauge("Bytes of session files on disk", name="on_disk_bytes", unit="bytes")
+    files_on_disk: int = gauge("Session files on disk", summary="files")
+    bytes_on_disk: int = gauge("Bytes of session files on disk", name="on_disk_bytes", unit="bytes",
+                               summary="on disk")
 
     def snapshot(self) -> dict[str, float]:
         return asdict(self)

@@ -3,7 +3,7 @@
 After every request (``post_request``, FIFO held) it records the engine's timings and
 where the conversation's state came from: the slot, the engine's RAM prompt cache, a
 disk restore by auto-sessions, or nowhere (a full prefill). It shows the totals,
-derived figures and auto-sessions' own numbers at ``GET /metrics`` (Prometheus),
+derived figures and every plugin's declared metrics (``collect_metrics``) at ``GET /metrics`` (Prometheus),
 ``GET /stats`` (JSON), and in a log line every ``log_every`` requests.
 
 The per-service object is at ``service.state["ram_cache_stats"]``.
@@ -21,8 +21,7 @@ from prometheus_client import CollectorRegistry
 import strata_serve
 
 from strata_ram_cache_stats import exposition
-from strata_ram_cache_stats.ledger import AUTO_SESSIONS, NAME, Ledger, RamCacheStatsConfig
-from strata_ram_cache_stats.peers import plugin_numbers
+from strata_ram_cache_stats.ledger import NAME, Ledger, RamCacheStatsConfig
 
 __all__ = ["Ledger", "RamCacheStats", "RamCacheStatsConfig"]
 
@@ -60,8 +59,7 @@ class RamCacheStats:
             return
         every = self.config.log_every
         if every and self.ledger.measured % every == 0:
-            auto = plugin_numbers(service).get(AUTO_SESSIONS)
-            log.info("%s", exposition.summary_line(self.ledger.snapshot(), auto))
+            log.info("%s", exposition.summary_line(self.ledger.snapshot(), strata_serve.collect_metrics(service)))
 
 
 def _stats(service: Any) -> RamCacheStats | None:

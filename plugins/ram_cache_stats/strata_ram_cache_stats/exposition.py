@@ -12,7 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from strata_serve import SERVICE, TENANT
 from strata_serve import APIError, collect_metrics
 
-from strata_ram_cache_stats.ledger import AUTO_SESSIONS, NAME, Ledger
+from strata_ram_cache_stats.ledger import NAME, Ledger
 from strata_ram_cache_stats.peers import plugin_numbers
 
 log = logging.getLogger("strata_ram_cache_stats")
@@ -22,7 +22,7 @@ GIB = 1024**3
 
 
 class LedgerCollector:
-    """A Prometheus collector reading the ledger (and auto-sessions' numbers) at scrape time."""
+    """A Prometheus collector reading the ledger (and every plugin's declared metrics) at scrape time."""
 
     def __init__(self, ledger: Ledger, service: Any):
         self.ledger = ledger
@@ -126,8 +126,9 @@ def plugin_families(plugin: str, declared: list[Any]) -> Iterator[Metric]:
         yield family
 
 
-def summary_line(numbers: dict[str, Any], auto: dict[str, Any] | None) -> str:
-    """One line for the log: what the parking and the engine's RAM cache did so far."""
+def summary_line(numbers: dict[str, Any], declared: dict[str, list[Any]]) -> str:
+    """One line for the log: what the parking and the engine's RAM cache did so far, then
+    each plugin's numbers it declared for summaries (``summary=`` on ``strata_serve.counter``)."""
     by = numbers["requests_by_source"]
     ram = numbers["engine_ram_cache"]
     parts = [
@@ -139,10 +140,19 @@ def summary_line(numbers: dict[str, Any], auto: dict[str, Any] | None) -> str:
     if ram["budget_bytes"] != 0:
         budget = "not known" if ram["budget_bytes"] is None else _size(ram["budget_bytes"])
         parts.append(f"engine RAM cache {budget}; {numbers['returns_reread']:,} returns re-read their context")
-    if auto is not None:
-        parts.append(f"auto sessions {auto.get('saves', 0):,} saves, {auto.get('restores', 0):,} restores, "
-                     f"{auto.get('files_on_disk', 0):,} files ({_size(auto.get('bytes_on_disk', 0))})")
+    for plugin, metrics in declared.items():
+        shown = [f"{_shown(metric)} {metric.summary}" for metric in metrics if metric.summary]
+        if shown:
+            parts.append(f"{plugin} " + ", ".join(shown))
     return "[strata] ram cache stats: " + "; ".join(parts)
+
+
+def _shown(metric: Any) -> str:
+    if metric.unit == "bytes":
+        return _size(metric.value)
+    if metric.unit == "seconds":
+        return f"{metric.value:,.1f} s"
+    return f"{metric.value:,.0f}" if float(metric.value).is_integer() else f"{metric.value:,.2f}"
 
 
 def _size(n: float) -> str:

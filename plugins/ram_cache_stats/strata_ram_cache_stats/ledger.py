@@ -29,8 +29,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from strata_serve import Outcome, StrataRequest, Timings, in_tenant
 
 NAME = "ram_cache_stats"
-#: The plugin whose numbers give the engine's bytes per token of state (from its saves).
-AUTO_SESSIONS = "auto_sessions"
 SOURCES = ("slot", "ram", "disk", "none", "new", "unkeyed")
 #: From a cached reply to a long prompt on a small CPU (seconds).
 PREFILL_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -88,7 +86,7 @@ class Ledger:
 
     It keeps no model of the engine: what the slot held comes from the core's record
     of each request. ``measure_bytes_per_token`` returns the engine's bytes per token
-    of state as measured from slot saves (auto-sessions' numbers), or None while unknown.
+    of state as measured from slot saves (the core's ``service.slots.bytes_per_token``), or None while unknown.
     """
 
     def __init__(self, config: RamCacheStatsConfig, budget_bytes: int | None,

@@ -16,6 +16,7 @@ import strata_auto_sessions
 import strata_ram_cache_stats
 import strata_serve
 from strata_auto_sessions import AutoSessionsStats
+from strata_ram_cache_stats.exposition import summary_line
 from strata_serve.api import SERVICE
 from strata_serve.testing import chat_body, conversation
 
@@ -64,7 +65,7 @@ async def test_every_counter_auto_sessions_declares_reaches_metrics_with_its_hel
 class WidgetNumbers:
     """A plugin ram_cache_stats has never heard of, its numbers declared where they are kept."""
 
-    polished: int = strata_serve.counter("Widgets polished")
+    polished: int = strata_serve.counter("Widgets polished", summary="polished")
     polish_ms: float = strata_serve.counter("Time spent polishing", name="polish_seconds", unit="seconds",
                                             scale=1e-3)
     red: int = strata_serve.gauge("Widgets on the shelf, by colour", name="shelved", labels={"colour": "red"})
@@ -122,5 +123,17 @@ async def test_a_plugin_that_declares_a_counter_gets_it_exported(strata_memory_c
     assert (sample(shelved, {"colour": "red"}), sample(shelved, {"colour": "blue"})) == (3, 4)
     assert sample(families["strata_gadgets_sprockets"], {}) == 7
     assert not any(name.startswith("strata_wrong_answer") for name in families)
+    service = client.app[SERVICE]
+    line = summary_line(service.state["ram_cache_stats"].ledger.snapshot(), strata_serve.collect_metrics(service))
+    assert line.endswith("; widgets 2 polished"), "the one number it named for summaries, in the log line"
     assert any("wrong_answer" in r.getMessage() and "collect_metrics" in r.getMessage()
                for r in caplog.records if r.levelno == logging.WARNING)
+
+
+def test_ram_cache_stats_names_no_other_plugins_numbers():
+    """No table of another plugin's names: its sources never spell auto-sessions' counters."""
+    from pathlib import Path
+
+    sources = "".join(p.read_text() for p in Path(strata_ram_cache_stats.__file__).parent.glob("*.py"))
+    for f in dataclasses.fields(AutoSessionsStats):
+        assert f'"{f.name}"' not in sources and f"'{f.name}'" not in sources, f.name
