@@ -44,7 +44,7 @@ _LAZY = {
     "counter": "strata_serve.metrics",
     "gauge": "strata_serve.metrics",
     "metrics_of": "strata_serve.metrics",
-    "collect_metrics": "strata_serve.metrics",
+    "plugin_metrics": "strata_serve.metrics",
     "tenant_key": "strata_serve.tenants",
     "tenant_of": "strata_serve.tenants",
     "in_tenant": "strata_serve.tenants",

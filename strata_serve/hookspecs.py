@@ -224,7 +224,7 @@ def collect_metrics(service: Service) -> Any:
     Declare the numbers where they are kept: a dataclass whose fields are made with
     ``strata_serve.counter(help, ...)`` or ``strata_serve.gauge(help, ...)``, and
     return the instance; or return ``strata_serve.Metric`` values. A stats plugin reads
-    every plugin's answer with ``strata_serve.collect_metrics(service)`` and exports
+    every plugin's answer with ``strata_serve.plugin_metrics(service)`` and exports
     it with no table of your names (``ram_cache_stats`` shows it at ``/metrics`` as
     ``strata_<plugin>_<name>``). Must be synchronous and cheap (it runs on every scrape).
 

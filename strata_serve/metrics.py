@@ -3,7 +3,7 @@
 A plugin keeps its numbers in a dataclass whose fields are made with :func:`counter`
 or :func:`gauge`: the name, help, kind and unit of each sit where the counter is
 defined. It returns the dataclass (or :class:`Metric` values) from the
-``collect_metrics`` hook; :func:`collect_metrics` gathers every plugin's answer, so a
+``collect_metrics`` hook; :func:`plugin_metrics` gathers every plugin's answer, so a
 stats plugin exports what it never heard of, by name or otherwise.
 """
 
@@ -105,7 +105,7 @@ def _scaled(value: float, scale: float) -> float:
     return value if scale == 1 else value * scale
 
 
-def collect_metrics(service: Any) -> dict[str, list[Metric]]:
+def plugin_metrics(service: Any) -> dict[str, list[Metric]]:
     """Every plugin's ``collect_metrics`` answer, by plugin name.
 
     An answer may be a dataclass declared with :func:`counter` and :func:`gauge`, or an

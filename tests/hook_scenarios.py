@@ -136,7 +136,7 @@ class Counted:
 async def other_metrics_still_collected(env: Env, plugin: object) -> None:
     client = await env.client(plugin, Counted())
     await answered(client)
-    collected = strata_serve.collect_metrics(client.app[SERVICE])
+    collected = strata_serve.plugin_metrics(client.app[SERVICE])
     assert collected["counted"] == [strata_serve.Metric("answers", "Answers counted", "counter", 1)]
 
 

@@ -3,8 +3,9 @@
 After every request (``post_request``, FIFO held) it records the engine's timings and
 where the conversation's state came from: the slot, the engine's RAM prompt cache, a
 disk restore by auto-sessions, or nowhere (a full prefill). It shows the totals,
-derived figures and every plugin's declared metrics (``collect_metrics``) at ``GET /metrics`` (Prometheus),
-``GET /stats`` (JSON), and in a log line every ``log_every`` requests.
+derived figures and every plugin's declared metrics (``collect_metrics``) at
+``GET /metrics`` (Prometheus), ``GET /stats`` (JSON), and in a log line every
+``log_every`` requests.
 
 The per-service object is at ``service.state["ram_cache_stats"]``.
 """
@@ -59,7 +60,7 @@ class RamCacheStats:
             return
         every = self.config.log_every
         if every and self.ledger.measured % every == 0:
-            log.info("%s", exposition.summary_line(self.ledger.snapshot(), strata_serve.collect_metrics(service)))
+            log.info("%s", exposition.summary_line(self.ledger.snapshot(), strata_serve.plugin_metrics(service)))
 
 
 def _stats(service: Any) -> RamCacheStats | None:

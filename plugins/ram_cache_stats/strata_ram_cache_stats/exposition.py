@@ -10,7 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from strata_serve import SERVICE, TENANT
-from strata_serve import APIError, collect_metrics
+from strata_serve import APIError, plugin_metrics
 
 from strata_ram_cache_stats.ledger import NAME, Ledger
 from strata_ram_cache_stats.peers import plugin_numbers
@@ -32,7 +32,7 @@ class LedgerCollector:
         numbers = self.ledger.snapshot()
         yield from self._own(numbers)
         yield from self._slots(numbers["slots"])
-        for plugin, declared in collect_metrics(self.service).items():
+        for plugin, declared in plugin_metrics(self.service).items():
             yield from plugin_families(plugin, declared)
 
     def _own(self, numbers: dict[str, Any]) -> Iterator[Metric]:

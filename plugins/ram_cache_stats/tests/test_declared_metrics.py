@@ -124,7 +124,7 @@ async def test_a_plugin_that_declares_a_counter_gets_it_exported(strata_memory_c
     assert sample(families["strata_gadgets_sprockets"], {}) == 7
     assert not any(name.startswith("strata_wrong_answer") for name in families)
     service = client.app[SERVICE]
-    line = summary_line(service.state["ram_cache_stats"].ledger.snapshot(), strata_serve.collect_metrics(service))
+    line = summary_line(service.state["ram_cache_stats"].ledger.snapshot(), strata_serve.plugin_metrics(service))
     assert line.endswith("; widgets 2 polished"), "the one number it named for summaries, in the log line"
     assert any("wrong_answer" in r.getMessage() and "collect_metrics" in r.getMessage()
                for r in caplog.records if r.levelno == logging.WARNING)
