@@ -31,6 +31,21 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
+@hookspec
+def adjust_settings(settings: Settings) -> None:
+    """Change the server's settings before they are validated: the one hook that may.
+
+    The order at start: the plugins are loaded, ``adjust_settings`` runs for each
+    (change ``settings`` in place, e.g. give the engine a directory your plugin
+    needs), then ``on_config`` validates the result, so every plugin's check sees the
+    settings the server runs with, whichever plugin changed them. Read your own
+    section with ``settings.plugin_config`` here too. Raise
+    :class:`strata_serve.config.ConfigError` to refuse to start. Must be synchronous.
+
+    :param settings: The server settings, to change in place.
+    """
+
+
 @hookspec(historic=True)
 def on_config(settings: Settings) -> None:
     """Validate this plugin's configuration before the server starts.
@@ -39,8 +54,9 @@ def on_config(settings: Settings) -> None:
     validates ``plugins.<name>`` (minus ``enabled``) into your pydantic model and
     raises an error naming any unknown or wrong-typed key. Raise
     :class:`strata_serve.config.ConfigError` (or let that validation error
-    propagate) to refuse to start. Must be synchronous. Historic: a plugin
-    registered after the call still receives it.
+    propagate) to refuse to start. Validate only: settings are changed in
+    ``adjust_settings``, which has run for every plugin before this hook. Must be
+    synchronous. Historic: a plugin registered after the call still receives it.
 
     :param settings: The complete, validated server settings.
     """
@@ -159,17 +175,17 @@ def engine_verdict(
     ``"erase"``): before the call with ``error=None`` (return ``Verdict.SKIP`` or
     ``Verdict.UNSUPPORTED`` to prevent it), and after a failure with the error
     (return what the failure means; ``Verdict.RETRY`` gets the call made once more).
-    auto-sessions also asks with ``op="restore_reuse"`` when the request after a
-    restore reused far fewer tokens than were restored; then ``held_tokens`` is the
-    number restored and ``error.body`` holds ``restored``, ``reused`` and
-    ``prompt_tokens``. Backend quirk plugins implement this hook; must be synchronous.
+    Verdicts about what a plugin does with the engine (auto-sessions' restores that
+    went unused) are that plugin's own hooks, not ``op`` values here. Backend quirk
+    plugins implement this hook; must be synchronous.
 
     Stops at the first non-None result; return None to defer.
 
-    :param op: The engine operation.
+    :param op: The slot operation: ``"save"``, ``"restore"`` or ``"erase"``.
     :param error: The failure, or None when asked before the call.
     :param engine: The engine backend (its ``info`` tells model, build, flags).
-    :param held_tokens: Tokens the slot holds, when known.
+    :param held_tokens: Tokens the slot holds (the core's picture, ``service.slots``),
+        None when not known.
     :param service: The running service (keep per-server state in ``service.state``).
     :returns: A :class:`strata_serve.Verdict`, or None when this plugin has no opinion.
     """
@@ -198,6 +214,23 @@ def collect_stats(service: Service) -> dict[str, Any] | None:
 
     :param service: The running service.
     :returns: A dict of counters and gauges, or None.
+    """
+
+
+@hookspec
+def collect_metrics(service: Service) -> Any:
+    """Publish this plugin's numbers as metrics, each with its name, help, kind and unit.
+
+    Declare the numbers where they are kept: a dataclass whose fields are made with
+    ``strata_serve.counter(help, ...)`` or ``strata_serve.gauge(help, ...)``, and
+    return the instance; or return ``strata_serve.Metric`` values. A stats plugin reads
+    every plugin's answer with ``strata_serve.plugin_metrics(service)`` and exports
+    it with no table of your names (``ram_cache_stats`` shows it at ``/metrics`` as
+    ``strata_<plugin>_<name>``). Must be synchronous and cheap (it runs on every scrape).
+
+    :param service: The running service.
+    :returns: A dataclass instance with declared fields, an iterable of
+        ``strata_serve.Metric``, or None.
     """
 
 

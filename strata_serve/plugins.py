@@ -8,7 +8,7 @@ import logging
 import os
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import pluggy
 
@@ -72,14 +72,22 @@ def get_plugin_manager(
         pm.trace.root.setwriter(lambda text: log.info("[trace] %s", text.rstrip()))
         pm.enable_tracing()
         _traced.add(pm)
+    # Settings are changed first, by the hook meant for it, then validated: every
+    # on_config sees the settings the server will run with, whatever the plugins' order.
+    _configure(pm, "adjust_settings", lambda: pm.hook.adjust_settings(settings=settings))
+    _configure(pm, "on_config", lambda: pm.hook.on_config.call_historic(kwargs={"settings": settings}))
+    return pm
+
+
+def _configure(pm: pluggy.PluginManager, hook_name: str, call: Callable[[], Any]) -> None:
+    """Run a hook whose failure stops the start, naming the plugin that raised."""
     try:
-        pm.hook.on_config.call_historic(kwargs={"settings": settings})
+        call()
     except ConfigError:
         raise
     except Exception as exc:  # a plugin refusing to start with its own exception type
-        name = _raised_by(pm, "on_config", exc)
+        name = _raised_by(pm, hook_name, exc)
         raise ConfigError(f"plugin {name or '(unknown)'} refused the configuration: {exc}") from exc
-    return pm
 
 
 def add_plugin_commands(cli: Any, pm: pluggy.PluginManager | None = None) -> None:

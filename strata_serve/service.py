@@ -19,6 +19,7 @@ from strata_serve.engine.base import Engine, EngineUnavailable
 from strata_serve.hook_types import EngineError, KeyRefused, Outcome, StrataRequest, Verdict
 from strata_serve.plugins import broadcast, first_result
 from strata_serve.slot_state import SlotPicture, SlotState, tokens_after
+from strata_serve.tenants import TENANT_SEPARATOR, tenant_key
 
 log = logging.getLogger("strata_serve.service")
 
@@ -26,9 +27,6 @@ M = TypeVar("M", bound=BaseModel)
 
 #: What a keying plugin may return: 1-64 of letters, digits, ``-`` and ``_`` (whole string).
 KEY_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
-#: Separates a tenant's name from its conversation keys (``alice--<key>``). Tenant names
-#: have no ``-`` and a plugin's key may not contain it, so no key reaches another namespace.
-TENANT_SEPARATOR = "--"
 
 
 class QueueFull(Exception):
@@ -340,10 +338,8 @@ class Service:
                 f"the conversation key {key!r} contains {TENANT_SEPARATOR!r}, which is reserved: "
                 "it separates a tenant's name from its conversation keys"
             )
-        if request.tenant is not None:
-            # Tenants never share a key, whichever plugin made it.
-            key = f"{request.tenant}{TENANT_SEPARATOR}{key}"
-        return key
+        # Tenants never share a key, whichever plugin made it.
+        return tenant_key(request.tenant, key)
 
     def verdict(
         self, op: str, error: EngineError | None, held_tokens: int | None = None
@@ -585,7 +581,7 @@ class Service:
     async def save_slot(self, filename: str, *, slot: int = 0) -> dict[str, Any]:
         """Save a slot to ``filename`` in the slot directory, and record it."""
         answer = await self.engine.save(filename, slot)
-        self.slots.saved(slot, int(answer.get("n_saved", 0)))
+        self.slots.saved(slot, int(answer.get("n_saved", 0)), int(answer.get("n_written", 0)))
         return answer
 
     async def restore_slot(self, filename: str, *, slot: int = 0, key: str | None = None,

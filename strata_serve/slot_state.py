@@ -76,6 +76,9 @@ class SlotPicture:
     slots: list[SlotState] = field(default_factory=lambda: [SlotState(0)])
     #: Checks against the engine that found the picture wrong (each is logged).
     corrections: int = 0
+    #: Tokens and bytes of every slot save made through the service (for :attr:`bytes_per_token`).
+    saved_tokens: int = 0
+    saved_bytes: int = 0
 
     @classmethod
     def for_engine(cls, parallel: int) -> SlotPicture:
@@ -118,10 +121,19 @@ class SlotPicture:
         """The engine refused the request before touching the slot (a 4xx): as it was."""
         self.slots[slot] = before
 
-    def saved(self, slot: int, n_saved: int) -> None:
-        """The slot was saved: the engine counted what it holds. (The plugin whose file it
-        was sets ``file_current`` once the file is in place under its name.)"""
+    def saved(self, slot: int, n_saved: int, n_written: int = 0) -> None:
+        """The slot was saved: the engine counted what it holds, and the bytes it wrote.
+        (The plugin whose file it was sets ``file_current`` once the file is in place
+        under its name.)"""
         self.slots[slot].tokens = n_saved
+        if n_saved and n_written:
+            self.saved_tokens += n_saved
+            self.saved_bytes += n_written
+
+    @property
+    def bytes_per_token(self) -> float | None:
+        """Bytes per token of the engine's state, measured from slot saves (None before one)."""
+        return self.saved_bytes / self.saved_tokens if self.saved_tokens else None
 
     def restored(self, slot: int, key: str | None, tenant: str | None, n_restored: int,
                  *, from_own_file: bool) -> None:

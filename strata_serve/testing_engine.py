@@ -39,6 +39,8 @@ class MemoryEngine:
     """One slot, slot files, synthetic timings; see the module's docstring."""
 
     capabilities = frozenset({"slots", "slot_files"})
+    #: What it answers; every other route of the API is ``not_supported`` (404).
+    routes = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
     #: One slot: every route runs in it.
     pinned_routes = frozenset({"chat", "completion", "messages", "responses", "embeddings", "infill"})
 

@@ -124,6 +124,22 @@ async def other_stats_still_collected(env: Env, plugin: object) -> None:
     assert reported["recorder"] == {"requests": 1}
 
 
+class Counted:
+    strata_name = "counted"
+
+    @strata_serve.hookimpl
+    def collect_metrics(self):
+        return [strata_serve.Metric("answers", "Answers counted", "counter", 1)]
+
+
+@scenario("collect_metrics")
+async def other_metrics_still_collected(env: Env, plugin: object) -> None:
+    client = await env.client(plugin, Counted())
+    await answered(client)
+    collected = strata_serve.plugin_metrics(client.app[SERVICE])
+    assert collected["counted"] == [strata_serve.Metric("answers", "Answers counted", "counter", 1)]
+
+
 @scenario("engine_verdict")
 async def parking_still_saves(env: Env, plugin: object) -> None:
     import strata_auto_sessions
@@ -141,7 +157,7 @@ async def parking_still_saves(env: Env, plugin: object) -> None:
     assert (Path(service.engine.info.slot_save_path) / f"auto-{key}.bin").is_file(), "a was parked"
 
 
-@scenario("on_config")
+@scenario("on_config", "adjust_settings")
 async def the_start_is_refused_naming_the_plugin(env: Env, plugin: object) -> None:
     # The one hook whose failure stops the start, on purpose: a plugin refuses its section.
     try:

@@ -16,7 +16,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "docs" / "examples"
 def examples_importable(monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLES))
     yield
-    for name in ("token_log", "header_key", "quirk_verdict", "uptime_route"):
+    for name in ("token_log", "header_key", "quirk_verdict", "uptime_route", "declared_metrics"):
         sys.modules.pop(name, None)
 
 
@@ -65,3 +65,16 @@ async def test_uptime_route_example(strata_client_factory):
     resp = await client.get("/uptime")
     assert resp.status == 200
     assert (await resp.json())["uptime_s"] >= 0
+
+
+async def test_declared_metrics_example(strata_memory_client_factory):
+    import declared_metrics
+    import strata_ram_cache_stats
+
+    client = await strata_memory_client_factory(declared_metrics, strata_ram_cache_stats)
+    for _ in range(2):
+        assert (await client.post("/v1/chat/completions", json=chat_body())).status == 200
+    text = await (await client.get("/metrics")).text()
+    assert "# HELP strata_declared_metrics_answers_total declared_metrics: Answers sent" in text
+    assert "strata_declared_metrics_answers_total 2.0" in text
+    assert "# TYPE strata_declared_metrics_answer_seconds_total counter" in text

@@ -110,3 +110,34 @@ def test_min_tokens_alone_is_the_only_threshold():
     assert alone.min_prefill_s == 0 and alone.min_tokens == 4000
     both = AutoSessionsConfig(min_tokens=4000, min_prefill_s=3)
     assert both.min_prefill_s == 3
+
+
+async def test_a_route_the_backend_does_not_serve_is_not_supported_in_the_apis_shape(strata_memory_client_factory):
+    from strata_serve.testing import assert_openai_error
+
+    client = await strata_memory_client_factory()
+    assert (await client.post("/v1/chat/completions", json=chat_body())).status == 200, "a route it serves"
+    for path, body in (("/v1/embeddings", {"input": "hello"}), ("/tokenize", {"content": "hello"}),
+                       ("/v1/responses", {"input": "hello"})):
+        resp = await client.post(path, json=body)
+        error = await resp.json()
+        assert_openai_error(error, 404, resp.status)
+        assert error["error"]["code"] == "not_supported" and path in error["error"]["message"]
+    resp = await client.post("/v1/messages", json={"model": "m", "max_tokens": 4,
+                                                   "messages": [{"role": "user", "content": "hello"}]})
+    error = await resp.json()
+    assert resp.status == 404 and error["type"] == "error", "Anthropic's shape on its route"
+    assert "/v1/messages is not supported" in error["error"]["message"]
+    assert client.app[SERVICE].engine.requests[-1]["messages"][0]["content"] == "Hello there", \
+        "nothing of the unserved requests reached the engine"
+
+
+def test_the_engine_routes_are_every_route_relayed_to_the_engine():
+    from aiohttp import web
+
+    from strata_serve import ENGINE_ROUTES
+    from strata_serve.api import anthropic_routes, llama_routes, openai_routes
+
+    paths = {route.path for table in (openai_routes.routes, anthropic_routes.routes, llama_routes.routes)
+             for route in table if isinstance(route, web.RouteDef)}
+    assert paths == ENGINE_ROUTES and MemoryEngine.routes < ENGINE_ROUTES

@@ -18,6 +18,7 @@ from strata_serve.api.errors import APIError, error_middleware
 from strata_serve.api.app_state import SERVICE, TENANT
 from strata_serve.config import ConfigError, Settings
 from strata_serve.engine import Engine
+from strata_serve.engine.base import ENGINE_ROUTES
 from strata_serve.plugins import call_each_sync, first_result
 from strata_serve.service import Service
 
@@ -51,9 +52,7 @@ def create_app(settings: Settings, pm: pluggy.PluginManager, engine: Engine | No
         client_max_size=int(settings.server.max_body_mib * 1024 * 1024),
     )
     app[SERVICE] = service
-    app.add_routes(openai_routes.routes)
-    app.add_routes(anthropic_routes.routes)
-    app.add_routes(llama_routes.routes)
+    _add_engine_routes(app, engine, (openai_routes.routes, anthropic_routes.routes, llama_routes.routes))
     app.add_routes(slots.routes)
     # Open by route, not by path: another method on /health is never open.
     open_routes.update(app.router.add_route(method, HEALTH_PATH, health) for method in ("GET", "HEAD"))
@@ -68,6 +67,28 @@ def create_app(settings: Settings, pm: pluggy.PluginManager, engine: Engine | No
     app.cleanup_ctx.append(_engine_lifecycle)
     app.on_shutdown.append(_drain)
     return app
+
+
+def _add_engine_routes(app: web.Application, engine: Engine,
+                       tables: Iterable[web.RouteTableDef]) -> None:
+    """The engine API's routes, each with its handler if the backend serves it (its
+    ``routes``), else one answering 404 ``not_supported``. Mounted either way: the
+    client learns that this server's engine lacks the route, not that the path is wrong."""
+    served = getattr(engine, "routes", ENGINE_ROUTES)
+    for table in tables:
+        for route in table:
+            handler = route.handler if route.path in served else _not_served(engine, route.path)
+            app.router.add_route(route.method, route.path, handler, **route.kwargs)
+
+
+def _not_served(engine: Engine, path: str):
+    name = engine.info.model_path or type(engine).__name__
+
+    async def not_served(request: web.Request) -> web.Response:
+        raise APIError(404, f"{request.method} {path} is not supported by this server's engine ({name}): "
+                       "its backend does not serve that route", code="not_supported")
+
+    return not_served
 
 
 @asynccontextmanager

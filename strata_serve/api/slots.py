@@ -26,7 +26,7 @@ from strata_serve.api.relay import read_json, service_errors, service_of
 from strata_serve.api.schemas import SlotFile
 from strata_serve.engine.base import EngineUnavailable
 from strata_serve.hook_types import EngineError, Outcome, StrataRequest
-from strata_serve.service import TENANT_SEPARATOR
+from strata_serve.tenants import TENANT_SEPARATOR
 
 routes = web.RouteTableDef()
 ACTIONS = ("save", "restore", "erase")

@@ -23,7 +23,7 @@ import aiohttp
 from pydantic import SecretStr
 
 from strata_serve.config import ConfigError, EngineSettings
-from strata_serve.engine.base import EngineInfo, EngineUnavailable, JSONAnswer, StateLayout
+from strata_serve.engine.base import ENGINE_ROUTES, EngineInfo, EngineUnavailable, JSONAnswer, StateLayout
 from strata_serve.hook_types import EngineError, Timings, token_count
 from strata_serve.files import make_private_dir
 
@@ -311,6 +311,8 @@ class LlamaServer:
     """
 
     capabilities = frozenset({"slots", "slot_files", "ram_cache"})
+    #: llama-server serves every route of the core's engine API.
+    routes = ENGINE_ROUTES
     # llama-server honours ``id_slot`` on these; its /v1/messages and /v1/embeddings
     # drop it (the Anthropic conversion keeps only the fields it knows), and /infill
     # has not been seen to honour it.

@@ -12,7 +12,8 @@ A request without a conversation key, and a slot restore or erase by hand, park 
 held conversation first too.
 
 Its numbers are in :class:`AutoSessionsStats`, reported through ``collect_stats``
-and kept at ``service.state["auto_sessions"].stats``.
+(a dict) and ``collect_metrics`` (declared metrics), and kept at
+``service.state["auto_sessions"].stats``.
 """
 
 from __future__ import annotations
@@ -39,14 +40,19 @@ def _parking(service: Any) -> AutoSessions | None:
 
 
 @strata_serve.hookimpl
+def adjust_settings(settings):
+    config = settings.plugin_config(NAME, AutoSessionsConfig)
+    if config.slot_dir is not None and settings.engine.slot_save_path is None:
+        # The engine must write where we look: give it our directory.
+        settings.engine.slot_save_path = config.slot_dir
+
+
+@strata_serve.hookimpl
 def on_config(settings):
     config = settings.plugin_config(NAME, AutoSessionsConfig)
     engine_dir = settings.engine.slot_save_path
     if config.slot_dir is not None:
-        if engine_dir is None:
-            # The engine must write where we look: give it our directory.
-            settings.engine.slot_save_path = config.slot_dir
-        elif engine_dir.resolve() != config.slot_dir.resolve():
+        if engine_dir is None or engine_dir.resolve() != config.slot_dir.resolve():
             raise ConfigError(
                 f"plugins.{NAME}.slot_dir ({config.slot_dir}) must be the engine's slot directory "
                 f"(engine.slot_save_path = {engine_dir})"
@@ -99,6 +105,12 @@ def collect_stats(service):
     if parking is None:
         return None
     return parking.stats.snapshot()
+
+
+@strata_serve.hookimpl
+def collect_metrics(service):
+    parking = _parking(service)
+    return None if parking is None else parking.stats  # its fields declare name, help and unit
 
 
 @strata_serve.hookimpl

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
+    from strata_serve import Verdict
     from strata_auto_sessions.parking import AutoSessions
     from strata_auto_sessions.prefix import ParkedConversation
     from strata_auto_sessions.store import ParkingStore
@@ -60,4 +61,29 @@ def auto_sessions_fallback(
         :meth:`~strata_auto_sessions.AutoSessions.restore_seconds`).
     :param service: The running service.
     :returns: The key of one of ``parked``, or None.
+    """
+
+
+@hookspec(firstresult=True)
+def auto_sessions_restore_unused(
+    restored: int, reused: int, prompt_tokens: int | None, engine: Any, service: Any
+) -> Verdict | None:
+    """Say what a restore the next request did not reuse means for this engine.
+
+    Asked after a restore when the next request, which continued the saved conversation,
+    reused less than ``reuse_warn_ratio`` of the tokens restored (a request that changed
+    the conversation is not asked about). Answer ``Verdict.UNSUPPORTED`` when the engine
+    cannot reuse restored state (auto-sessions pauses parking for ``retry_after_s``,
+    doubling), None otherwise. A backend quirk plugin implements it with
+    ``@strata_serve.hookimpl(optionalhook=True)``, so it loads without auto-sessions too.
+    Must be synchronous.
+
+    Stops at the first non-None result; return None to defer.
+
+    :param restored: Tokens the restore put in the slot.
+    :param reused: Tokens of them the next request reused.
+    :param prompt_tokens: That request's prompt tokens, when the engine said.
+    :param engine: The engine backend (its ``info`` tells model, build, flags).
+    :param service: The running service (keep per-server state in ``service.state``).
+    :returns: A :class:`strata_serve.Verdict`, or None when this plugin has no opinion.
     """

@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from strata_serve import EngineError, Outcome, StrataRequest, Verdict
+from strata_serve import EngineError, Outcome, StrataRequest, Verdict, counter, gauge, in_tenant
 from strata_serve import EngineUnavailable
 
 from strata_serve import first_result
@@ -36,6 +36,10 @@ NAME = "auto_sessions"
 GB = 1024**3
 #: Prefill speed is measured on requests that prefilled at least this many tokens.
 SPEED_MIN_TOKENS = 64
+_SAVE_SKIPS = "Saves skipped, by reason"
+_RESTORE_SKIPS = "Restores not attempted, by reason"
+
+
 class AutoSessionsConfig(BaseModel):
     """``plugins.auto_sessions.*``."""
 
@@ -78,54 +82,62 @@ class AutoSessionsConfig(BaseModel):
 
 @dataclass
 class AutoSessionsStats:
-    """Counters for other plugins (the stats plugin reads them through ``collect_stats``)."""
+    """Counters for other plugins, each declared as a metric where it is kept.
 
-    saves: int = 0
-    saved_tokens: int = 0
-    saved_bytes: int = 0
-    save_ms: float = 0.0
-    save_failures: int = 0
-    save_skips_below_min: int = 0
-    save_skips_verdict: int = 0
-    save_skips_unchanged: int = 0
+    ``collect_stats`` reports them as a flat dict; ``collect_metrics`` hands over this
+    object, whose fields carry their exported name, help and unit (milliseconds are
+    exported as seconds, Prometheus' base unit).
+    """
+
+    saves: int = counter("Conversations saved to disk", summary="saves")
+    saved_tokens: int = counter("Tokens saved to disk")
+    saved_bytes: int = counter("Bytes written by saves", unit="bytes")
+    save_ms: float = counter("Time spent saving", name="save_seconds", unit="seconds", scale=1e-3)
+    save_failures: int = counter("Saves that failed")
+    save_skips_below_min: int = counter(_SAVE_SKIPS, name="save_skips", labels={"reason": "below_min_tokens"})
+    save_skips_verdict: int = counter(_SAVE_SKIPS, name="save_skips", labels={"reason": "engine_verdict"})
+    save_skips_unchanged: int = counter(_SAVE_SKIPS, name="save_skips", labels={"reason": "unchanged"})
     #: Saves not made because the model uses a sliding window and the engine runs
     #: without ``--swa-full`` (no restore of the file would be reused).
-    save_skips_swa: int = 0
-    idle_saves: int = 0
-    restores: int = 0
-    restored_tokens: int = 0
-    restored_bytes: int = 0
-    restore_ms: float = 0.0
-    restore_failures: int = 0
-    restores_withheld: int = 0
-    restores_refused_damaged: int = 0
+    save_skips_swa: int = counter(_SAVE_SKIPS, name="save_skips", labels={"reason": "swa"})
+    idle_saves: int = counter("Saves made while the server was idle")
+    restores: int = counter("Conversations restored from disk", summary="restores")
+    restored_tokens: int = counter("Tokens restored from disk")
+    restored_bytes: int = counter("Bytes read by restores", unit="bytes")
+    restore_ms: float = counter("Time spent restoring", name="restore_seconds", unit="seconds", scale=1e-3)
+    restore_failures: int = counter("Restores that failed")
+    restores_withheld: int = counter(_RESTORE_SKIPS, name="restore_skips", labels={"reason": "save_failed"})
+    restores_refused_damaged: int = counter(_RESTORE_SKIPS, name="restore_skips", labels={"reason": "damaged"})
     #: Files refused before the engine saw them, by reason (``store.REFUSAL_REASONS``):
     #: another model, a context too small, another KV cache type, flash-attention
     #: setting, ``--swa-full``, an engine build out of range, or not judged.
-    restores_refused_other_model: int = 0
-    restores_refused_context: int = 0
-    restores_refused_cache_type: int = 0
-    restores_refused_flash_attn: int = 0
-    restores_refused_swa: int = 0
-    restores_refused_build: int = 0
-    restores_refused_unjudged: int = 0
-    restores_not_reused: int = 0
-    #: Restores whose next request was not a continuation of the saved conversation
-    #: (an edited message, or another conversation with the same opening).
-    restores_diverged: int = 0
-    #: Times parking paused because restores went unused.
-    pauses: int = 0
-    prunes: int = 0
-    pruned_bytes: int = 0
+    restores_refused_other_model: int = counter(_RESTORE_SKIPS, name="restore_skips",
+                                                labels={"reason": "other_model"})
+    restores_refused_context: int = counter(_RESTORE_SKIPS, name="restore_skips", labels={"reason": "context"})
+    restores_refused_cache_type: int = counter(_RESTORE_SKIPS, name="restore_skips",
+                                               labels={"reason": "cache_type"})
+    restores_refused_flash_attn: int = counter(_RESTORE_SKIPS, name="restore_skips",
+                                               labels={"reason": "flash_attn"})
+    restores_refused_swa: int = counter(_RESTORE_SKIPS, name="restore_skips", labels={"reason": "swa"})
+    restores_refused_build: int = counter(_RESTORE_SKIPS, name="restore_skips", labels={"reason": "build"})
+    restores_refused_unjudged: int = counter(_RESTORE_SKIPS, name="restore_skips", labels={"reason": "unjudged"})
+    restores_not_reused: int = counter("Restores the next request barely reused")
+    restores_diverged: int = counter(
+        "Restores whose next request did not continue the saved conversation (an edited message, "
+        "or another conversation with the same opening)")
+    pauses: int = counter("Times parking paused because restores went unused")
+    prunes: int = counter("Session files pruned")
+    pruned_bytes: int = counter("Bytes of session files pruned", unit="bytes")
     #: Conversations without a file of their own started from another one's (a fallback
     #: plugin chose it), the tokens restored so, and how many of those the next request reused.
-    prefix_restores: int = 0
-    prefix_restored_tokens: int = 0
-    prefix_reused_tokens: int = 0
+    prefix_restores: int = counter("Conversations started from another conversation's file")
+    prefix_restored_tokens: int = counter("Tokens restored from another conversation's file")
+    prefix_reused_tokens: int = counter("Tokens of another conversation's file the next request reused")
 
     #: Session files and their bytes, as of the last save or prune.
-    files_on_disk: int = 0
-    bytes_on_disk: int = 0
+    files_on_disk: int = gauge("Session files on disk", summary="files")
+    bytes_on_disk: int = gauge("Bytes of session files on disk", name="on_disk_bytes", unit="bytes",
+                               summary="on disk")
 
     def snapshot(self) -> dict[str, float]:
         return asdict(self)
@@ -312,9 +324,9 @@ class AutoSessions:
         log.warning("[strata] auto sessions: restore not reused: restored %s tokens for %s, and the next "
                     "request, which continues that conversation, reused only %s",
                     f"{restored:,}", request.conversation_key, f"{reused:,}")
-        error = EngineError(op="restore_reuse", message=f"restored {restored} tokens, reused {reused}",
-                            body={"restored": restored, "reused": reused, "prompt_tokens": outcome.prompt_tokens})
-        if service.verdict("restore_reuse", error, restored) == Verdict.UNSUPPORTED:
+        verdict = first_result(service.pm, "auto_sessions_restore_unused", restored=restored, reused=reused,
+                               prompt_tokens=outcome.prompt_tokens, engine=service.engine, service=service)
+        if verdict == Verdict.UNSUPPORTED:
             self._pause("the engine does not reuse restored state for this model")
 
     def _pause(self, why: str) -> None:
@@ -591,7 +603,7 @@ class AutoSessions:
             # (and an unnamed tenant's keys have no tenant prefix).
             if other == request.conversation_key or sidecar.tenant != request.tenant:
                 continue
-            if ("--" in other) if request.tenant is None else not other.startswith(f"{request.tenant}--"):
+            if not in_tenant(other, request.tenant):
                 continue
             prompt = sidecar.prompt or {}
             if not prompt.get("chain") or incompatibility(sidecar, self.fingerprint,

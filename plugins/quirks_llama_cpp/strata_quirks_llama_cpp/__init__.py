@@ -21,6 +21,7 @@ __all__ = ["LlamaCppQuirks", "LlamaCppQuirksConfig"]
 #: The plugin's name when registered by hand (tests); the entry point gives the same.
 strata_name = NAME
 
+
 @strata_serve.hookimpl
 def on_config(settings):
     settings.plugin_config(NAME, LlamaCppQuirksConfig)
@@ -32,11 +33,22 @@ def on_startup(service):
         service.state[NAME] = LlamaCppQuirks(service.plugin_config(NAME, LlamaCppQuirksConfig))
 
 
+def _quirks(service) -> LlamaCppQuirks:
+    quirks = service.state.get(NAME)
+    if quirks is None:  # asked before on_startup: the default settings
+        quirks = service.state.setdefault(NAME, LlamaCppQuirks(LlamaCppQuirksConfig()))
+    return quirks
+
+
 @strata_serve.hookimpl
 def engine_verdict(op, error, engine, held_tokens, service):
     if not isinstance(engine, LlamaServer):
         return None  # not llama.cpp: these quirks are not its quirks
-    quirks = service.state.get(NAME)
-    if quirks is None:  # asked before on_startup: the default settings
-        quirks = service.state.setdefault(NAME, LlamaCppQuirks(LlamaCppQuirksConfig()))
-    return quirks.verdict(op, error, engine.info, held_tokens)
+    return _quirks(service).verdict(op, error, engine.info, held_tokens)
+
+
+@strata_serve.hookimpl(optionalhook=True)  # auto-sessions' hook: this plugin also loads without it
+def auto_sessions_restore_unused(engine, service):
+    if not isinstance(engine, LlamaServer):
+        return None
+    return _quirks(service).restore_not_reused(engine.info.model_path)

@@ -10,11 +10,11 @@ After a failure:
 - HTTP 501 on a slot call is the engine saying "not supported": what builds
   affected by llama.cpp issue 21133 answer to slot save/restore when started
   with ``--mmproj``. ``UNSUPPORTED``, said once.
-- ``restore_reuse`` (a restore the next request, which continued the saved
-  conversation, did not reuse): hybrid, recurrent and SWA models report a restore
-  as done and then re-read the whole prompt (issues 25913, 28194). From the
-  ``unreused_restores_limit``-th case for one model: ``UNSUPPORTED``, said once,
-  with why; auto-sessions pauses parking and tries again later.
+A restore the next request, which continued the saved conversation, did not reuse
+(auto-sessions' ``auto_sessions_restore_unused`` hook): hybrid, recurrent and SWA
+models report a restore as done and then re-read the whole prompt (issues 25913,
+28194). From the ``unreused_restores_limit``-th case for one model: ``UNSUPPORTED``,
+said once, with why; auto-sessions pauses parking and tries again later.
 
 Anything else is a plain error: None. That includes HTTP 400 ``Invalid filename``,
 the engine refusing a name: the caller's mistake, not a limit of the engine, so
@@ -81,11 +81,10 @@ class LlamaCppQuirks:
             self._say_once("unsupported", f"the engine refuses slot {op}{multimodal}: HTTP {NOT_SUPPORTED} "
                            f"{error.message!r}; no slot files for it")
             return Verdict.UNSUPPORTED
-        if op == "restore_reuse":
-            return self._restore_not_reused(info.model_path)
         return None
 
-    def _restore_not_reused(self, model: str | None) -> Verdict | None:
+    def restore_not_reused(self, model: str | None) -> Verdict | None:
+        """A restore of ``model`` the next request, which continued it, did not reuse."""
         self.unreused[model] += 1
         if self.unreused[model] < self.config.unreused_restores_limit:
             return None

@@ -6,13 +6,13 @@ from types import SimpleNamespace
 
 import pytest
 
+import strata_auto_sessions
 import strata_quirks_llama_cpp
 from strata_serve import EngineError, Verdict
 from strata_serve.config import ConfigError, EngineSettings, Settings
 from strata_serve.engine import EngineInfo, LlamaServer
 from strata_serve.plugins import first_result, get_plugin_manager
 
-NOT_REUSED = EngineError(op="restore_reuse", message="restored 900 tokens, reused 3")
 
 
 @pytest.fixture
@@ -35,13 +35,22 @@ def fresh_services():
     _services.clear()
 
 
-def verdict(engine, op, error=None, held_tokens=None):
+def service_of(engine) -> SimpleNamespace:
     service = next((service for known, service in _services if known is engine), None)
     if service is None:
         service = SimpleNamespace(state={})
         _services.append((engine, service))
+    return service
+
+
+def verdict(engine, op, error=None, held_tokens=None):
     return strata_quirks_llama_cpp.engine_verdict(op=op, error=error, engine=engine, held_tokens=held_tokens,
-                                                  service=service)
+                                                  service=service_of(engine))
+
+
+def unused(engine):
+    """auto-sessions' question: a restore of 900 tokens, of which the next request reused 3."""
+    return strata_quirks_llama_cpp.auto_sessions_restore_unused(engine=engine, service=service_of(engine))
 
 
 def quirk_lines(caplog) -> list[str]:
@@ -110,9 +119,9 @@ def test_other_failures_are_plain_errors(engine_for, error):
 
 def test_second_unreused_restore_of_a_model_stops_parking_said_once(engine_for, caplog):
     engine = engine_for()
-    assert verdict(engine, "restore_reuse", NOT_REUSED, 900) is None
-    assert verdict(engine, "restore_reuse", NOT_REUSED, 900) == Verdict.UNSUPPORTED
-    assert verdict(engine, "restore_reuse", NOT_REUSED, 900) == Verdict.UNSUPPORTED
+    assert unused(engine) is None
+    assert unused(engine) == Verdict.UNSUPPORTED
+    assert unused(engine) == Verdict.UNSUPPORTED
     lines = quirk_lines(caplog)
     assert len(lines) == 1
     assert engine.info.model_path in lines[0] and "25913" in lines[0] and "parking pauses" in lines[0]
@@ -121,17 +130,17 @@ def test_second_unreused_restore_of_a_model_stops_parking_said_once(engine_for, 
 def test_unreused_restores_are_counted_per_model(engine_for):
     engine = engine_for()
     first_model = engine.info.model_path
-    assert verdict(engine, "restore_reuse", NOT_REUSED) is None
+    assert unused(engine) is None
     engine.info.model_path = "/models/another.gguf"  # an attached engine now serving another model
-    assert verdict(engine, "restore_reuse", NOT_REUSED) is None
+    assert unused(engine) is None
     engine.info.model_path = first_model
-    assert verdict(engine, "restore_reuse", NOT_REUSED) == Verdict.UNSUPPORTED
+    assert unused(engine) == Verdict.UNSUPPORTED
 
 
 def test_unreused_restores_are_counted_per_engine(engine_for):
     one, other = engine_for(), engine_for()
-    assert verdict(one, "restore_reuse", NOT_REUSED) is None
-    assert verdict(other, "restore_reuse", NOT_REUSED) is None, "another server's count is its own"
+    assert unused(one) is None
+    assert unused(other) is None, "another server's count is its own"
 
 
 # -- which engines, and the plugin on and off ----------------------------------------
@@ -139,7 +148,7 @@ def test_unreused_restores_are_counted_per_engine(engine_for):
 def test_another_backend_gets_no_answer():
     engine = SimpleNamespace(info=EngineInfo(url="http://elsewhere", multimodal=True))
     assert verdict(engine, "save", held_tokens=0) is None
-    assert verdict(engine, "restore_reuse", NOT_REUSED) is None
+    assert unused(engine) is None
 
 
 @pytest.mark.parametrize("plugins_config, expected", [
@@ -154,13 +163,13 @@ def test_registered_it_answers_disabled_it_does_not(engine_for, plugins_config, 
 
 def test_the_limit_comes_from_the_settings(engine_for):
     settings = Settings(plugins={"quirks_llama_cpp": {"unreused_restores_limit": 1}})
-    pm = get_plugin_manager(settings, entrypoints=False, plugins=[strata_quirks_llama_cpp])
+    pm = get_plugin_manager(settings, entrypoints=False, plugins=[strata_auto_sessions, strata_quirks_llama_cpp])
     engine = engine_for()
     service = SimpleNamespace(settings=settings, engine=engine, state={},
                               plugin_config=lambda name, model: settings.plugin_config(name, model))
-    pm.hook.on_startup(service=service)
-    assert first_result(pm, "engine_verdict", op="restore_reuse", error=NOT_REUSED, engine=engine,
-                        held_tokens=900, service=service) == Verdict.UNSUPPORTED
+    strata_quirks_llama_cpp.on_startup(service=service)
+    assert first_result(pm, "auto_sessions_restore_unused", restored=900, reused=3, prompt_tokens=950,
+                        engine=engine, service=service) == Verdict.UNSUPPORTED
 
 
 @pytest.mark.parametrize("section, message", [
@@ -171,3 +180,18 @@ def test_bad_settings_are_refused(section, message):
     with pytest.raises(ConfigError, match=message):
         get_plugin_manager(Settings(plugins={"quirks_llama_cpp": section}), entrypoints=False,
                            plugins=[strata_quirks_llama_cpp])
+
+
+def test_it_loads_without_auto_sessions_and_answers_auto_sessions_own_question(engine_for):
+    """The unused-restore rule is asked through auto-sessions' hook, never through the core's."""
+    alone = get_plugin_manager(Settings(), entrypoints=False, plugins=[strata_quirks_llama_cpp])
+    assert "quirks_llama_cpp" in {name for name, _ in alone.list_name_plugin()}
+    with_parking = get_plugin_manager(Settings(), entrypoints=False,
+                                      plugins=[strata_auto_sessions, strata_quirks_llama_cpp])
+    caller = with_parking.hook.auto_sessions_restore_unused
+    assert caller.spec is not None and caller.spec.namespace is strata_auto_sessions.hookspecs
+    assert [impl.plugin_name for impl in caller.get_hookimpls()] == ["quirks_llama_cpp"]
+    engine = engine_for()
+    for _ in range(2):  # the engine_verdict hook has no opinion on it any more
+        assert verdict(engine, "restore_reuse", EngineError(op="restore_reuse", message="not reused")) is None
+    assert unused(engine) is None, "the engine_verdict calls counted nothing"

@@ -3,8 +3,9 @@
 After every request (``post_request``, FIFO held) it records the engine's timings and
 where the conversation's state came from: the slot, the engine's RAM prompt cache, a
 disk restore by auto-sessions, or nowhere (a full prefill). It shows the totals,
-derived figures and auto-sessions' own numbers at ``GET /metrics`` (Prometheus),
-``GET /stats`` (JSON), and in a log line every ``log_every`` requests.
+derived figures and every plugin's declared metrics (``collect_metrics``) at
+``GET /metrics`` (Prometheus), ``GET /stats`` (JSON), and in a log line every
+``log_every`` requests.
 
 The per-service object is at ``service.state["ram_cache_stats"]``.
 """
@@ -21,8 +22,7 @@ from prometheus_client import CollectorRegistry
 import strata_serve
 
 from strata_ram_cache_stats import exposition
-from strata_ram_cache_stats.ledger import AUTO_SESSIONS, NAME, Ledger, RamCacheStatsConfig
-from strata_ram_cache_stats.peers import bytes_per_token, plugin_numbers
+from strata_ram_cache_stats.ledger import NAME, Ledger, RamCacheStatsConfig
 
 __all__ = ["Ledger", "RamCacheStats", "RamCacheStatsConfig"]
 
@@ -47,7 +47,7 @@ class RamCacheStats:
     def start(cls, config: RamCacheStatsConfig, service: Any) -> RamCacheStats:
         mib = service.engine.info.cache_ram_mib
         budget = None if mib is None or mib < 0 else mib * 2**20
-        ledger = Ledger(config, budget, lambda: bytes_per_token(plugin_numbers(service)))
+        ledger = Ledger(config, budget, lambda: service.slots.bytes_per_token)  # the core measures it
         registry = CollectorRegistry(auto_describe=False)
         registry.register(exposition.LedgerCollector(ledger, service))
         shown = ("off" if budget == 0 else "not known (the engine's default, or attached)" if mib is None
@@ -60,8 +60,7 @@ class RamCacheStats:
             return
         every = self.config.log_every
         if every and self.ledger.measured % every == 0:
-            auto = plugin_numbers(service).get(AUTO_SESSIONS)
-            log.info("%s", exposition.summary_line(self.ledger.snapshot(), auto))
+            log.info("%s", exposition.summary_line(self.ledger.snapshot(), strata_serve.plugin_metrics(service)))
 
 
 def _stats(service: Any) -> RamCacheStats | None:

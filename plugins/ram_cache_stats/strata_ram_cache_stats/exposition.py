@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Iterator
 
 from aiohttp import web
@@ -9,49 +10,19 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from strata_serve import SERVICE, TENANT
-from strata_serve import APIError
+from strata_serve import APIError, plugin_metrics
 
-from strata_ram_cache_stats.ledger import AUTO_SESSIONS, NAME, Ledger
+from strata_ram_cache_stats.ledger import NAME, Ledger
 from strata_ram_cache_stats.peers import plugin_numbers
 
-#: auto-sessions' ``collect_stats`` names -> (metric, labels, help, scale). Milliseconds
-#: become seconds, Prometheus' base unit; counters get ``_total`` from prometheus_client.
-AUTO_SESSIONS_COUNTERS: dict[str, tuple[str, dict[str, str], str, float]] = {
-    "saves": ("saves", {}, "Conversations saved to disk", 1),
-    "saved_tokens": ("saved_tokens", {}, "Tokens saved to disk", 1),
-    "saved_bytes": ("saved_bytes", {}, "Bytes written by saves", 1),
-    "save_ms": ("save_seconds", {}, "Time spent saving", 1e-3),
-    "save_failures": ("save_failures", {}, "Saves that failed", 1),
-    "save_skips_below_min": ("save_skips", {"reason": "below_min_tokens"}, "Saves skipped", 1),
-    "save_skips_verdict": ("save_skips", {"reason": "engine_verdict"}, "Saves skipped", 1),
-    "save_skips_swa": ("save_skips", {"reason": "swa"}, "Saves skipped", 1),
-    "restores": ("restores", {}, "Conversations restored from disk", 1),
-    "restored_tokens": ("restored_tokens", {}, "Tokens restored from disk", 1),
-    "restored_bytes": ("restored_bytes", {}, "Bytes read by restores", 1),
-    "restore_ms": ("restore_seconds", {}, "Time spent restoring", 1e-3),
-    "restore_failures": ("restore_failures", {}, "Restores that failed", 1),
-    "restores_withheld": ("restore_skips", {"reason": "save_failed"}, "Restores not attempted", 1),
-    "restores_refused_other_model": ("restore_skips", {"reason": "other_model"}, "Restores not attempted", 1),
-    "restores_refused_context": ("restore_skips", {"reason": "context"}, "Restores not attempted", 1),
-    "restores_refused_cache_type": ("restore_skips", {"reason": "cache_type"}, "Restores not attempted", 1),
-    "restores_refused_flash_attn": ("restore_skips", {"reason": "flash_attn"}, "Restores not attempted", 1),
-    "restores_refused_swa": ("restore_skips", {"reason": "swa"}, "Restores not attempted", 1),
-    "restores_refused_build": ("restore_skips", {"reason": "build"}, "Restores not attempted", 1),
-    "restores_refused_unjudged": ("restore_skips", {"reason": "unjudged"}, "Restores not attempted", 1),
-    "restores_not_reused": ("restores_not_reused", {}, "Restores the next request barely reused", 1),
-    "prunes": ("prunes", {}, "Session files pruned", 1),
-    "pruned_bytes": ("pruned_bytes", {}, "Bytes of session files pruned", 1),
-}
-AUTO_SESSIONS_GAUGES: dict[str, tuple[str, str]] = {
-    "files_on_disk": ("files_on_disk", "Session files on disk"),
-    "bytes_on_disk": ("on_disk_bytes", "Bytes of session files on disk"),
-}
+log = logging.getLogger("strata_ram_cache_stats")
+
 MIB = 1024**2
 GIB = 1024**3
 
 
 class LedgerCollector:
-    """A Prometheus collector reading the ledger (and auto-sessions' numbers) at scrape time."""
+    """A Prometheus collector reading the ledger (and every plugin's declared metrics) at scrape time."""
 
     def __init__(self, ledger: Ledger, service: Any):
         self.ledger = ledger
@@ -61,9 +32,8 @@ class LedgerCollector:
         numbers = self.ledger.snapshot()
         yield from self._own(numbers)
         yield from self._slots(numbers["slots"])
-        auto = plugin_numbers(self.service).get(AUTO_SESSIONS)
-        if auto is not None:
-            yield from auto_sessions_metrics(auto)
+        for plugin, declared in plugin_metrics(self.service).items():
+            yield from plugin_families(plugin, declared)
 
     def _own(self, numbers: dict[str, Any]) -> Iterator[Metric]:
         by_source = CounterMetricFamily(
@@ -130,38 +100,35 @@ class LedgerCollector:
         yield busy
 
 
-def auto_sessions_metrics(auto: dict[str, Any]) -> Iterator[Metric]:
-    """auto-sessions' numbers as ``strata_auto_sessions_*`` families.
+def plugin_families(plugin: str, declared: list[Any]) -> Iterator[Metric]:
+    """A plugin's declared metrics (``strata_serve.Metric``) as ``strata_<plugin>_<name>`` families.
 
-    The table above gives names, labels and help to the known ones; any other number
-    is exported as a counter under its own name (``_ms`` as seconds), so a counter
-    added to auto-sessions reaches Prometheus without an edit here.
+    Metrics sharing a name are one family, one sample per label set; one that does not
+    fit the family begun under its name (another kind, unit or label names) is logged
+    and left out.
     """
-    counters: dict[str, CounterMetricFamily] = {}
-    table = dict(AUTO_SESSIONS_COUNTERS)
-    for stat, value in auto.items():
-        if stat in table or stat in AUTO_SESSIONS_GAUGES or not isinstance(value, (int, float)):
+    families: dict[str, tuple[Any, Metric]] = {}
+    for metric in declared:
+        labels = sorted(metric.labels)
+        begun = families.get(metric.name)
+        if begun is None:
+            family_type = CounterMetricFamily if metric.kind == "counter" else GaugeMetricFamily
+            family = family_type(f"strata_{plugin}_{metric.name}", f"{plugin}: {metric.help}",
+                                 labels=labels, unit=metric.unit)
+            begun = families[metric.name] = (metric, family)
+        first, family = begun
+        if (metric.kind, metric.unit, labels) != (first.kind, first.unit, sorted(first.labels)):
+            log.warning("[strata] ram cache stats: %s's metric %s does not fit the family of that name "
+                        "(kind, unit or labels differ); not exported", plugin, metric.name)
             continue
-        if stat.endswith("_ms"):
-            table[stat] = (stat[:-3] + "_seconds", {}, stat.replace("_", " "), 1e-3)
-        else:
-            table[stat] = (stat, {}, stat.replace("_", " "), 1)
-    for stat, (name, labels, doc, scale) in table.items():
-        if stat not in auto:
-            continue
-        family = counters.get(name)
-        if family is None:
-            family = counters[name] = CounterMetricFamily(
-                f"strata_auto_sessions_{name}", f"auto-sessions: {doc}", labels=list(labels))
-        family.add_metric(list(labels.values()), auto[stat] * scale)
-    yield from counters.values()
-    for stat, (name, doc) in AUTO_SESSIONS_GAUGES.items():
-        if stat in auto:
-            yield GaugeMetricFamily(f"strata_auto_sessions_{name}", f"auto-sessions: {doc}", value=auto[stat])
+        family.add_metric([metric.labels[label] for label in labels], metric.value)
+    for _first, family in families.values():
+        yield family
 
 
-def summary_line(numbers: dict[str, Any], auto: dict[str, Any] | None) -> str:
-    """One line for the log: what the parking and the engine's RAM cache did so far."""
+def summary_line(numbers: dict[str, Any], declared: dict[str, list[Any]]) -> str:
+    """One line for the log: what the parking and the engine's RAM cache did so far, then
+    each plugin's numbers it declared for summaries (``summary=`` on ``strata_serve.counter``)."""
     by = numbers["requests_by_source"]
     ram = numbers["engine_ram_cache"]
     parts = [
@@ -173,10 +140,19 @@ def summary_line(numbers: dict[str, Any], auto: dict[str, Any] | None) -> str:
     if ram["budget_bytes"] != 0:
         budget = "not known" if ram["budget_bytes"] is None else _size(ram["budget_bytes"])
         parts.append(f"engine RAM cache {budget}; {numbers['returns_reread']:,} returns re-read their context")
-    if auto is not None:
-        parts.append(f"auto sessions {auto.get('saves', 0):,} saves, {auto.get('restores', 0):,} restores, "
-                     f"{auto.get('files_on_disk', 0):,} files ({_size(auto.get('bytes_on_disk', 0))})")
+    for plugin, metrics in declared.items():
+        shown = [f"{_shown(metric)} {metric.summary}" for metric in metrics if metric.summary]
+        if shown:
+            parts.append(f"{plugin} " + ", ".join(shown))
     return "[strata] ram cache stats: " + "; ".join(parts)
+
+
+def _shown(metric: Any) -> str:
+    if metric.unit == "bytes":
+        return _size(metric.value)
+    if metric.unit == "seconds":
+        return f"{metric.value:,.1f} s"
+    return f"{metric.value:,.0f}" if float(metric.value).is_integer() else f"{metric.value:,.2f}"
 
 
 def _size(n: float) -> str:
@@ -216,6 +192,6 @@ async def stats(request: web.Request) -> web.Response:
     tenant = request.get(TENANT)
     return web.json_response({
         **ledger.snapshot(),
-        "conversations": ledger.recent_conversations(f"{tenant}--" if tenant is not None else ""),
+        "conversations": ledger.recent_conversations(tenant),
         "plugins": plugin_numbers(request.app[SERVICE]),
     })

@@ -26,11 +26,9 @@ from typing import Any, Callable
 from prometheus_client import Histogram
 from pydantic import BaseModel, ConfigDict, Field
 
-from strata_serve import Outcome, StrataRequest, Timings
+from strata_serve import Outcome, StrataRequest, Timings, in_tenant
 
 NAME = "ram_cache_stats"
-#: The plugin whose numbers give the engine's bytes per token of state (from its saves).
-AUTO_SESSIONS = "auto_sessions"
 SOURCES = ("slot", "ram", "disk", "none", "new", "unkeyed")
 #: From a cached reply to a long prompt on a small CPU (seconds).
 PREFILL_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -88,7 +86,7 @@ class Ledger:
 
     It keeps no model of the engine: what the slot held comes from the core's record
     of each request. ``measure_bytes_per_token`` returns the engine's bytes per token
-    of state as measured from slot saves (auto-sessions' numbers), or None while unknown.
+    of state as measured from slot saves (the core's ``service.slots.bytes_per_token``), or None while unknown.
     """
 
     def __init__(self, config: RamCacheStatsConfig, budget_bytes: int | None,
@@ -231,10 +229,10 @@ class Ledger:
             "slots": {str(n): dict(numbers) for n, numbers in sorted(self.by_slot.items())},
         }
 
-    def recent_conversations(self, key_prefix: str = "") -> list[dict[str, Any]]:
-        """Conversation records, most recently seen first (only keys starting with ``key_prefix``)."""
+    def recent_conversations(self, tenant: str | None = None) -> list[dict[str, Any]]:
+        """Conversation records, most recently seen first: every one, or only ``tenant``'s."""
         return [record.as_dict() for key, record in reversed(self.conversations.items())
-                if key.startswith(key_prefix)]
+                if tenant is None or in_tenant(key, tenant)]
 
 
 def _rounded(value: float | None) -> float | None:

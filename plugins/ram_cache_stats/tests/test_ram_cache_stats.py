@@ -181,12 +181,12 @@ async def test_a_summary_line_every_n_requests(stats_client, caplog):
     assert lines[0].startswith("[strata] ram cache stats: 2 requests, reuse ")
     assert "state from slot 0, RAM 0, disk 0, full prefill 0 (new 2, unkeyed 0)" in lines[0]
     assert "; engine RAM cache 256.0 MiB; 0 returns re-read their context; " in lines[0]
-    assert re.search(r"; auto sessions 1 saves, 0 restores, 1 files \(0\.\d MiB\)$", lines[0])
+    assert re.search(r"; auto_sessions 1 saves, 0 restores, 1 files, 0\.\d MiB on disk$", lines[0])
 
 
 def test_the_summary_line_when_the_ram_budget_is_not_known():
     ledger = Ledger(RamCacheStatsConfig(), None, lambda: None)
-    line = summary_line(ledger.snapshot(), None)
+    line = summary_line(ledger.snapshot(), {})
     assert line.endswith("; engine RAM cache not known; 0 returns re-read their context")
 
 
