@@ -75,9 +75,6 @@ async def test_the_core_names_a_tenants_conversation_with_tenant_key(strata_memo
     assert key == strata_serve.tenant_key("alice", client.app[SERVICE].conversation_key(plain))
 
 
-#: Where a plugin still splits a key by hand: the sessions command reads a tenant from a
-#: key when a file's sidecar names none (to move to strata_serve.tenant_of).
-REBUILDS_LEFT = {"plugins/auto_sessions/strata_auto_sessions/commands.py"}
 
 
 def test_no_bundled_plugin_rebuilds_the_tenant_format():
@@ -97,4 +94,4 @@ def test_no_bundled_plugin_rebuilds_the_tenant_format():
             if (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
                     and separator.search(node.value)):
                 found.add(str(path.relative_to(ROOT)))
-    assert found == REBUILDS_LEFT, "use strata_serve.tenant_key, tenant_of or in_tenant"
+    assert found == set(), "use strata_serve.tenant_key, tenant_of or in_tenant"

@@ -18,6 +18,7 @@ from typing import Any
 
 import click
 
+import strata_serve
 from strata_serve import ConfigError, load_settings
 
 from strata_auto_sessions.parking import GB, NAME, AutoSessionsConfig
@@ -59,7 +60,7 @@ def tenant_of(key: str, sidecar: Sidecar) -> str | None:
     """The tenant a conversation belongs to: its sidecar's, or the one its key names."""
     if sidecar.tenant is not None:
         return sidecar.tenant
-    return key.split("--", 1)[0] if "--" in key else None
+    return strata_serve.tenant_of(key)
 
 
 def _sessions(config: Path | None, slot_dir: Path | None) -> Sessions:
