@@ -130,6 +130,10 @@ async def test_a_route_the_backend_does_not_serve_is_not_supported_in_the_apis_s
     assert "/v1/messages is not supported" in error["error"]["message"]
     assert client.app[SERVICE].engine.requests[-1]["messages"][0]["content"] == "Hello there", \
         "nothing of the unserved requests reached the engine"
+    # The OpenAPI document describes what this server answers: the routes its engine serves.
+    paths = (await (await client.get("/openapi.json")).json())["paths"]
+    assert "/v1/chat/completions" in paths and "/slots/{slot_id}" in paths
+    assert not {"/v1/embeddings", "/tokenize", "/v1/responses", "/v1/messages"} & set(paths)
 
 
 def test_the_engine_routes_are_every_route_relayed_to_the_engine():

@@ -8,6 +8,8 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from strata_serve import __version__
+from strata_serve.api.app_state import SERVICE
+from strata_serve.engine.base import ENGINE_ROUTES
 from strata_serve.api.schemas import (AnthropicCountTokensRequest, AnthropicMessagesRequest, ApplyTemplateRequest,
                                       ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       EmbeddingsRequest, InfillRequest, ResponsesRequest, SlotFile,
@@ -61,8 +63,10 @@ def _operation(summary: str, body: str | None = None, ok: str = "the engine's an
     return operation
 
 
-def build(extra_paths: list[tuple[str, str]] = ()) -> dict[str, Any]:
-    """The OpenAPI 3.1 document; ``extra_paths`` are plugin routes as ``(method, path)``."""
+def build(extra_paths: list[tuple[str, str]] = (), served: frozenset[str] | None = None,
+          slots: int = 1) -> dict[str, Any]:
+    """The OpenAPI 3.1 document; ``extra_paths`` are plugin routes as ``(method, path)``;
+    ``served``: the engine routes the backend serves (None: all); ``slots``: the engine's."""
     models = [ChatCompletionRequest, CompletionRequest, ResponsesRequest, EmbeddingsRequest,
               AnthropicMessagesRequest, AnthropicCountTokensRequest, InfillRequest, TokenizeRequest,
               DetokenizeRequest, ApplyTemplateRequest, SlotFile, ErrorResponse, AnthropicErrorResponse]
@@ -73,7 +77,8 @@ def build(extra_paths: list[tuple[str, str]] = ()) -> dict[str, Any]:
         schemas[model.__name__] = schema
     action = [{"name": "action", "in": "query", "required": True,
                "schema": {"type": "string", "enum": ["save", "restore", "erase"]}}]
-    slot_id = [{"name": "slot_id", "in": "path", "required": True, "schema": {"type": "string", "enum": ["0"]}}]
+    slot_id = [{"name": "slot_id", "in": "path", "required": True,
+                "schema": {"type": "string", "enum": [str(n) for n in range(max(1, slots))]}}]
     paths: dict[str, Any] = {
         "/v1/chat/completions": {"post": _operation("Chat completion (stream with SSE or not)",
                                                     "ChatCompletionRequest")},
@@ -95,10 +100,12 @@ def build(extra_paths: list[tuple[str, str]] = ()) -> dict[str, Any]:
         "/v1/models": {"get": _operation("The engine's models")},
         "/health": {"get": _operation("200 when the engine answers", ok="healthy")},
         "/slots": {"get": _operation("The engine's slots")},
-        "/slots/{slot_id}": {"post": _operation("Save, restore or erase slot 0 (body for save/restore)",
+        "/slots/{slot_id}": {"post": _operation("Save, restore or erase a slot's state (body for save/restore)",
                                                 "SlotFile", params=action + slot_id)},
         "/openapi.json": {"get": _operation("This document", ok="the OpenAPI document")},
     }
+    if served is not None:  # a backend's routes: the others answer 404 not_supported
+        paths = {path: value for path, value in paths.items() if path not in ENGINE_ROUTES or path in served}
     for method, path in extra_paths:
         paths.setdefault(path, {})[method.lower()] = _operation("Added by a plugin", ok="the plugin's answer")
     return {
@@ -119,4 +126,5 @@ async def openapi(request: web.Request) -> web.Response:
         for route in request.app.router.routes()
         if route.resource is not None and route.resource.canonical not in built_in and route.method != "HEAD"
     )
-    return web.json_response(build(extra))
+    engine = request.app[SERVICE].engine
+    return web.json_response(build(extra, served=getattr(engine, "routes", None), slots=engine.info.parallel))
