@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from pathlib import Path
 
 import pytest
 
@@ -418,3 +419,100 @@ async def test_past_the_ram_budget_every_return_still_finds_its_state(auto_clien
         await ask(client, conversation(name))
     reused = [(await ask(client, conversation(name)))["timings"]["cache_n"] for name in names * 2]
     assert all(r > MIN_TOKENS for r in reused), reused
+
+
+@pytest.mark.parametrize("action", ["erase", "restore"])
+async def test_a_slot_action_by_hand_parks_the_held_conversation_first(auto_client, caplog, action):
+    client = await auto_client()
+    a, b = conversation("hand-a"), conversation("hand-b")
+    await ask(client, b)
+    saved = await client.post("/slots/0?action=save", json={"filename": "manual-b.bin"})
+    assert saved.status == 200, await saved.text()
+    await ask(client, a)  # B parked at the switch; A held, worth a file, not saved
+    key_a = key_of(client, a)
+    bin_a = slot_dir(client) / f"auto-{key_a}.bin"
+    assert not bin_a.exists() and not held(client).file_current
+    saves = parking(client).stats.saves
+
+    if action == "erase":
+        resp = await client.post("/slots/0?action=erase")
+    else:
+        resp = await client.post("/slots/0?action=restore", json={"filename": "manual-b.bin"})
+    assert resp.status == 200, await resp.text()
+    # Written before the action: after it the slot no longer holds A (an erase empties it,
+    # a restore puts B there), so a save then could not have held A's tokens.
+    assert parking(client).stats.saves == saves + 1
+    sidecar = parking(client).store.sidecar(key_a)
+    assert bin_a.exists() and sidecar is not None and sidecar.tokens > 600, sidecar
+    assert any(f"auto-{key_a}.bin" in line and "(slot action)" in line for line in log_lines(caplog))
+
+    back = await ask(client, a + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "Go on."}])
+    assert parking(client).stats.restores == 1
+    assert back["timings"]["cache_n"] > 600, f"A's next turn re-read its context: {back['timings']}"
+
+
+async def test_a_failed_idle_save_still_leaves_the_shutdown_save(auto_client, caplog):
+    client = await auto_client(idle_save_s=0.2)
+    a = conversation("idle-fail")
+    await ask(client, a)
+    directory = slot_dir(client)
+    aside = directory.with_name(directory.name + "-aside")
+    directory.rename(aside)  # the slot directory is gone while the server is idle
+    try:
+        deadline = asyncio.get_running_loop().time() + 10
+        while parking(client).stats.save_failures == 0:
+            assert asyncio.get_running_loop().time() < deadline, "the idle save never ran"
+            await asyncio.sleep(0.05)
+    finally:
+        aside.rename(directory)
+    stats = parking(client).stats
+    assert stats.idle_saves == 0 and stats.saves == 0
+    assert any("saving" in l and "failed" in l for l in log_lines(caplog))
+    key = key_of(client, a)
+    assert not (directory / f"auto-{key}.bin").exists()
+
+    await client.close()  # a normal stop, the directory back in place
+    assert (directory / f"auto-{key}.bin").exists(), "the shutdown saved the conversation the idle save missed"
+    assert any(f"auto-{key}.bin" in l and "(shutdown)" in l for l in log_lines(caplog))
+
+    again = await auto_client()
+    reply = await ask(again, a)
+    assert parking(again).stats.restores == 1
+    timings = reply["timings"]
+    assert timings["cache_n"] >= timings["prompt_n"] + timings["cache_n"] - 2, timings
+
+
+async def test_a_save_is_on_disk_before_its_name_appears(auto_client, monkeypatch):
+    """The file's data is fsynced before the rename gives it its name, and the directory
+    after it (so the rename itself survives a power cut) before the save is reported."""
+    client = await auto_client()
+    a, b = conversation("sync-a"), conversation("sync-b")
+    await ask(client, a)
+    directory = slot_dir(client).resolve()
+    calls: list[tuple[str, ...]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst, *args, **kwargs):
+        calls.append(("replace", str(Path(src).resolve()), str(Path(dst).resolve())))
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    await ask(client, b)  # the switch saves A
+    monkeypatch.undo()
+    store = parking(client).store
+    target = str(store.bin_path(key_of(client, a)).resolve())
+    renames = [n for n, call in enumerate(calls) if call[0] == "replace" and call[2] == target]
+    assert len(renames) == 1, calls
+    rename = renames[0]
+    temp = calls[rename][1]
+    assert ("fsync", temp) in calls[:rename], f"the data was not synced before the rename: {calls}"
+    assert ("fsync", str(directory)) in calls[rename + 1:], f"the directory was not synced after it: {calls}"
+    sidecar = str(store.sidecar_path(key_of(client, a)).resolve())
+    sidecar_renames = [n for n, call in enumerate(calls) if call[0] == "replace" and call[2] == sidecar]
+    assert sidecar_renames and all(n < rename for n in sidecar_renames), "the sidecar is in place first"
+    assert ("fsync", calls[sidecar_renames[0]][1]) in calls[:sidecar_renames[0]], calls
