@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from pathlib import Path
 
 import pytest
 
@@ -13,8 +14,24 @@ import strata_serve
 from strata_serve.api import SERVICE
 from strata_serve.hook_types import Verdict
 from strata_serve.testing import conversation
+from tests.parked_state import (
+    STATE_HEADER,
+    TOLERANCE,
+    WRONG_STATE_DISTANCE,
+    engine_ask,
+    logprob_body,
+    logprob_distance,
+    reordered,
+    replayed_answer,
+    sharp_demo_model,
+    switch_and_back,
+    wrong_state_answer,
+)
+from tests.parked_state import ask as ask_for_logprobs
 
 MIN_TOKENS = 100
+#: Tokens generated where an answer's top logprobs are compared.
+LOGPROB_TOKENS = 8
 
 
 def body(messages: list[dict], **extra) -> dict:
@@ -50,37 +67,38 @@ def log_lines(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name.startswith("strata_auto_sessions")]
 
 
+@pytest.fixture(scope="module")
+def sharp_model(tmp_path_factory):
+    """A demo model whose answers depend on their state: where an answer is compared."""
+    return sharp_demo_model(tmp_path_factory.mktemp("sharp"))
+
+
 @pytest.fixture(autouse=True)
 def plugin_logs(caplog):
     caplog.set_level(logging.INFO, logger="strata_auto_sessions")
 
 
-async def test_switch_saves_and_switching_back_restores_exactly(auto_client, llama_server_factory, caplog):
-    client = await auto_client()
+async def test_switch_saves_and_switching_back_restores_exactly(auto_client, llama_server_factory, caplog,
+                                                               sharp_model):
+    client = await auto_client(engine={"model": str(sharp_model)})
     a, b = conversation("alpha"), conversation("beta")
-    first_a = await ask(client, a)
-    await ask(client, b)
+    # A, B (A saved), A's next turn (A restored and reused): checked inside.
+    a2, after_switch = await switch_and_back(client, a, b, LOGPROB_TOKENS)
     key_a = key_of(client, a)
     bin_a = slot_dir(client) / f"auto-{key_a}.bin"
     assert bin_a.stat().st_size > 10_000
     assert oct(bin_a.stat().st_mode & 0o777) == "0o600"
     assert any("saved" in l and f"auto-{key_a}.bin in" in l and "tokens (" in l for l in log_lines(caplog))
-
-    a2 = a + [{"role": "assistant", "content": first_a["choices"][0]["message"]["content"]},
-              {"role": "user", "content": "Tell me more."}]
-    after_switch = await ask(client, a2)
     assert any(l.startswith("[strata] auto sessions: restored") and f"auto-{key_a}.bin" in l
                for l in log_lines(caplog))
-    stats = parking(client).stats
-    assert stats.saves >= 1 and stats.restores == 1
-    timings = after_switch["timings"]
-    assert timings["cache_n"] >= 0.9 * (timings["cache_n"] + timings["prompt_n"]) - 20
 
-    fresh = await llama_server_factory()
-    status, reference = await fresh.request("POST", "/v1/chat/completions", json=body(a2))
-    assert status == 200
-    assert after_switch["choices"][0]["message"]["content"] == reference["choices"][0]["message"]["content"]
-    assert reference["timings"]["cache_n"] == 0
+    # Answered from A's own state: the top logprobs of a fresh engine that ran A's turns
+    # with no switch between them. A's tokens over another state's KV data must differ.
+    fresh = await llama_server_factory(model=sharp_model)
+    reference = await replayed_answer(fresh, a, a2, LOGPROB_TOKENS)
+    assert logprob_distance(after_switch, reference) <= TOLERANCE
+    wrong = await wrong_state_answer(fresh, fresh.info.slot_save_path, a, reordered(a), a2, LOGPROB_TOKENS)
+    assert logprob_distance(wrong, reference) > WRONG_STATE_DISTANCE
 
 
 async def test_same_key_neither_saves_nor_restores(auto_client):
@@ -234,26 +252,41 @@ async def test_file_from_another_model_is_refused(auto_client, auto_settings, st
 
 
 @pytest.mark.parametrize("damage", ["truncated", "overwritten"])
-async def test_damaged_file_is_never_handed_to_the_engine(auto_client, llama_server_factory, caplog, damage):
-    client = await auto_client()
+async def test_damaged_file_is_never_handed_to_the_engine(auto_client, llama_server_factory, caplog, damage,
+                                                          sharp_model):
+    client = await auto_client(engine={"model": str(sharp_model)})
     a, b = conversation("trunc-a"), conversation("trunc-b")
     await ask(client, a)
     await ask(client, b)
+    await ask(client, conversation("trunc-c"))  # B saved too
     path = slot_dir(client) / f"auto-{key_of(client, a)}.bin"
     data = path.read_bytes()
     if damage == "truncated":
         path.write_bytes(data[: len(data) // 2])
     else:
-        path.write_bytes(data[:1000] + os.urandom(len(data) - 2000) + data[-1000:])
-    reply = await ask(client, a)
+        # 12% of A's KV data overwritten with B's bytes at the same place: its tokens stay,
+        # so an engine handed this file would reuse the damaged state as A's.
+        other = (slot_dir(client) / f"auto-{key_of(client, b)}.bin").read_bytes()
+        tokens_end = STATE_HEADER.size + 4 * STATE_HEADER.unpack_from(data)[2]
+        start = tokens_end + (len(data) - tokens_end) // 2
+        end = start + len(data) * 12 // 100
+        assert data[start:end] != other[start:end] and len(other) >= end
+        path.write_bytes(data[:start] + other[start:end] + data[end:])
+    reply = await ask_for_logprobs(client, logprob_body(a, LOGPROB_TOKENS))
     stats = parking(client).stats
     assert stats.restores_refused_damaged == 1 and stats.restores == 0 and stats.restore_failures == 0
     assert reply["timings"]["cache_n"] < 40, "only the shared chat-template prefix is reused"
     assert any("truncated or damaged" in line for line in log_lines(caplog))
-    fresh = await llama_server_factory()
-    _, reference = await fresh.request("POST", "/v1/chat/completions", json=body(a))
-    assert reply["choices"][0]["message"]["content"] == reference["choices"][0]["message"]["content"]
     assert client.app[SERVICE].engine.generation == 1, "the engine never restarted"
+    # Answered as a fresh engine answers A, by the top logprobs; an answer from a state
+    # that is not A's (A's tokens over another state's KV data) differs.
+    fresh = await llama_server_factory(model=sharp_model)
+    reference = await engine_ask(fresh, logprob_body(a, LOGPROB_TOKENS))
+    assert reference["timings"]["cache_n"] == 0
+    assert logprob_distance(reply, reference) <= TOLERANCE
+    await fresh.erase()
+    wrong = await wrong_state_answer(fresh, fresh.info.slot_save_path, a, reordered(a), a, LOGPROB_TOKENS)
+    assert logprob_distance(wrong, reference) > WRONG_STATE_DISTANCE
 
 
 async def test_a_restore_of_a_changed_conversation_is_not_held_against_the_engine(auto_client, caplog):
@@ -418,3 +451,100 @@ async def test_past_the_ram_budget_every_return_still_finds_its_state(auto_clien
         await ask(client, conversation(name))
     reused = [(await ask(client, conversation(name)))["timings"]["cache_n"] for name in names * 2]
     assert all(r > MIN_TOKENS for r in reused), reused
+
+
+@pytest.mark.parametrize("action", ["erase", "restore"])
+async def test_a_slot_action_by_hand_parks_the_held_conversation_first(auto_client, caplog, action):
+    client = await auto_client()
+    a, b = conversation("hand-a"), conversation("hand-b")
+    await ask(client, b)
+    saved = await client.post("/slots/0?action=save", json={"filename": "manual-b.bin"})
+    assert saved.status == 200, await saved.text()
+    await ask(client, a)  # B parked at the switch; A held, worth a file, not saved
+    key_a = key_of(client, a)
+    bin_a = slot_dir(client) / f"auto-{key_a}.bin"
+    assert not bin_a.exists() and not held(client).file_current
+    saves = parking(client).stats.saves
+
+    if action == "erase":
+        resp = await client.post("/slots/0?action=erase")
+    else:
+        resp = await client.post("/slots/0?action=restore", json={"filename": "manual-b.bin"})
+    assert resp.status == 200, await resp.text()
+    # Written before the action: after it the slot no longer holds A (an erase empties it,
+    # a restore puts B there), so a save then could not have held A's tokens.
+    assert parking(client).stats.saves == saves + 1
+    sidecar = parking(client).store.sidecar(key_a)
+    assert bin_a.exists() and sidecar is not None and sidecar.tokens > 600, sidecar
+    assert any(f"auto-{key_a}.bin" in line and "(slot action)" in line for line in log_lines(caplog))
+
+    back = await ask(client, a + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "Go on."}])
+    assert parking(client).stats.restores == 1
+    assert back["timings"]["cache_n"] > 600, f"A's next turn re-read its context: {back['timings']}"
+
+
+async def test_a_failed_idle_save_still_leaves_the_shutdown_save(auto_client, caplog):
+    client = await auto_client(idle_save_s=0.2)
+    a = conversation("idle-fail")
+    await ask(client, a)
+    directory = slot_dir(client)
+    aside = directory.with_name(directory.name + "-aside")
+    directory.rename(aside)  # the slot directory is gone while the server is idle
+    try:
+        deadline = asyncio.get_running_loop().time() + 10
+        while parking(client).stats.save_failures == 0:
+            assert asyncio.get_running_loop().time() < deadline, "the idle save never ran"
+            await asyncio.sleep(0.05)
+    finally:
+        aside.rename(directory)
+    stats = parking(client).stats
+    assert stats.idle_saves == 0 and stats.saves == 0
+    assert any("saving" in l and "failed" in l for l in log_lines(caplog))
+    key = key_of(client, a)
+    assert not (directory / f"auto-{key}.bin").exists()
+
+    await client.close()  # a normal stop, the directory back in place
+    assert (directory / f"auto-{key}.bin").exists(), "the shutdown saved the conversation the idle save missed"
+    assert any(f"auto-{key}.bin" in l and "(shutdown)" in l for l in log_lines(caplog))
+
+    again = await auto_client()
+    reply = await ask(again, a)
+    assert parking(again).stats.restores == 1
+    timings = reply["timings"]
+    assert timings["cache_n"] >= timings["prompt_n"] + timings["cache_n"] - 2, timings
+
+
+async def test_a_save_is_on_disk_before_its_name_appears(auto_client, monkeypatch):
+    """The file's data is fsynced before the rename gives it its name, and the directory
+    after it (so the rename itself survives a power cut) before the save is reported."""
+    client = await auto_client()
+    a, b = conversation("sync-a"), conversation("sync-b")
+    await ask(client, a)
+    directory = slot_dir(client).resolve()
+    calls: list[tuple[str, ...]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst, *args, **kwargs):
+        calls.append(("replace", str(Path(src).resolve()), str(Path(dst).resolve())))
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    await ask(client, b)  # the switch saves A
+    monkeypatch.undo()
+    store = parking(client).store
+    target = str(store.bin_path(key_of(client, a)).resolve())
+    renames = [n for n, call in enumerate(calls) if call[0] == "replace" and call[2] == target]
+    assert len(renames) == 1, calls
+    rename = renames[0]
+    temp = calls[rename][1]
+    assert ("fsync", temp) in calls[:rename], f"the data was not synced before the rename: {calls}"
+    assert ("fsync", str(directory)) in calls[rename + 1:], f"the directory was not synced after it: {calls}"
+    sidecar = str(store.sidecar_path(key_of(client, a)).resolve())
+    sidecar_renames = [n for n, call in enumerate(calls) if call[0] == "replace" and call[2] == sidecar]
+    assert sidecar_renames and all(n < rename for n in sidecar_renames), "the sidecar is in place first"
+    assert ("fsync", calls[sidecar_renames[0]][1]) in calls[:sidecar_renames[0]], calls

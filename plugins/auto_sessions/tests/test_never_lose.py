@@ -231,3 +231,88 @@ async def test_a_model_replaced_in_place_before_a_restart_gets_no_file_of_the_ol
     stats = parking(client).stats
     assert stats.restores == 0 and stats.restores_refused_other_model == 1
     assert reply["timings"]["cache_n"] < 50
+
+
+@pytest.mark.parametrize("step", ["save", "slots read", "restore"])
+async def test_a_client_leaving_at_any_await_of_the_plugin_steps_leaves_a_true_picture(
+        auto_client, monkeypatch, step):
+    """The client leaves while the request's steps before the engine wait on the engine:
+    auto-sessions' save of the held conversation, the read of the slots' last tasks (a
+    route the engine places itself, on two slots), the restore of the incoming one.
+
+    Each wait is held open just after the engine did its part (the file written, the
+    state loaded), the moment a cut would do harm. Then: no temporary file, the picture
+    names what the engine holds, post_request ran with the request cancelled, and both
+    conversations come back with their own state."""
+    import asyncio
+
+    outcomes = []
+
+    class Watcher:
+        strata_name = "watcher"
+
+        @strata_serve.hookimpl
+        def post_request(self, request, outcome):
+            outcomes.append((request.conversation_key, outcome.status, outcome.error))
+
+    two_slots = step == "slots read"
+    engine = {"parallel": 2, "ctx_size": 4096} if two_slots else None
+    client = await auto_client(Watcher(), engine=engine, idle_save_s=0)
+    service = client.app[SERVICE]
+    directory = slot_dir(client)
+    a, b = conversation(f"gone-a-{step}"), conversation(f"gone-b-{step}")
+    await ask(client, b)
+    await ask(client, a)  # one slot: B parked, A held unsaved; two slots: one each
+    key_a, key_b = key_of(client, a), key_of(client, b)
+    reached, release = asyncio.Event(), asyncio.Event()
+
+    def held_open(real):
+        async def call(*args, **kwargs):
+            answer = await real(*args, **kwargs)
+            reached.set()
+            await release.wait()
+            return answer
+        return call
+
+    if step == "save":
+        monkeypatch.setattr(service.engine, "save", held_open(service.engine.save))
+    elif step == "restore":
+        monkeypatch.setattr(service.engine, "restore", held_open(service.engine.restore))
+    else:
+        monkeypatch.setattr(service, "_slot_tasks", held_open(service._slot_tasks))
+    if two_slots:  # llama-server's /v1/messages ignores id_slot: the engine places it
+        path, body = "/v1/messages", {"model": "m", "max_tokens": 4, "messages": more(b, "back")}
+    else:
+        path, body = "/v1/chat/completions", {"messages": more(b, "back"), "max_tokens": 4}
+    leaving = asyncio.create_task(client.post(path, json=body))
+    await asyncio.wait_for(reached.wait(), 30)
+    seen, running = len(outcomes), set(service._tasks)
+    assert len(running) == 1
+    leaving.cancel()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    # The server saw it leave: the request's task is being cancelled (a shielded step
+    # holds it), or it already ended (the slots read is not shielded).
+    while not any(task.cancelling() or task.done() for task in running):
+        assert loop.time() < deadline, "the server never saw the client leave"
+        await asyncio.sleep(0.01)
+    release.set()
+    while len(outcomes) == seen:
+        assert loop.time() < deadline, f"post_request never ran: {outcomes}"
+        await asyncio.sleep(0.02)
+    monkeypatch.undo()
+
+    assert outcomes[-1] == (key_b, "cancelled", "the client went away before the engine was asked")
+    assert not list(directory.glob("tmp-*")), "a temporary file was left behind"
+    assert (directory / parking(client).store.bin_name(key_a)).exists()
+    pictured = {state.key: state for state in service.slots}
+    assert set(pictured) == ({key_a, key_b} if two_slots else {key_b}), list(service.slots)
+    if two_slots:
+        assert pictured[key_a].file_current, "A was parked before the engine's pick"
+    else:
+        assert pictured[key_b].file_current and parking(client).stats.restores == 1
+    await service.check_slots()
+    assert service.slots.corrections == 0, "the engine's token counts disagree with the picture"
+    for messages in (b, a):
+        back = await ask(client, more(messages, "and again"))
+        assert back["timings"]["cache_n"] >= OWN_STATE, back["timings"]

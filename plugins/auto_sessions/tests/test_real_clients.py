@@ -19,6 +19,7 @@ import anthropic
 import pytest
 import requests
 
+import strata_serve
 from strata_serve.api import SERVICE
 from strata_serve.testing import conversation
 
@@ -90,24 +91,84 @@ async def read_all(url: str, messages: list[dict]) -> dict:
     return await asyncio.to_thread(call)
 
 
+class EngineReads:
+    """Test plugin: how many prompt tokens the engine read for each chat request, by its own
+    count (``/metrics``), whatever the client saw: a request whose client left after its
+    prompt was read counts too. The count is the engine's, not a slot's: a request that
+    ran beside another (two slots) is measured only when the two together read less than
+    an opening, else left unmeasured (None)."""
+
+    strata_name = "engine_reads"
+
+    def __init__(self) -> None:
+        #: (conversation key, prompt tokens the engine read meanwhile or None), per request.
+        self.reads: list[tuple[str, float | None]] = []
+        self._open: dict[int, list] = {}
+
+    @staticmethod
+    async def read_so_far(service) -> float:
+        status, text = await service.engine.request("GET", "/metrics")
+        assert status == 200, text
+        for line in text.splitlines():
+            if line.startswith("llamacpp:prompt_tokens_total "):
+                return float(line.split()[1])
+        raise AssertionError(f"no prompt_tokens_total in the engine's metrics: {text[:300]}")
+
+    @strata_serve.hookimpl
+    async def pre_request(self, request, service):
+        if request.route == "chat" and request.conversation_key is not None:
+            for window in self._open.values():
+                window[1] = True  # overlapped
+            self._open[request.id] = [await self.read_so_far(service), bool(self._open)]
+
+    @strata_serve.hookimpl
+    async def post_request(self, request, service):
+        window = self._open.pop(request.id, None)
+        if window is not None:
+            # A request whose client left may still be in the engine: its read counts here.
+            deadline = time.monotonic() + 10
+            while next(s for s in await service.engine.slots() if s["id"] == request.slot)["is_processing"]:
+                assert time.monotonic() < deadline, "the engine never let go of the slot"
+                await asyncio.sleep(0.01)
+            read = await self.read_so_far(service) - window[0]
+            self.reads.append((request.conversation_key, None if window[1] and read >= OWN_STATE else read))
+
+    def rereads(self) -> dict[str, int]:
+        """Per conversation, its reads of a whole opening after the first."""
+        whole: dict[str, int] = {}
+        for key, read in self.reads:
+            if read is not None and read >= OWN_STATE:
+                whole[key] = whole.get(key, 0) + 1
+        return {key: n - 1 for key, n in whole.items() if n > 1}
+
+
 @pytest.mark.parametrize("cache_ram_mib,parallel", [(0, 1), (1, 1), (None, 1), (0, 2), (None, 2)],
                          ids=["ram-off", "ram-below-working-set", "ram-default", "ram-off-2-slots",
                               "ram-default-2-slots"])
 async def test_concurrent_impatient_clients_never_lose_a_conversation(auto_client, cache_ram_mib, parallel):
-    client = await auto_client(engine={"cache_ram_mib": cache_ram_mib, "parallel": parallel,
-                                       "ctx_size": 4096 * parallel}, idle_save_s=0)
+    """Every turn after a conversation's first, impatient or not, finds its state: checked
+    on the engine's own count of what each request read, so a conversation lost in one
+    round and rebuilt by its next (cut) turn cannot pass."""
+    engine_reads = EngineReads()
+    client = await auto_client(engine_reads, engine={"cache_ram_mib": cache_ram_mib, "parallel": parallel,
+                                                     "ctx_size": 4096 * parallel, "extra_args": ["--metrics"]},
+                               idle_save_s=0)
     url = str(client.make_url("")).rstrip("/")
     names = ["main-a", "main-b", "main-c"]
     chats = {name: conversation(name) for name in names}
     patterns = itertools.cycle(PATTERNS)
     for round_ in range(1, 5):
-        turns = []
+        turns, used = [], {}
         for name in names:
             chats[name] = chats[name] + [{"role": "assistant", "content": f"noted {round_}"},
                                          {"role": "user", "content": f"step {round_} of {name}?"}]
-            turns.append(asyncio.to_thread(client_turn, url, chats[name], next(patterns)))
+            used[name] = next(patterns)
+            turns.append(asyncio.to_thread(client_turn, url, chats[name], used[name]))
         await asyncio.gather(*turns)
         await settle(client)
+        # Checked after each round: a conversation lost here and rebuilt by its next turn,
+        # cut or not, has read its opening twice.
+        assert not engine_reads.rereads(), (round_, used, engine_reads.reads, parking_numbers(client))
     # Every conversation returns, read to the end, one at a time and all switches.
     for name in names + names:
         reply = await read_all(url, chats[name])
