@@ -51,6 +51,21 @@ def chat_body(text: str = "Hello there", *, max_tokens: int = 8, **extra: Any) -
     }
 
 
+def chat(messages: list[dict[str, Any]], *, max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
+    """A greedy chat request with these messages."""
+    return {"messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra}
+
+
+async def ask(client: Any, messages: list[dict[str, Any]], *, key: str | None = None,
+              headers: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
+    """Send :func:`chat` of ``messages`` to a test client's server (as the holder of
+    ``key``, when given), fail unless it answers 200, and return its JSON answer."""
+    headers = {**(headers or {}), **({"Authorization": f"Bearer {key}"} if key else {})}
+    resp = await client.post("/v1/chat/completions", json=chat(messages, **extra), headers=headers)
+    assert resp.status == 200, await resp.text()
+    return await resp.json()
+
+
 def conversation(name: str, turns: int = 1) -> list[dict[str, Any]]:
     """Messages of a conversation whose first user message is about 750 tokens on the demo model.
 

@@ -13,7 +13,7 @@ import strata_auto_sessions
 import strata_serve
 from strata_serve.api import SERVICE
 from strata_serve.hook_types import Verdict
-from strata_serve.testing import conversation
+from strata_serve.testing import ask, conversation
 from tests.parked_state import (
     STATE_HEADER,
     TOLERANCE,
@@ -34,10 +34,6 @@ MIN_TOKENS = 100
 LOGPROB_TOKENS = 8
 
 
-def body(messages: list[dict], **extra) -> dict:
-    return {"messages": messages, "max_tokens": 8, "temperature": 0, **extra}
-
-
 def parking(client):
     return client.app[SERVICE].state["auto_sessions"]
 
@@ -49,12 +45,6 @@ def held(client):
 
 def slot_dir(client):
     return client.app[SERVICE].engine.info.slot_save_path
-
-
-async def ask(client, messages, **extra) -> dict:
-    resp = await client.post("/v1/chat/completions", json=body(messages, **extra))
-    assert resp.status == 200, await resp.text()
-    return await resp.json()
 
 
 def key_of(client, messages) -> str:

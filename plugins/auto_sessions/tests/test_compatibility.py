@@ -14,9 +14,9 @@ import strata_auto_sessions
 import strata_ram_cache_stats
 from strata_serve.api import SERVICE
 from strata_serve.cli import cli
-from strata_serve.testing import conversation
+from strata_serve.testing import ask, conversation
 
-from .test_auto_sessions import ask, key_of, log_lines, parking, slot_dir
+from .test_auto_sessions import key_of, log_lines, parking, slot_dir
 
 
 @pytest.fixture(autouse=True)

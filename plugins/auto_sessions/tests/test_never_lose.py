@@ -14,9 +14,9 @@ import strata_quirks_llama_cpp
 import strata_serve
 from strata_serve.api import SERVICE
 from strata_serve.hook_types import StrataRequest, Verdict
-from strata_serve.testing import conversation
+from strata_serve.testing import ask, conversation
 
-from .test_auto_sessions import ask, key_of, log_lines, parking, slot_dir
+from .test_auto_sessions import key_of, log_lines, parking, slot_dir
 
 #: A return found its own state when it reused at least this much of its ~750-token opening.
 OWN_STATE = 600

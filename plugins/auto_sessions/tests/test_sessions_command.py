@@ -17,9 +17,9 @@ import strata_auto_sessions
 from strata_auto_sessions.store import SessionStore
 from strata_serve.api import SERVICE
 from strata_serve.cli import cli
-from strata_serve.testing import conversation
+from strata_serve.testing import ask, conversation
 
-from .test_auto_sessions import ask, key_of, log_lines, parking, slot_dir
+from .test_auto_sessions import key_of, log_lines, parking, slot_dir
 
 KEYS = {"api_keys": {"alice": "alice-key", "bob": "bob-key"}}
 
@@ -35,13 +35,6 @@ def listed(directory) -> dict[str, dict]:
     return {row["key"]: row for row in map(json.loads, output.splitlines())}
 
 
-async def ask_as(client, messages, key):
-    resp = await client.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
-                             json={"messages": messages, "max_tokens": 4, "temperature": 0})
-    assert resp.status == 200, await resp.text()
-    return await resp.json()
-
-
 @pytest.fixture
 async def parked(strata_client_factory, strata_settings_factory):
     """A slot directory where a stopped server parked alice's two conversations and bob's one."""
@@ -49,7 +42,7 @@ async def parked(strata_client_factory, strata_settings_factory):
                                        server={"port": 0, "shutdown_grace_s": 10, **KEYS})
     client = await strata_client_factory(strata_auto_sessions, settings=settings)
     for name, key in (("one", "alice-key"), ("two", "alice-key"), ("three", "bob-key")):
-        await ask_as(client, conversation(name), key)
+        await ask(client, conversation(name), key=key, max_tokens=4)
     directory = slot_dir(client)
     await client.close()
     return directory

@@ -10,6 +10,7 @@ import pytest
 import strata_auto_sessions
 import strata_prefix_restore
 from strata_serve.api import SERVICE
+from strata_serve.testing import ask, chat
 
 #: About 2,900 tokens on the demo model.
 SYSTEM = "You follow these rules. " + " ".join(f"rule{n} keep calm and carry on" for n in range(120))
@@ -17,10 +18,6 @@ SYSTEM = "You follow these rules. " + " ".join(f"rule{n} keep calm and carry on"
 
 def opening(question: str) -> list[dict]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
-
-
-def body(messages: list[dict]) -> dict:
-    return {"messages": messages, "max_tokens": 8, "temperature": 0}
 
 
 @pytest.fixture(autouse=True)
@@ -45,13 +42,6 @@ def server(strata_client_factory, strata_settings_factory):
         return await strata_client_factory(*plugins, settings=settings)
 
     return make
-
-
-async def ask(client, messages, key: str | None = None) -> dict:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    resp = await client.post("/v1/chat/completions", json=body(messages), headers=headers)
-    assert resp.status == 200, await resp.text()
-    return await resp.json()
 
 
 def parking(client):
@@ -82,7 +72,7 @@ async def test_a_new_conversation_reads_a_shared_system_prompt_from_disk(server,
                for r in caplog.records)
 
     fresh = await llama_server_factory()
-    _, reference = await fresh.request("POST", "/v1/chat/completions", json=body(opening("And what is rule93?")))
+    _, reference = await fresh.request("POST", "/v1/chat/completions", json=chat(opening("And what is rule93?")))
     assert reply["choices"][0]["message"]["content"] == reference["choices"][0]["message"]["content"]
 
 
@@ -163,8 +153,10 @@ async def test_a_short_shared_opening_is_not_worth_a_restore(strata_client_facto
 
 async def test_a_long_shared_opening_is_worth_a_restore(strata_client_factory, strata_settings_factory,
                                                         slower_model, tmp_path):
-    """About 400 tokens on the bench-size model: seconds of prefill against a restore in milliseconds."""
-    reply = await new_conversation_after_a_restart(strata_client_factory, strata_settings_factory, SYSTEM[:400],
+    """About 1,000 tokens on the bench-size model: seconds of prefill against a restore in
+    milliseconds, whatever the load (400 tokens came near the 0.2 s line on a busy machine,
+    where a short prompt's measured speed is high)."""
+    reply = await new_conversation_after_a_restart(strata_client_factory, strata_settings_factory, SYSTEM[:1000],
                                                    tmp_path / "slots", model=slower_model)
     assert reply["stats"].prefix_restores == 1
-    assert reply["timings"]["cache_n"] > 350, reply["timings"]
+    assert reply["timings"]["cache_n"] > 900, reply["timings"]

@@ -21,6 +21,7 @@ import strata_auto_sessions
 import strata_quirks_llama_cpp
 from strata_serve.api import SERVICE
 from strata_serve.demo_model import SIZES
+from strata_serve.testing import ask
 
 MIN_TOKENS = 100
 
@@ -85,12 +86,6 @@ def png_data_url(width: int = 32, height: int = 32, rgb: tuple[int, int, int] = 
 @pytest.fixture
 def tiny_mmproj(tmp_path):
     return write_tiny_mmproj(tmp_path / "mmproj.gguf", SIZES["tiny"].n_embd)
-
-
-async def ask(client, messages) -> dict:
-    resp = await client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 8, "temperature": 0})
-    assert resp.status == 200, await resp.text()
-    return await resp.json()
 
 
 async def test_this_build_parks_a_multimodal_conversation_image_included(

@@ -12,25 +12,14 @@ import strata_quirks_llama_cpp
 import strata_serve
 from strata_serve import EngineError, Verdict
 from strata_serve.api import SERVICE
+from strata_serve.testing import ask, conversation
 
 MIN_TOKENS = 100
-
-
-def conversation(name: str) -> list[dict]:
-    """A first user message long enough to be parked."""
-    return [{"role": "user", "content": f"Conversation {name}: " + " ".join(
-        f"{name}{n} ship sea wind" for n in range(40))}]
 
 
 def behind_a_system_prompt(messages: list[dict], text: str) -> list[dict]:
     """The same conversation (same key) with a system prompt in front: a restore of it matches little."""
     return [{"role": "system", "content": text * 3}, *messages]
-
-
-async def ask(client, messages) -> dict:
-    resp = await client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 8, "temperature": 0})
-    assert resp.status == 200, await resp.text()
-    return await resp.json()
 
 
 @pytest.fixture

@@ -16,22 +16,10 @@ from strata_serve import EngineError, Verdict
 from strata_serve.api import SERVICE
 from strata_serve.config import ConfigError, Settings
 from strata_serve.plugins import first_result, get_plugin_manager
+from strata_serve.testing import ask, conversation
 
 MIN_TOKENS = 100  # as in conftest.py: conversations here are longer, and parked
 REFUSAL = "invalid checkpoint running-state payload"
-
-
-def conversation(name: str) -> list[dict]:
-    """A first user message long enough to be parked."""
-    return [{"role": "user", "content": f"Conversation {name}: " + " ".join(
-        f"{name}{n} ship sea wind" for n in range(40))}]
-
-
-async def ask(client, messages) -> dict:
-    body = {"messages": messages, "max_tokens": 8, "temperature": 0}
-    resp = await client.post("/v1/chat/completions", json=body)
-    assert resp.status == 200, await resp.text()
-    return await resp.json()
 
 
 async def cancel_mid_answer(client, messages) -> None:

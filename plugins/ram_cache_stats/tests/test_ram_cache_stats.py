@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import os
 import re
-import signal
-import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -18,14 +14,7 @@ from strata_ram_cache_stats.ledger import Ledger, RamCacheStatsConfig
 from strata_serve.api import SERVICE
 from strata_serve.config import ConfigError, Settings
 from strata_serve.plugins import get_plugin_manager
-from strata_serve.testing import assert_openai_error, conversation
-
-
-async def ask(client, messages, headers=None) -> dict:
-    body = {"messages": messages, "max_tokens": 8, "temperature": 0}
-    resp = await client.post("/v1/chat/completions", json=body, headers=headers)
-    assert resp.status == 200, await resp.text()
-    return await resp.json()
+from strata_serve.testing import ask, assert_openai_error, conversation
 
 
 async def stats(client, headers=None) -> dict:
