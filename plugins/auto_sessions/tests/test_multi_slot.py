@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 
 from strata_serve.api import SERVICE
+from strata_serve.slot_state import engine_tokens
 from strata_serve.testing import conversation
 
 from tests.parked_state import logprob_body, logprob_distance, settle
@@ -176,42 +177,121 @@ async def test_a_route_the_engine_places_itself_parks_every_other_slot_first(aut
         assert timings["cache_n"] >= OWN_STATE, timings
 
 
+async def stream_to_the_end(url: str, body: dict, started: asyncio.Event) -> tuple[int, dict, list[str]]:
+    """Stream a request and read every event to the stream's end; ``started`` is set at the first.
+
+    :returns: the status, the response headers and the events' data, in order.
+    """
+    events: list[str] = []
+    async with httpx.AsyncClient(timeout=120) as http:
+        async with http.stream("POST", url + "/v1/chat/completions", json=body) as reply:
+            async for line in reply.aiter_lines():
+                if line.startswith("data:"):
+                    events.append(line[5:].strip())
+                    started.set()
+            return reply.status_code, reply.headers, events
+
+
 async def test_engine_killed_mid_save_on_one_slot_while_another_streams(auto_client, monkeypatch, caplog):
+    """The engine dies in the middle of writing a save (it may write 64 KiB of the
+    temporary, then dies of SIGXFSZ), made for a switch in one slot while the other slot
+    streams an answer: the stream ends with an error event, the switch's request is
+    answered by the restarted engine, nothing partial is kept, and every conversation
+    comes back afterwards with its own state or read anew, never another's."""
+    import resource
+
+    from tests.test_reliability import PARTIAL_BYTES, only_complete_files
+
+    caplog.set_level(logging.INFO, logger="strata_auto_sessions")
     client = await auto_client(engine=engine_for(2), idle_save_s=0)
     service = client.app[SERVICE]
+    engine = service.engine
     url = url_of(client)
-    a, b, c = conversation("kill-a"), conversation("kill-b"), conversation("kill-c")
-    await stream_turn(url, a)
-    await stream_turn(url, b)
-    real_save = service.engine.save
+    directory = Path(engine.info.slot_save_path)
+    chats = {name: conversation(f"kill-{name}") for name in "abc"}
+    _, ha = await stream_turn(url, chats["a"])
+    _, hb = await stream_turn(url, chats["b"])
+    slot_a, slot_b = int(ha["X-Strata-Slot"]), int(hb["X-Strata-Slot"])
+    real_save = engine.save
+    seen: dict = {}
 
-    async def dying_save(filename, slot=0):
-        os.kill(service.engine.pid, signal.SIGKILL)
-        return await real_save(filename, slot)
+    async def save_dies_writing(filename, slot=0):
+        seen["slot"] = slot
+        seen["engine"] = {entry["id"]: entry for entry in await engine.slots()}  # as the save starts
+        resource.prlimit(engine.pid, resource.RLIMIT_CORE, (0, 0))
+        resource.prlimit(engine.pid, resource.RLIMIT_FSIZE, (PARTIAL_BYTES, PARTIAL_BYTES))
+        try:
+            return await real_save(filename, slot)
+        finally:
+            path = directory / filename
+            seen["temporary"] = path.stat().st_size if path.exists() else None
 
-    monkeypatch.setattr(service.engine, "save", dying_save)
-    generation = service.engine.generation
-    # C's switch saves A and the engine dies during it, while B streams in the other slot.
-    replies = await asyncio.wait_for(asyncio.gather(
-        client.post("/v1/chat/completions", json={"messages": c, "max_tokens": 4}),
-        client.post("/v1/chat/completions", json={"messages": more(b, "more"), "max_tokens": 64}),
-    ), 120)
-    # Each either ran or failed in the API's own shape (never a hang, never a 500).
-    for reply in replies:
-        assert reply.status in (200, 502, 503), (reply.status, await reply.text())
-        if reply.status != 200:
-            assert "error" in await reply.json()
-    assert service.engine.generation == generation + 1, "the engine died once and came back"
-    monkeypatch.setattr(service.engine, "save", real_save)
+    monkeypatch.setattr(engine, "save", save_dies_writing)
+    generation = engine.generation
+    # B streams a long answer in its slot...
+    started = asyncio.Event()
+    long_answer = {"messages": more(chats["b"], "go on"), "max_tokens": 1000, "ignore_eos": True,
+                   "temperature": 0, "stream": True}
+    streaming = asyncio.create_task(stream_to_the_end(url, long_answer, started))
+    await asyncio.wait_for(started.wait(), 60)
+    # ...while C takes the other slot: A is saved first, and the engine dies writing it.
+    resp = await asyncio.wait_for(client.post("/v1/chat/completions", json=logprob_body(chats["c"])), 120)
+    status, headers, events = await asyncio.wait_for(streaming, 120)
+    monkeypatch.setattr(engine, "save", real_save)
+
+    assert seen["slot"] == slot_a, seen
+    assert seen["engine"][slot_b]["is_processing"] is True, "B's slot was streaming when the save began"
+    assert seen["temporary"] is not None and 0 < seen["temporary"] <= PARTIAL_BYTES, seen
+    assert engine.generation == generation + 1, "the engine died once and came back"
+    # The stream ends with an error event: neither a hang nor a silent cut.
+    assert status == 200 and int(headers["X-Strata-Slot"]) == slot_b
+    assert "choices" in json.loads(events[0]), events[:2]
+    last = json.loads(events[-1])
+    assert "engine stopped while answering" in last["error"]["message"], last
+    assert "[DONE]" not in events
+    # The request that waited on the save is answered by the restarted engine.
+    assert resp.status == 200, await resp.text()
+    answered_c = await resp.json()
+    assert int(resp.headers["X-Strata-Slot"]) == slot_a
+    assert [r for r in caplog.records if r.levelno == logging.WARNING
+            and "saving" in r.getMessage() and "failed" in r.getMessage()], caplog.text
+    # Nothing partial is kept: no temporary, no file for A's lost state.
     await settle(client, 60)
-    directory = Path(service.engine.info.slot_save_path)
-    assert not list(directory.glob("tmp-*")), "no half-written file is left"
-    # The engine is back; every slot's picture is of the new engine, and the next requests run.
-    for messages in (a, b, c):
-        await ask(client, {"messages": more(messages, "again"), "max_tokens": 4})
-    await service.check_slots()
-    assert service.slots.corrections == 0
-    assert any("saving" in r.getMessage() and "failed" in r.getMessage() for r in caplog.records)
+    only_complete_files(directory)
+    assert not (directory / f"auto-{ha['X-Strata-Conversation']}.bin").exists()
+    # The picture is of the new engine: C in the slot it ran in (what it holds, the engine says).
+    engine_view = {entry["id"]: engine_tokens(entry) for entry in await engine.slots()}
+    held = await service.slot(slot_a)
+    assert held.key == resp.headers["X-Strata-Conversation"] and held.tokens == engine_view[slot_a] > 0, (
+        list(service.slots), engine_view)
+
+    # Later turns switch each conversation out and back: saves and restores work, and each
+    # answer is its own conversation's (greedy logprobs equal a fresh read of it).
+    answers = [(chats["c"], answered_c, "-")]
+    states: dict[str, list[str]] = {name: [] for name in "abc"}
+    for round_ in range(2):
+        for name in "abc":
+            chats[name] = more(chats[name], f"turn {round_}")
+            reply = await client.post("/v1/chat/completions", json=logprob_body(chats[name]))
+            assert reply.status == 200, await reply.text()
+            answer = await reply.json()
+            state = reply.headers["X-Strata-State"]
+            if state in ("slot", "disk"):
+                assert answer["timings"]["cache_n"] >= OWN_STATE, (name, state, answer["timings"])
+            states[name].append(state)
+            answers.append((chats[name], answer, state))
+    # A's state died unsaved with the engine, B's was cut mid-answer: both are read anew.
+    # C's answer from the restarted engine is kept (parked when displaced); then every
+    # conversation comes back from its file.
+    assert states == {"a": ["none", "disk"], "b": ["none", "disk"], "c": ["disk", "disk"]}, states
+    assert numbers(client)["restore_failures"] == 0 and numbers(client)["save_failures"] == 1, numbers(client)
+    only_complete_files(directory)
+    for messages, answer, state in answers:
+        fresh, _ = await ask(client, logprob_body(messages, cache_prompt=False))
+        assert logprob_distance(answer, fresh) <= 0.05, (state, messages[0]["content"][:20])
+    # Control: the check tells one conversation's answer from another's.
+    other, _ = await ask(client, logprob_body(more(chats["a"], "turn 1"), cache_prompt=False))
+    assert logprob_distance(answers[-1][1], other) > 0.05
 
 
 async def test_metrics_and_stats_say_which_slot_each_request_ran_in(auto_client):
