@@ -28,6 +28,14 @@ from tests.parked_state import logprob_body, logprob_distance, settle
 OWN_STATE = 600
 
 
+#: Engine flags for tests that need an answer still running while something happens in
+#: another slot: with its context shift on, the engine writes an answer without
+#: ``max_tokens`` (and ignoring end-of-text) until its client leaves or the engine dies.
+#: (The demo model writes 2,000 tokens a second: any bounded answer may end before a
+#: loaded machine gets to the other slot.)
+ENDLESS = ["--context-shift"]
+
+
 def engine_for(parallel: int, **extra) -> dict:
     # llama-server splits its context evenly among the slots (-np without --kv-unified).
     return {"parallel": parallel, "ctx_size": 2048 * parallel, **extra}
@@ -85,6 +93,34 @@ async def test_concurrent_conversations_each_keep_their_own_slot(auto_client):
     assert numbers(client)["saves"] == 0 and numbers(client)["restores"] == 0, "nothing needed parking"
     await service.check_slots()
     assert service.slots.corrections == 0, "the picture matched the engine"
+
+
+async def endless_stream(url: str, messages: list[dict], started: asyncio.Event, release: asyncio.Event, *,
+                         read_to_the_end: bool) -> tuple[int, dict, list[str]]:
+    """Stream an answer without end (an engine run with ``ENDLESS``): set ``started`` at its
+    first event, then read no further until ``release`` is set (the engine writes on
+    meanwhile). Then read the rest to the stream's end (the engine died), or leave (the
+    engine stops once it sees the client gone).
+
+    The context shift keeps the whole prompt (``n_keep`` -1): the slot still holds the
+    conversation afterwards.
+
+    :returns: the status, the response headers and the data of the events read, in order.
+    """
+    body = {"messages": messages, "ignore_eos": True, "n_keep": -1, "temperature": 0, "stream": True}
+    events: list[str] = []
+    async with httpx.AsyncClient(timeout=120) as http:
+        async with http.stream("POST", url + "/v1/chat/completions", json=body) as reply:
+            async for line in reply.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                events.append(line[5:].strip())
+                if not started.is_set():
+                    started.set()
+                    await release.wait()
+                    if not read_to_the_end:
+                        break
+            return reply.status_code, reply.headers, events
 
 
 async def test_a_switch_on_one_slot_never_disturbs_another(auto_client):
@@ -177,21 +213,6 @@ async def test_a_route_the_engine_places_itself_parks_every_other_slot_first(aut
         assert timings["cache_n"] >= OWN_STATE, timings
 
 
-async def stream_to_the_end(url: str, body: dict, started: asyncio.Event) -> tuple[int, dict, list[str]]:
-    """Stream a request and read every event to the stream's end; ``started`` is set at the first.
-
-    :returns: the status, the response headers and the events' data, in order.
-    """
-    events: list[str] = []
-    async with httpx.AsyncClient(timeout=120) as http:
-        async with http.stream("POST", url + "/v1/chat/completions", json=body) as reply:
-            async for line in reply.aiter_lines():
-                if line.startswith("data:"):
-                    events.append(line[5:].strip())
-                    started.set()
-            return reply.status_code, reply.headers, events
-
-
 async def test_engine_killed_mid_save_on_one_slot_while_another_streams(auto_client, monkeypatch, caplog):
     """The engine dies in the middle of writing a save (it may write 64 KiB of the
     temporary, then dies of SIGXFSZ), made for a switch in one slot while the other slot
@@ -203,7 +224,7 @@ async def test_engine_killed_mid_save_on_one_slot_while_another_streams(auto_cli
     from tests.test_reliability import PARTIAL_BYTES, only_complete_files
 
     caplog.set_level(logging.INFO, logger="strata_auto_sessions")
-    client = await auto_client(engine=engine_for(2), idle_save_s=0)
+    client = await auto_client(engine=engine_for(2, extra_args=ENDLESS), idle_save_s=0)
     service = client.app[SERVICE]
     engine = service.engine
     url = url_of(client)
@@ -228,14 +249,16 @@ async def test_engine_killed_mid_save_on_one_slot_while_another_streams(auto_cli
 
     monkeypatch.setattr(engine, "save", save_dies_writing)
     generation = engine.generation
-    # B streams a long answer in its slot...
-    started = asyncio.Event()
-    long_answer = {"messages": more(chats["b"], "go on"), "max_tokens": 1000, "ignore_eos": True,
-                   "temperature": 0, "stream": True}
-    streaming = asyncio.create_task(stream_to_the_end(url, long_answer, started))
-    await asyncio.wait_for(started.wait(), 60)
-    # ...while C takes the other slot: A is saved first, and the engine dies writing it.
-    resp = await asyncio.wait_for(client.post("/v1/chat/completions", json=logprob_body(chats["c"])), 120)
+    # B streams an answer without end in its slot...
+    started, release = asyncio.Event(), asyncio.Event()
+    streaming = asyncio.create_task(endless_stream(url, more(chats["b"], "go on"), started, release,
+                                                   read_to_the_end=True))
+    try:
+        await asyncio.wait_for(started.wait(), 60)
+        # ...while C takes the other slot: A is saved first, and the engine dies writing it.
+        resp = await asyncio.wait_for(client.post("/v1/chat/completions", json=logprob_body(chats["c"])), 120)
+    finally:
+        release.set()
     status, headers, events = await asyncio.wait_for(streaming, 120)
     monkeypatch.setattr(engine, "save", real_save)
 
