@@ -17,6 +17,9 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
+
+import strata_serve
 
 from strata_serve.api import SERVICE
 from strata_serve.slot_state import engine_tokens
@@ -45,17 +48,24 @@ def url_of(client) -> str:
     return str(client.make_url("")).rstrip("/")
 
 
-async def stream_turn(url: str, messages: list[dict], max_tokens: int = 8) -> tuple[dict, dict]:
+async def stream_turn(url: str, messages: list[dict], max_tokens: int = 8,
+                      started: asyncio.Event | None = None, **extra) -> tuple[dict, dict]:
     """Stream one turn the way agents do: leave as soon as the event with the timings is read.
+
+    ``started`` is set once the first event arrives; ``extra`` goes into the body.
 
     :returns: the engine's timings and the response headers.
     """
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True, **extra}
     async with httpx.AsyncClient(timeout=120) as http:
         async with http.stream("POST", url + "/v1/chat/completions", json=body) as reply:
             assert reply.status_code == 200, await reply.aread()
             async for line in reply.aiter_lines():
-                if line.startswith("data:") and '"timings"' in line:
+                if not line.startswith("data:"):
+                    continue
+                if started is not None:
+                    started.set()
+                if '"timings"' in line:
                     return json.loads(line[5:])["timings"], reply.headers
     raise AssertionError("the stream ended without timings")
 
@@ -74,22 +84,40 @@ def numbers(client) -> dict:
     return client.app[SERVICE].state["auto_sessions"].stats.snapshot()
 
 
-async def test_concurrent_conversations_each_keep_their_own_slot(auto_client):
-    client = await auto_client(engine=engine_for(2), idle_save_s=0)
+class Admissions:
+    """Writes down how many requests held a slot at once, as each one got its slot."""
+
+    strata_name = "admissions"
+
+    def __init__(self) -> None:
+        self.most = 0
+
+    @strata_serve.hookimpl(tryfirst=True)
+    def pre_request(self, service):
+        self.most = max(self.most, len(service.fifo.busy))
+
+
+@pytest.mark.parametrize("parallel", [2, 4])
+async def test_concurrent_conversations_each_keep_their_own_slot(auto_client, parallel):
+    admissions = Admissions()
+    client = await auto_client(admissions, engine=engine_for(parallel), idle_save_s=0)
     service = client.app[SERVICE]
     url = url_of(client)
-    chats = {name: conversation(name) for name in ("par-a", "par-b")}
+    chats = {name: conversation(name) for name in (f"par-{n}" for n in range(parallel))}
     first = await asyncio.gather(*(stream_turn(url, chats[n]) for n in chats))
     slots = {h["X-Strata-Conversation"]: int(h["X-Strata-Slot"]) for _, h in first}
-    assert sorted(slots.values()) == [0, 1], "two conversations, two slots, side by side"
+    assert sorted(slots.values()) == list(range(parallel)), "as many conversations as slots, one in each"
+    names = list(chats)
     for round_ in range(3):
         chats = {n: more(m, f"step {round_}") for n, m in chats.items()}
-        turns = await asyncio.gather(*(stream_turn(url, chats[n]) for n in chats))
+        names = names[1:] + names[:1]  # each round in another order: a slot is found by what it holds
+        turns = await asyncio.gather(*(stream_turn(url, chats[n]) for n in names))
         for timings, headers in turns:
             key = headers["X-Strata-Conversation"]
             assert int(headers["X-Strata-Slot"]) == slots[key], "a conversation stays in its slot"
             assert headers["X-Strata-State"] == "slot"
             assert timings["cache_n"] >= OWN_STATE, timings
+    assert admissions.most == parallel, "every slot was busy at once"
     assert numbers(client)["saves"] == 0 and numbers(client)["restores"] == 0, "nothing needed parking"
     await service.check_slots()
     assert service.slots.corrections == 0, "the picture matched the engine"
@@ -123,29 +151,77 @@ async def endless_stream(url: str, messages: list[dict], started: asyncio.Event,
             return reply.status_code, reply.headers, events
 
 
-async def test_a_switch_on_one_slot_never_disturbs_another(auto_client):
-    client = await auto_client(engine=engine_for(2), idle_save_s=0)
+@pytest.mark.parametrize("parallel", [2, 4])
+async def test_a_switch_on_one_slot_never_disturbs_another(auto_client, monkeypatch, parallel):
+    client = await auto_client(engine=engine_for(parallel, extra_args=ENDLESS), idle_save_s=0)
     service = client.app[SERVICE]
+    engine = service.engine
     url = url_of(client)
-    a, b, c = conversation("dis-a"), conversation("dis-b"), conversation("dis-c")
+    # C, A, then one conversation in each other slot: the last one displaces C (parked),
+    # and A is then the least recently used.
+    c, a, *others = (conversation(f"dis-{n}") for n in range(parallel + 1))
+    await stream_turn(url, c)
     _, ha = await stream_turn(url, a)
-    _, hb = await stream_turn(url, b)
-    slot_a, slot_b = int(ha["X-Strata-Slot"]), int(hb["X-Strata-Slot"])
-    assert slot_a != slot_b
-    held_b = (await service.engine.slots())[slot_b]["n_prompt_tokens"]
-    # C displaces A (least recently used) while B streams a long answer in its own slot.
-    b2 = more(b, "tell me more")
-    (tc, hc), (tb, hb2) = await asyncio.gather(stream_turn(url, c), stream_turn(url, b2, max_tokens=64))
-    assert int(hc["X-Strata-Slot"]) == slot_a and int(hb2["X-Strata-Slot"]) == slot_b
-    # (all of B's prompt; its 8 generated tokens differ from the "noted" sent back)
-    assert tb["cache_n"] >= held_b - 8, "B's slot kept its state through C's switch"
-    assert numbers(client)["saves"] == 1, "A was parked before C took its slot"
-    # A comes back (B is now the least recently used and holds more than its file: parked).
+    slot_of = {}
+    for messages in others:
+        _, headers = await stream_turn(url, messages)
+        slot_of[headers["X-Strata-Conversation"]] = int(headers["X-Strata-Slot"])
+    slot_a = int(ha["X-Strata-Slot"])
+    assert sorted([slot_a, *slot_of.values()]) == list(range(parallel))
+    assert numbers(client)["saves"] == 1, "C was parked"
+    held = {entry["id"]: entry["n_prompt_tokens"] for entry in await engine.slots()}
+    during: list[tuple[str, int, dict[int, dict]]] = []
+
+    def watched(call, name):
+        async def run(filename, slot=0):
+            during.append((name, slot, {entry["id"]: entry for entry in await engine.slots()}))
+            return await call(filename, slot)
+        return run
+
+    monkeypatch.setattr(engine, "save", watched(engine.save, "save"))
+    monkeypatch.setattr(engine, "restore", watched(engine.restore, "restore"))
+    # The others stream long answers in their slots; once they all run, C comes back into
+    # A's slot: A is saved and C restored there meanwhile.
+    started, release = [asyncio.Event() for _ in others], asyncio.Event()
+    streams = [asyncio.create_task(endless_stream(url, more(messages, "tell me more"), event, release,
+                                                  read_to_the_end=False))
+               for messages, event in zip(others, started)]
+    try:
+        await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 60)
+        # (A slot call on a busy slot waits until that slot is free: here, for ever.)
+        timings, headers = await asyncio.wait_for(stream_turn(url, more(c, "back")), 60)
+        after = {entry["id"]: entry for entry in await engine.slots()}
+    finally:
+        release.set()
+    for stream in streams:
+        status, stream_headers, _ = await stream
+        assert status == 200 and int(stream_headers["X-Strata-Slot"]) == slot_of[stream_headers["X-Strata-Conversation"]]
+    await settle(client, 60)
+    assert int(headers["X-Strata-Slot"]) == slot_a
+    assert headers["X-Strata-State"] == "disk" and timings["cache_n"] >= OWN_STATE, (headers, timings)
+    assert [(name, slot) for name, slot, _ in during] == [("save", slot_a), ("restore", slot_a)]
+    # Every other slot was at work during the save and the restore, on one task from
+    # before the switch to after it...
+    for name, _, engine_slots in during:
+        for slot in slot_of.values():
+            assert engine_slots[slot]["is_processing"], (f"slot {slot} was at work during the {name}", engine_slots)
+            assert after[slot]["is_processing"] and engine_slots[slot]["id_task"] == after[slot]["id_task"], (
+                engine_slots[slot], after[slot])
+    # ...and still holds its conversation: the next turn reuses it there.
+    for messages in others:
+        timings, headers = await stream_turn(url, more(messages, "again"))
+        slot = slot_of[headers["X-Strata-Conversation"]]
+        assert int(headers["X-Strata-Slot"]) == slot and headers["X-Strata-State"] == "slot", headers
+        # (all of its prompt; its 8 generated tokens differ from the "noted" sent back)
+        assert timings["cache_n"] >= held[slot] - 8, ("its slot kept its state through the switch", timings)
+    # A comes back from its file (it displaces the least recently used, parked first), and
+    # C with its own state.
     timings, headers = await stream_turn(url, more(a, "back"))
     assert headers["X-Strata-State"] == "disk" and timings["cache_n"] >= OWN_STATE, (headers, timings)
-    # C, which the return displaced or not, comes back with its own state too.
-    timings, headers = await stream_turn(url, more(c, "back"))
+    timings, headers = await stream_turn(url, more(more(c, "back"), "again"))
     assert timings["cache_n"] >= OWN_STATE, (headers, timings)
+    await service.check_slots()
+    assert service.slots.corrections == 0, "the picture matched the engine"
 
 
 async def test_one_conversation_never_runs_in_two_slots_at_once(auto_client):
