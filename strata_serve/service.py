@@ -510,7 +510,13 @@ class Service:
         if before is None:
             return
         if self.engine.generation != before.generation:
-            self.sync_generation()  # the engine died during the request: the slot is empty
+            self.sync_generation()  # the engine died during the request: its slots are gone
+            if outcome.timings is not None:
+                # Answered all the same: the request waited for the restarted engine (it died
+                # during a plugin's step, a save it was writing), or the old one answered just
+                # before it died. The slot holds the request's conversation or nothing, as
+                # the engine will say when it matters.
+                self.slots.sent(request.slot, request)
         elif outcome.timings is not None:
             self.slots.finished(request.slot, tokens_after(outcome.timings))
         elif outcome.http_status is not None and 400 <= outcome.http_status < 500:

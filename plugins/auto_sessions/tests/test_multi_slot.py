@@ -17,14 +17,26 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
+
+import strata_serve
 
 from strata_serve.api import SERVICE
+from strata_serve.slot_state import engine_tokens
 from strata_serve.testing import conversation
 
 from tests.parked_state import logprob_body, logprob_distance, settle
 
 #: A turn reused its own state when it reused at least this much of its ~750-token opening.
 OWN_STATE = 600
+
+
+#: Engine flags for tests that need an answer still running while something happens in
+#: another slot: with its context shift on, the engine writes an answer without
+#: ``max_tokens`` (and ignoring end-of-text) until its client leaves or the engine dies.
+#: (The demo model writes 2,000 tokens a second: any bounded answer may end before a
+#: loaded machine gets to the other slot.)
+ENDLESS = ["--context-shift"]
 
 
 def engine_for(parallel: int, **extra) -> dict:
@@ -36,17 +48,24 @@ def url_of(client) -> str:
     return str(client.make_url("")).rstrip("/")
 
 
-async def stream_turn(url: str, messages: list[dict], max_tokens: int = 8) -> tuple[dict, dict]:
+async def stream_turn(url: str, messages: list[dict], max_tokens: int = 8,
+                      started: asyncio.Event | None = None, **extra) -> tuple[dict, dict]:
     """Stream one turn the way agents do: leave as soon as the event with the timings is read.
+
+    ``started`` is set once the first event arrives; ``extra`` goes into the body.
 
     :returns: the engine's timings and the response headers.
     """
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True, **extra}
     async with httpx.AsyncClient(timeout=120) as http:
         async with http.stream("POST", url + "/v1/chat/completions", json=body) as reply:
             assert reply.status_code == 200, await reply.aread()
             async for line in reply.aiter_lines():
-                if line.startswith("data:") and '"timings"' in line:
+                if not line.startswith("data:"):
+                    continue
+                if started is not None:
+                    started.set()
+                if '"timings"' in line:
                     return json.loads(line[5:])["timings"], reply.headers
     raise AssertionError("the stream ended without timings")
 
@@ -65,50 +84,144 @@ def numbers(client) -> dict:
     return client.app[SERVICE].state["auto_sessions"].stats.snapshot()
 
 
-async def test_concurrent_conversations_each_keep_their_own_slot(auto_client):
-    client = await auto_client(engine=engine_for(2), idle_save_s=0)
+class Admissions:
+    """Writes down how many requests held a slot at once, as each one got its slot."""
+
+    strata_name = "admissions"
+
+    def __init__(self) -> None:
+        self.most = 0
+
+    @strata_serve.hookimpl(tryfirst=True)
+    def pre_request(self, service):
+        self.most = max(self.most, len(service.fifo.busy))
+
+
+@pytest.mark.parametrize("parallel", [2, 4])
+async def test_concurrent_conversations_each_keep_their_own_slot(auto_client, parallel):
+    admissions = Admissions()
+    client = await auto_client(admissions, engine=engine_for(parallel), idle_save_s=0)
     service = client.app[SERVICE]
     url = url_of(client)
-    chats = {name: conversation(name) for name in ("par-a", "par-b")}
+    chats = {name: conversation(name) for name in (f"par-{n}" for n in range(parallel))}
     first = await asyncio.gather(*(stream_turn(url, chats[n]) for n in chats))
     slots = {h["X-Strata-Conversation"]: int(h["X-Strata-Slot"]) for _, h in first}
-    assert sorted(slots.values()) == [0, 1], "two conversations, two slots, side by side"
+    assert sorted(slots.values()) == list(range(parallel)), "as many conversations as slots, one in each"
+    names = list(chats)
     for round_ in range(3):
         chats = {n: more(m, f"step {round_}") for n, m in chats.items()}
-        turns = await asyncio.gather(*(stream_turn(url, chats[n]) for n in chats))
+        names = names[1:] + names[:1]  # each round in another order: a slot is found by what it holds
+        turns = await asyncio.gather(*(stream_turn(url, chats[n]) for n in names))
         for timings, headers in turns:
             key = headers["X-Strata-Conversation"]
             assert int(headers["X-Strata-Slot"]) == slots[key], "a conversation stays in its slot"
             assert headers["X-Strata-State"] == "slot"
             assert timings["cache_n"] >= OWN_STATE, timings
+    assert admissions.most == parallel, "every slot was busy at once"
     assert numbers(client)["saves"] == 0 and numbers(client)["restores"] == 0, "nothing needed parking"
     await service.check_slots()
     assert service.slots.corrections == 0, "the picture matched the engine"
 
 
-async def test_a_switch_on_one_slot_never_disturbs_another(auto_client):
-    client = await auto_client(engine=engine_for(2), idle_save_s=0)
+async def endless_stream(url: str, messages: list[dict], started: asyncio.Event, release: asyncio.Event, *,
+                         read_to_the_end: bool) -> tuple[int, dict, list[str]]:
+    """Stream an answer without end (an engine run with ``ENDLESS``): set ``started`` at its
+    first event, then read no further until ``release`` is set (the engine writes on
+    meanwhile). Then read the rest to the stream's end (the engine died), or leave (the
+    engine stops once it sees the client gone).
+
+    The context shift keeps the whole prompt (``n_keep`` -1): the slot still holds the
+    conversation afterwards.
+
+    :returns: the status, the response headers and the data of the events read, in order.
+    """
+    body = {"messages": messages, "ignore_eos": True, "n_keep": -1, "temperature": 0, "stream": True}
+    events: list[str] = []
+    async with httpx.AsyncClient(timeout=120) as http:
+        async with http.stream("POST", url + "/v1/chat/completions", json=body) as reply:
+            async for line in reply.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                events.append(line[5:].strip())
+                if not started.is_set():
+                    started.set()
+                    await release.wait()
+                    if not read_to_the_end:
+                        break
+            return reply.status_code, reply.headers, events
+
+
+@pytest.mark.parametrize("parallel", [2, 4])
+async def test_a_switch_on_one_slot_never_disturbs_another(auto_client, monkeypatch, parallel):
+    client = await auto_client(engine=engine_for(parallel, extra_args=ENDLESS), idle_save_s=0)
     service = client.app[SERVICE]
+    engine = service.engine
     url = url_of(client)
-    a, b, c = conversation("dis-a"), conversation("dis-b"), conversation("dis-c")
+    # C, A, then one conversation in each other slot: the last one displaces C (parked),
+    # and A is then the least recently used.
+    c, a, *others = (conversation(f"dis-{n}") for n in range(parallel + 1))
+    await stream_turn(url, c)
     _, ha = await stream_turn(url, a)
-    _, hb = await stream_turn(url, b)
-    slot_a, slot_b = int(ha["X-Strata-Slot"]), int(hb["X-Strata-Slot"])
-    assert slot_a != slot_b
-    held_b = (await service.engine.slots())[slot_b]["n_prompt_tokens"]
-    # C displaces A (least recently used) while B streams a long answer in its own slot.
-    b2 = more(b, "tell me more")
-    (tc, hc), (tb, hb2) = await asyncio.gather(stream_turn(url, c), stream_turn(url, b2, max_tokens=64))
-    assert int(hc["X-Strata-Slot"]) == slot_a and int(hb2["X-Strata-Slot"]) == slot_b
-    # (all of B's prompt; its 8 generated tokens differ from the "noted" sent back)
-    assert tb["cache_n"] >= held_b - 8, "B's slot kept its state through C's switch"
-    assert numbers(client)["saves"] == 1, "A was parked before C took its slot"
-    # A comes back (B is now the least recently used and holds more than its file: parked).
+    slot_of = {}
+    for messages in others:
+        _, headers = await stream_turn(url, messages)
+        slot_of[headers["X-Strata-Conversation"]] = int(headers["X-Strata-Slot"])
+    slot_a = int(ha["X-Strata-Slot"])
+    assert sorted([slot_a, *slot_of.values()]) == list(range(parallel))
+    assert numbers(client)["saves"] == 1, "C was parked"
+    held = {entry["id"]: entry["n_prompt_tokens"] for entry in await engine.slots()}
+    during: list[tuple[str, int, dict[int, dict]]] = []
+
+    def watched(call, name):
+        async def run(filename, slot=0):
+            during.append((name, slot, {entry["id"]: entry for entry in await engine.slots()}))
+            return await call(filename, slot)
+        return run
+
+    monkeypatch.setattr(engine, "save", watched(engine.save, "save"))
+    monkeypatch.setattr(engine, "restore", watched(engine.restore, "restore"))
+    # The others stream long answers in their slots; once they all run, C comes back into
+    # A's slot: A is saved and C restored there meanwhile.
+    started, release = [asyncio.Event() for _ in others], asyncio.Event()
+    streams = [asyncio.create_task(endless_stream(url, more(messages, "tell me more"), event, release,
+                                                  read_to_the_end=False))
+               for messages, event in zip(others, started)]
+    try:
+        await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 60)
+        # (A slot call on a busy slot waits until that slot is free: here, for ever.)
+        timings, headers = await asyncio.wait_for(stream_turn(url, more(c, "back")), 60)
+        after = {entry["id"]: entry for entry in await engine.slots()}
+    finally:
+        release.set()
+    for stream in streams:
+        status, stream_headers, _ = await stream
+        assert status == 200 and int(stream_headers["X-Strata-Slot"]) == slot_of[stream_headers["X-Strata-Conversation"]]
+    await settle(client, 60)
+    assert int(headers["X-Strata-Slot"]) == slot_a
+    assert headers["X-Strata-State"] == "disk" and timings["cache_n"] >= OWN_STATE, (headers, timings)
+    assert [(name, slot) for name, slot, _ in during] == [("save", slot_a), ("restore", slot_a)]
+    # Every other slot was at work during the save and the restore, on one task from
+    # before the switch to after it...
+    for name, _, engine_slots in during:
+        for slot in slot_of.values():
+            assert engine_slots[slot]["is_processing"], (f"slot {slot} was at work during the {name}", engine_slots)
+            assert after[slot]["is_processing"] and engine_slots[slot]["id_task"] == after[slot]["id_task"], (
+                engine_slots[slot], after[slot])
+    # ...and still holds its conversation: the next turn reuses it there.
+    for messages in others:
+        timings, headers = await stream_turn(url, more(messages, "again"))
+        slot = slot_of[headers["X-Strata-Conversation"]]
+        assert int(headers["X-Strata-Slot"]) == slot and headers["X-Strata-State"] == "slot", headers
+        # (all of its prompt; its 8 generated tokens differ from the "noted" sent back)
+        assert timings["cache_n"] >= held[slot] - 8, ("its slot kept its state through the switch", timings)
+    # A comes back from its file (it displaces the least recently used, parked first), and
+    # C with its own state.
     timings, headers = await stream_turn(url, more(a, "back"))
     assert headers["X-Strata-State"] == "disk" and timings["cache_n"] >= OWN_STATE, (headers, timings)
-    # C, which the return displaced or not, comes back with its own state too.
-    timings, headers = await stream_turn(url, more(c, "back"))
+    timings, headers = await stream_turn(url, more(more(c, "back"), "again"))
     assert timings["cache_n"] >= OWN_STATE, (headers, timings)
+    await service.check_slots()
+    assert service.slots.corrections == 0, "the picture matched the engine"
 
 
 async def test_one_conversation_never_runs_in_two_slots_at_once(auto_client):
@@ -177,41 +290,107 @@ async def test_a_route_the_engine_places_itself_parks_every_other_slot_first(aut
 
 
 async def test_engine_killed_mid_save_on_one_slot_while_another_streams(auto_client, monkeypatch, caplog):
-    client = await auto_client(engine=engine_for(2), idle_save_s=0)
+    """The engine dies in the middle of writing a save (it may write 64 KiB of the
+    temporary, then dies of SIGXFSZ), made for a switch in one slot while the other slot
+    streams an answer: the stream ends with an error event, the switch's request is
+    answered by the restarted engine, nothing partial is kept, and every conversation
+    comes back afterwards with its own state or read anew, never another's."""
+    import resource
+
+    from tests.test_reliability import PARTIAL_BYTES, only_complete_files
+
+    caplog.set_level(logging.INFO, logger="strata_auto_sessions")
+    client = await auto_client(engine=engine_for(2, extra_args=ENDLESS), idle_save_s=0)
     service = client.app[SERVICE]
+    engine = service.engine
     url = url_of(client)
-    a, b, c = conversation("kill-a"), conversation("kill-b"), conversation("kill-c")
-    await stream_turn(url, a)
-    await stream_turn(url, b)
-    real_save = service.engine.save
+    directory = Path(engine.info.slot_save_path)
+    chats = {name: conversation(f"kill-{name}") for name in "abc"}
+    _, ha = await stream_turn(url, chats["a"])
+    _, hb = await stream_turn(url, chats["b"])
+    slot_a, slot_b = int(ha["X-Strata-Slot"]), int(hb["X-Strata-Slot"])
+    real_save = engine.save
+    seen: dict = {}
 
-    async def dying_save(filename, slot=0):
-        os.kill(service.engine.pid, signal.SIGKILL)
-        return await real_save(filename, slot)
+    async def save_dies_writing(filename, slot=0):
+        seen["slot"] = slot
+        seen["engine"] = {entry["id"]: entry for entry in await engine.slots()}  # as the save starts
+        resource.prlimit(engine.pid, resource.RLIMIT_CORE, (0, 0))
+        resource.prlimit(engine.pid, resource.RLIMIT_FSIZE, (PARTIAL_BYTES, PARTIAL_BYTES))
+        try:
+            return await real_save(filename, slot)
+        finally:
+            path = directory / filename
+            seen["temporary"] = path.stat().st_size if path.exists() else None
 
-    monkeypatch.setattr(service.engine, "save", dying_save)
-    generation = service.engine.generation
-    # C's switch saves A and the engine dies during it, while B streams in the other slot.
-    replies = await asyncio.wait_for(asyncio.gather(
-        client.post("/v1/chat/completions", json={"messages": c, "max_tokens": 4}),
-        client.post("/v1/chat/completions", json={"messages": more(b, "more"), "max_tokens": 64}),
-    ), 120)
-    # Each either ran or failed in the API's own shape (never a hang, never a 500).
-    for reply in replies:
-        assert reply.status in (200, 502, 503), (reply.status, await reply.text())
-        if reply.status != 200:
-            assert "error" in await reply.json()
-    assert service.engine.generation == generation + 1, "the engine died once and came back"
-    monkeypatch.setattr(service.engine, "save", real_save)
+    monkeypatch.setattr(engine, "save", save_dies_writing)
+    generation = engine.generation
+    # B streams an answer without end in its slot...
+    started, release = asyncio.Event(), asyncio.Event()
+    streaming = asyncio.create_task(endless_stream(url, more(chats["b"], "go on"), started, release,
+                                                   read_to_the_end=True))
+    try:
+        await asyncio.wait_for(started.wait(), 60)
+        # ...while C takes the other slot: A is saved first, and the engine dies writing it.
+        resp = await asyncio.wait_for(client.post("/v1/chat/completions", json=logprob_body(chats["c"])), 120)
+    finally:
+        release.set()
+    status, headers, events = await asyncio.wait_for(streaming, 120)
+    monkeypatch.setattr(engine, "save", real_save)
+
+    assert seen["slot"] == slot_a, seen
+    assert seen["engine"][slot_b]["is_processing"] is True, "B's slot was streaming when the save began"
+    assert seen["temporary"] is not None and 0 < seen["temporary"] <= PARTIAL_BYTES, seen
+    assert engine.generation == generation + 1, "the engine died once and came back"
+    # The stream ends with an error event: neither a hang nor a silent cut.
+    assert status == 200 and int(headers["X-Strata-Slot"]) == slot_b
+    assert "choices" in json.loads(events[0]), events[:2]
+    last = json.loads(events[-1])
+    assert "engine stopped while answering" in last["error"]["message"], last
+    assert "[DONE]" not in events
+    # The request that waited on the save is answered by the restarted engine.
+    assert resp.status == 200, await resp.text()
+    answered_c = await resp.json()
+    assert int(resp.headers["X-Strata-Slot"]) == slot_a
+    assert [r for r in caplog.records if r.levelno == logging.WARNING
+            and "saving" in r.getMessage() and "failed" in r.getMessage()], caplog.text
+    # Nothing partial is kept: no temporary, no file for A's lost state.
     await settle(client, 60)
-    directory = Path(service.engine.info.slot_save_path)
-    assert not list(directory.glob("tmp-*")), "no half-written file is left"
-    # The engine is back; every slot's picture is of the new engine, and the next requests run.
-    for messages in (a, b, c):
-        await ask(client, {"messages": more(messages, "again"), "max_tokens": 4})
-    await service.check_slots()
-    assert service.slots.corrections == 0
-    assert any("saving" in r.getMessage() and "failed" in r.getMessage() for r in caplog.records)
+    only_complete_files(directory)
+    assert not (directory / f"auto-{ha['X-Strata-Conversation']}.bin").exists()
+    # The picture is of the new engine: C in the slot it ran in (what it holds, the engine says).
+    engine_view = {entry["id"]: engine_tokens(entry) for entry in await engine.slots()}
+    held = await service.slot(slot_a)
+    assert held.key == resp.headers["X-Strata-Conversation"] and held.tokens == engine_view[slot_a] > 0, (
+        list(service.slots), engine_view)
+
+    # Later turns switch each conversation out and back: saves and restores work, and each
+    # answer is its own conversation's (greedy logprobs equal a fresh read of it).
+    answers = [(chats["c"], answered_c, "-")]
+    states: dict[str, list[str]] = {name: [] for name in "abc"}
+    for round_ in range(2):
+        for name in "abc":
+            chats[name] = more(chats[name], f"turn {round_}")
+            reply = await client.post("/v1/chat/completions", json=logprob_body(chats[name]))
+            assert reply.status == 200, await reply.text()
+            answer = await reply.json()
+            state = reply.headers["X-Strata-State"]
+            if state in ("slot", "disk"):
+                assert answer["timings"]["cache_n"] >= OWN_STATE, (name, state, answer["timings"])
+            states[name].append(state)
+            answers.append((chats[name], answer, state))
+    # A's state died unsaved with the engine, B's was cut mid-answer: both are read anew.
+    # C's answer from the restarted engine is kept (parked when displaced); then every
+    # conversation comes back from its file.
+    assert states == {"a": ["none", "disk"], "b": ["none", "disk"], "c": ["disk", "disk"]}, states
+    assert numbers(client)["restore_failures"] == 0 and numbers(client)["save_failures"] == 1, numbers(client)
+    only_complete_files(directory)
+    for messages, answer, state in answers:
+        fresh, _ = await ask(client, logprob_body(messages, cache_prompt=False))
+        assert logprob_distance(answer, fresh) <= 0.05, (state, messages[0]["content"][:20])
+    # Control: the check tells one conversation's answer from another's.
+    other, _ = await ask(client, logprob_body(more(chats["a"], "turn 1"), cache_prompt=False))
+    assert logprob_distance(answers[-1][1], other) > 0.05
 
 
 async def test_metrics_and_stats_say_which_slot_each_request_ran_in(auto_client):
