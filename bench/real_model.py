@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.harness import chat, client_session, follow_up, strata
+from bench.harness import BENCH_ENGINE_KEY, chat, client_session, follow_up, strata
 from bench.run import machine
 from strata_serve.config import EngineSettings
 from strata_serve.engine import LlamaServer
@@ -156,7 +156,7 @@ async def main(sizes: list[int], out: Path, command: str) -> list[dict[str, Any]
     with tempfile.TemporaryDirectory(prefix="strata-real-bench-") as tmp:
         work = Path(tmp)
         bare = LlamaServer(EngineSettings(model=model, ctx_size=CTX_SIZE, slot_save_path=work / "bare",
-                                          cache_ram_mib=0, log_level="DEBUG"))
+                                          cache_ram_mib=0, log_level="DEBUG", api_key=BENCH_ENGINE_KEY))
         await bare.start()
         try:
             for size in sizes:
