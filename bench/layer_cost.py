@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import aiohttp
 
@@ -73,19 +73,8 @@ async def strata_process(model: Path, work: Path, ctx: int = 4096, plugins: dict
                              "--log-level", "WARNING"], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        async with aiohttp.ClientSession() as session:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"strata-serve exited with {proc.returncode}: "
-                                       f"{(work / 'layer-cost.log').read_text()[-2000:]}")
-                with contextlib.suppress(aiohttp.ClientError):
-                    async with session.get(url + "/health") as resp:
-                        if resp.status == 200:
-                            break
-                if time.monotonic() > deadline:
-                    raise RuntimeError("strata-serve did not become healthy in 120 s")
-                await asyncio.sleep(0.1)
+        await until_answering(proc, "strata-serve", lambda session: session.get(url + "/health"), 120,
+                              work / "layer-cost.log")
         yield url, f"http://127.0.0.1:{engine_port}", proc.pid
     finally:
         proc.terminate()
@@ -95,6 +84,23 @@ async def strata_process(model: Path, work: Path, ctx: int = 4096, plugins: dict
             proc.kill()
             proc.wait()
         log.close()
+
+
+async def until_answering(proc: subprocess.Popen, name: str,
+                          ask: Callable[[aiohttp.ClientSession], Any], timeout_s: float, log: Path) -> None:
+    """Poll ``ask`` until it answers 200; fail if ``proc`` exits or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}: {log.read_text()[-2000:]}")
+            with contextlib.suppress(aiohttp.ClientError):
+                async with ask(session) as resp:
+                    if resp.status == 200:
+                        return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not answer in {timeout_s:g} s")
+            await asyncio.sleep(0.1)
 
 
 async def _one(session: aiohttp.ClientSession, url: str, messages: list[dict], stream: bool) -> float:

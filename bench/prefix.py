@@ -16,7 +16,6 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-import requests
 
 from bench.systems import System, start
 from bench.workloads import stream, text

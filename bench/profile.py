@@ -25,7 +25,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -33,7 +32,7 @@ import aiohttp
 from aiohttp import web
 
 from bench.harness import client_session, conversation, percentile
-from bench.layer_cost import BENCH_KEY, _one, cpu_seconds, strata_process
+from bench.layer_cost import BENCH_KEY, _one, cpu_seconds, strata_process, until_answering
 from strata_serve.engine.llama_server import free_port
 
 #: Innermost-frame file paths to the part of the stack they belong to, first match wins.
@@ -101,19 +100,10 @@ async def bare_relay_process(engine_url: str, work: Path) -> AsyncIterator[tuple
                             cwd=Path(__file__).resolve().parent.parent)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        async with aiohttp.ClientSession() as session:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the bare relay exited with {proc.returncode}")
-                with contextlib.suppress(aiohttp.ClientError):
-                    async with session.post(url + "/v1/chat/completions", json={
-                            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}) as resp:
-                        if resp.status == 200:
-                            break
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the bare relay did not answer in 60 s")
-                await asyncio.sleep(0.1)
+        hello = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        await until_answering(proc, "the bare relay",
+                              lambda session: session.post(url + "/v1/chat/completions", json=hello), 60,
+                              work / "bare-relay.log")
         yield url, proc.pid
     finally:
         proc.terminate()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from bench.switchback import BARE_OFF, FILE_CURRENT, HELD, readme_sentence
+from bench.switchback import FILE_CURRENT, HELD, readme_sentence
 
 HEARTH = "hearth-llm"
 STRATA = "strata + auto-sessions"

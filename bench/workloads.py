@@ -33,14 +33,14 @@ import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import requests
 
 from bench.harness import BENCH_ENGINE_KEY, percentile, spread
-from bench.systems import Running, System, hearth_installed, start
+from bench.systems import System, hearth_installed, start
 
 HEADERS = {"Authorization": f"Bearer {BENCH_ENGINE_KEY}"}
 SPARK = "▁▂▃▄▅▆▇█"
