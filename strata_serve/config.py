@@ -125,6 +125,13 @@ class ServerSettings(BaseModel):
         return [origin.lower() for origin in value]
 
     @model_validator(mode="after")
+    def _one_body_fits(self) -> ServerSettings:
+        if self.max_bodies_mib < self.max_body_mib:
+            raise ValueError(f"max_bodies_mib ({self.max_bodies_mib:g}) is smaller than max_body_mib "
+                             f"({self.max_body_mib:g}): no request of the largest size could be taken")
+        return self
+
+    @model_validator(mode="after")
     def _distinct_keys(self) -> ServerSettings:
         # With two holders of one key, the first configured would silently be the only one.
         seen: dict[str, str] = {}
@@ -142,6 +149,9 @@ class ServerSettings(BaseModel):
     #: Requests allowed to wait for the engine; past it a request gets 503 + Retry-After.
     queue_limit: int = Field(64, ge=0)
     max_body_mib: float = Field(16, gt=0)
+    #: Request bodies held at once, in all (each from its first byte to its answer); a
+    #: request past it gets 503 + Retry-After before its body is read.
+    max_bodies_mib: float = Field(256, gt=0)
     #: Bearer key guarding every route but /health. Prefer STRATA_SERVER__API_KEY.
     api_key: SecretStr | None = None
     #: Several named keys (tenant name -> key); each tenant's conversations are kept apart.

@@ -558,3 +558,45 @@ async def test_more_messages_than_the_context_or_the_limit_get_400_before_valida
     assert (await client.post("/v1/chat/completions", json={"messages": [hi] * 50, "max_tokens": 1})).status == 200
     embeddings = await (await client.post("/v1/embeddings", json={"input": ["a"] * 60})).json()
     assert embeddings["error"]["code"] != "too_many_messages"
+
+
+async def test_request_bodies_together_are_bounded_not_only_each(strata_client_factory, strata_settings_factory):
+    # Thirty clients sending large (or compressed) bodies at once took the server past 1.5 GB:
+    # each body is held from its first byte to its answer. Two bodies of 1 MiB on their way
+    # fill a 2 MiB budget; a third request is refused at once, before its body is read.
+    settings = strata_settings_factory(server={"max_body_mib": 1, "max_bodies_mib": 2})
+    client = await strata_client_factory(settings=settings)
+    host, port = client.server.host, client.server.port
+    mib = 1024 * 1024
+    slow = []
+    for _ in range(2):
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {mib}\r\n\r\n".encode() + b'{"messages": [')
+        await writer.drain()
+        slow.append((reader, writer))
+    body = chat_body("hi", max_tokens=1)
+
+    async def refused() -> bool:
+        resp = await client.post("/v1/chat/completions", json=body)
+        if resp.status != 503:
+            return False
+        answer = await resp.json()
+        assert_openai_error(answer, 503, resp.status)
+        assert answer["error"]["code"] == "bodies_budget" and resp.headers["Retry-After"] == "1"
+        return True
+
+    deadline = asyncio.get_running_loop().time() + 10
+    while not await refused():  # the two slow requests reach their handlers
+        assert asyncio.get_running_loop().time() < deadline, "the budget never filled"
+        await asyncio.sleep(0.05)
+    gzipped = await client.post("/v1/chat/completions", data=b"\x1f\x8b", headers={
+        "Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert gzipped.status == 503, "a compressed body reserves the largest size"
+    for _, writer in slow:  # the slow clients give up: their reservations are returned
+        writer.close()
+        await writer.wait_closed()
+    deadline = asyncio.get_running_loop().time() + 10
+    while (resp := await client.post("/v1/chat/completions", json=body)).status != 200:
+        assert resp.status == 503 and asyncio.get_running_loop().time() < deadline, await resp.text()
+        await asyncio.sleep(0.05)
