@@ -151,7 +151,7 @@ class ServerSettings(BaseModel):
     max_body_mib: float = Field(16, gt=0)
     #: Request bodies held at once, in all (each from its first byte to its answer); a
     #: request past it gets 503 + Retry-After before its body is read.
-    max_bodies_mib: float = Field(256, gt=0)
+    max_bodies_mib: float = Field(128, gt=0)
     #: Bearer key guarding every route but /health. Prefer STRATA_SERVER__API_KEY.
     api_key: SecretStr | None = None
     #: Several named keys (tenant name -> key); each tenant's conversations are kept apart.
