@@ -600,3 +600,16 @@ async def test_request_bodies_together_are_bounded_not_only_each(strata_client_f
     while (resp := await client.post("/v1/chat/completions", json=body)).status != 200:
         assert resp.status == 503 and asyncio.get_running_loop().time() < deadline, await resp.text()
         await asyncio.sleep(0.05)
+
+
+async def test_a_media_type_spelled_with_escapes_is_still_checked(client, recorder):
+    # Media are looked for only in bodies whose bytes could hold them; a type written with
+    # \u escapes has none of the words in its bytes and must be checked all the same.
+    raw = ('{"messages": [{"role": "user", "content": [{"type": "\\u0069mage_url", '
+           '"\\u0069mage_url": {"url": "iVBORw0KGgo="}}]}], "max_tokens": 2}')
+    assert not any(word in raw for word in ("image", "audio", "video"))
+    resp = await client.post("/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"})
+    answer = await resp.json()
+    assert_openai_error(answer, 400, resp.status)
+    assert answer["error"]["code"] == "not_supported"
+    assert recorder.keys == []

@@ -24,6 +24,7 @@ has tokens can never be answered; ``server.max_messages`` bounds the rest.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Iterator
 
 from strata_serve.api.errors import APIError
@@ -95,6 +96,18 @@ def check_messages(body: dict[str, Any], fields: tuple[str, ...], info: EngineIn
         if count > server.max_messages:
             raise APIError(400, f"{count:,} {field}: more than server.max_messages ({server.max_messages:,})",
                            param=field, code="too_many_messages")
+
+
+#: Every media part's type names one of these (``image_url``, ``input_image``, ``image``,
+#: ``input_audio``, ``input_video``, ``video_url``).
+_MEDIA_WORD = re.compile(rb"image|audio|video")
+
+
+def might_hold_media(raw: bytes) -> bool:
+    """Whether a JSON body's bytes could hold a media part (if not, :func:`check_media`
+    has nothing to find). A letter of a JSON string is either itself or a ``\\u``
+    escape, so a type spelled with escapes is still caught."""
+    return b"\\u" in raw or _MEDIA_WORD.search(raw) is not None
 
 
 def check_media(body: Any, info: EngineInfo, server: ServerSettings) -> None:

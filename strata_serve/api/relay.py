@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from strata_serve.api.errors import APIError
 from strata_serve.api.formats import OPENAI, ApiFormat, StreamSeen
-from strata_serve.api.checks import check_media, check_messages
+from strata_serve.api.checks import check_media, check_messages, might_hold_media
 from strata_serve.api.app_state import SERVICE, TENANT
 from strata_serve.engine.base import Engine, EngineUnavailable, JSONAnswer
 from strata_serve.hook_types import KeyRefused, Outcome, StrataRequest, Timings
@@ -67,6 +67,8 @@ async def read_json(request: web.Request, model: type[BaseModel]) -> dict[str, A
     check_messages(body, getattr(model, "message_fields", ()), service.engine.info, service.settings.server)
     check_json_value(body)
     model.model_validate(body)
+    if might_hold_media(raw):  # most bodies are text alone: no second walk through them
+        check_media(body, service.engine.info, service.settings.server)
     return body
 
 
@@ -180,7 +182,6 @@ async def direct(request: web.Request, method: str, path: str, body: Any = None)
     service = service_of(request)
     with service_errors(service):
         await service.engine.wait_ready()
-        check_media(body, service.engine.info, service.settings.server)
         status, answer = await service.engine.request(method, path, json=body, op=path.strip("/"))
     return engine_answer(status, answer)
 
@@ -193,8 +194,6 @@ async def relay(request: web.Request, route: str, path: str, body: dict[str, Any
     plugin is asked, so none can name one the slot will not hold afterwards.
     """
     service = service_of(request)
-    # Before the line: a request the engine cannot take never evicts a conversation.
-    check_media(body, service.engine.info, service.settings.server)
     sreq = StrataRequest(
         route=route,  # type: ignore[arg-type]
         body=body,
