@@ -51,7 +51,10 @@ def client_turn(url: str, messages: list[dict], pattern: str) -> dict | None:
         payload = json.dumps(body(messages, stream=True)).encode()
         host, port = url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=10) as sock:
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            # The Host a client would send: any other name is refused (DNS rebinding) and the
+            # request would never reach the server.
+            sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n".encode()
+                         + b"Content-Type: application/json\r\n"
                          + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
         return None
     if pattern.startswith("timeout"):
@@ -119,7 +122,9 @@ class EngineReads:
         if request.route == "chat" and request.conversation_key is not None:
             for window in self._open.values():
                 window[1] = True  # overlapped
-            self._open[request.id] = [await self.read_so_far(service), bool(self._open)]
+            # Opened before the count is read: a request arriving meanwhile sees this one.
+            window = self._open[request.id] = [None, bool(self._open)]
+            window[0] = await self.read_so_far(service)
 
     @strata_serve.hookimpl
     async def post_request(self, request, service):
