@@ -80,7 +80,9 @@ def chat(url: str, messages: list[dict], how: str) -> None:
         payload = json.dumps(body).encode()
         host, port = url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=10) as sock:
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            # The Host a client would send: any other name is refused before the request runs.
+            sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n".encode()
+                         + b"Content-Type: application/json\r\n"
                          + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
         return
     if how == "read_all":
