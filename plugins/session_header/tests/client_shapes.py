@@ -19,17 +19,17 @@ SESSION_B = "d2338925-2f8c-47f0-b6b3-c154e652ee4b"
 
 IDENTITY = "You are Claude Code, Anthropic's official CLI for Claude."
 AGENT_PROMPT = "You are an interactive agent that helps users with software engineering tasks.\n" + "\n".join(
-    f"Rule {n}: read the file before you edit it, run tool {n} with care." for n in range(24)
+    f"Rule {n}: read the file before you edit it, run tool {n} with care." for n in range(8)
 )
 TITLE_PROMPT = ("You are naming a coding session. Read the user's first message and answer with a "
                 "title of three to five words, as JSON {\"title\": ...}.")
 TOOL_NAMES = ("Bash", "Read", "Edit", "Write", "Grep")
 REMINDERS = ("<system-reminder>\nAs you answer the user's questions, you can use the following context:\n"
-             "# claudeMd\n" + " ".join(f"Keep style rule {n}." for n in range(16))
+             "# claudeMd\n" + " ".join(f"Keep style rule {n}." for n in range(6))
              + "\n# currentDate\nToday's date is 2026-09-30.\n</system-reminder>")
 PROMPT = "Fix the failing test in utils.py"
 SUMMARY = ("This session is being continued from a previous conversation that ran out of context. "
-           "Summary: " + " ".join(f"step {n} changed utils.py line {n * 7}." for n in range(20)))
+           "Summary: " + " ".join(f"step {n} changed utils.py line {n * 7}." for n in range(8)))
 
 
 def billing(fingerprint: str = "0df") -> str:
@@ -38,8 +38,8 @@ def billing(fingerprint: str = "0df") -> str:
 
 
 def file_text(name: str) -> str:
-    """A source file a tool read: about 700 tokens, different for every ``name``."""
-    return "\n".join(f"def {name}_{n}(x):  # {name} helper {n}\n    return x * {n} + {len(name)}" for n in range(24))
+    """A source file a tool read: about 600 tokens on the demo model, different for every ``name``."""
+    return "\n".join(f"def {name}_{n}(x):  # {name} helper {n}\n    return x * {n} + {len(name)}" for n in range(10))
 
 
 def claude_code_headers(session: str | None, agent: str | None = None) -> dict[str, str]:
@@ -112,14 +112,14 @@ def claude_code_short_turn(text: str) -> list[dict[str, Any]]:
 
 
 CODEX_INSTRUCTIONS = "You are Codex, a coding agent running in a terminal.\n" + "\n".join(
-    f"Guideline {n}: keep changes small and run the tests after step {n}." for n in range(24)
+    f"Guideline {n}: keep changes small and run the tests after step {n}." for n in range(8)
 )
 CODEX_OPENING = [
     {"type": "message", "role": "developer",
      "content": [{"type": "input_text", "text": "<permissions instructions>workspace-write, network off</permissions instructions>"}]},
     {"type": "message", "role": "user", "content": [
         {"type": "input_text", "text": "# AGENTS.md instructions for /repo\n\n<INSTRUCTIONS>\n"
-         + " ".join(f"Repository rule {n}." for n in range(16)) + "\n</INSTRUCTIONS>"},
+         + " ".join(f"Repository rule {n}." for n in range(6)) + "\n</INSTRUCTIONS>"},
         {"type": "input_text", "text": "<environment_context>\n  <cwd>/repo</cwd>\n  <shell>bash</shell>\n</environment_context>"}]},
     {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Add a --verbose flag to cli.py"}]},
 ]

@@ -30,7 +30,7 @@ from strata_serve.testing import KeyRecorder
 from plugins.session_header.tests.client_shapes import (
     AGENT_PROMPT, SESSION_A, SESSION_B, SUMMARY, TITLE_PROMPT, TOOL_NAMES, IDENTITY, REMINDERS,
     claude_code_body, claude_code_headers, claude_code_metadata, claude_code_opening, claude_code_short_turn,
-    claude_code_title_body, claude_code_tool_turn, codex_body, codex_headers, codex_short_turn,
+    billing, claude_code_title_body, claude_code_tool_turn, codex_body, codex_headers, codex_short_turn,
     codex_tool_turn, CODEX_OPENING,
 )
 
@@ -203,7 +203,9 @@ class Reuse:
 
 @pytest.fixture
 def parked(strata_client_factory, strata_settings_factory):
-    """``await parked(*plugins, **server)``: one slot, auto-sessions, the RAM cache off."""
+    """``await parked(*plugins, **server)``: one slot, auto-sessions, the RAM cache off, and
+    the bundled keying plugins as ``make serve`` installs them (system_prompt_key
+    registered last, so pluggy alone would ask it first)."""
 
     async def make(*plugins, **server):
         settings = strata_settings_factory(
@@ -211,8 +213,8 @@ def parked(strata_client_factory, strata_settings_factory):
             plugins={"auto_sessions": {"min_tokens": 100, "idle_save_s": 0}},
         )
         reuse = Reuse()
-        client = await strata_client_factory(strata_auto_sessions, strata_session_header, *plugins, reuse,
-                                             settings=settings)
+        client = await strata_client_factory(strata_auto_sessions, strata_session_header,
+                                             strata_system_prompt_key, *plugins, reuse, settings=settings)
         return client, reuse
 
     return make
@@ -287,6 +289,7 @@ async def test_two_sessions_that_open_alike_each_restore_their_own_state(parked,
     assert len(keys) == 2, keys
     assert {k.split("_", 1)[0] for k in keys} == {SESSION_A, SESSION_B}
     assert all(share >= OWN_STATE for share in returns), [round(s, 3) for s in returns]
+    print(f"\n{client_shape}: returns with ids reused {[round(s, 3) for s in returns]}")
 
     # The control: without the ids the two sessions share one key, and each return finds
     # the other's state (only the common opening is reused). The test above would see that.
@@ -294,6 +297,7 @@ async def test_two_sessions_that_open_alike_each_restore_their_own_state(parked,
     keys, returns = await alternate(client, reuse, turns, request, with_ids=False)
     assert len(keys) == 1, keys
     assert all(share < OWN_STATE for share in returns), [round(s, 3) for s in returns]
+    print(f"{client_shape}: returns without ids reused {[round(s, 3) for s in returns]}")
 
 
 async def test_the_title_request_of_a_session_never_replaces_the_main_turns_state(parked):
@@ -353,3 +357,15 @@ def test_any_value_of_a_clients_id_gives_a_valid_key_or_none_never_a_refusal(val
         return
     assert re.fullmatch(r"[A-Za-z0-9_-]{1,64}", found) and "--" not in found, found
     assert found == f"{value}_{found[-8:]}", "a usable id is kept as sent"
+
+
+def test_claude_codes_billing_lines_are_left_out_of_the_system_prompt():
+    from strata_serve.api.anthropic_routes import without_billing_lines
+
+    body = claude_code_body(claude_code_opening(), SESSION_A)
+    assert [block["text"] for block in without_billing_lines(body)["system"]] == [IDENTITY, AGENT_PROMPT]
+    mixed = {"system": "x-anthropic-billing-header: cc_version=1; cch=ab12c;\nYou are terse.\nkeep x-anthropic-billing-header: as text"}
+    assert without_billing_lines(mixed)["system"] == "You are terse.\nkeep x-anthropic-billing-header: as text"
+    assert "system" not in without_billing_lines({"system": [{"type": "text", "text": billing()}]})
+    untouched = {"system": [{"type": "text", "text": "Plain."}, {"type": "text", "text": ""}]}
+    assert without_billing_lines(untouched)["system"] == [{"type": "text", "text": "Plain."}, {"type": "text", "text": ""}]
