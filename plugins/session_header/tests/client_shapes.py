@@ -1,12 +1,12 @@
 """Requests shaped like Claude Code's and Codex's, scaled down to the tiny demo model.
 
 The shapes follow what the clients send (the plugin's README says what was measured):
-Claude Code's three system blocks (a
-billing line whose fingerprint follows the first user message, an identity line, the
-agent prompt), its tools, a first user message of reminders then the prompt, its
-session id in a header and in ``metadata.user_id``; its session-title request under
-the same id; Codex's instructions, tools, developer and ``AGENTS.md`` items, its
-conversation id in ``prompt_cache_key`` and the ``session-id`` header.
+Claude Code's three system blocks (a billing line whose fingerprint follows the first
+user message, an identity line, the agent prompt), its tools, a first user message of
+reminders then the prompt, its session id in a header and in ``metadata.user_id``; its
+session-title request under the same id; Codex's instructions, tools, developer and
+``AGENTS.md`` items, its conversation id in ``prompt_cache_key`` and the ``session-id``
+header.
 """
 
 from __future__ import annotations
