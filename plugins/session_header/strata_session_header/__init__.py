@@ -56,6 +56,8 @@ DIGEST_LENGTH = 8
 CLIENT_ID_LENGTH = MAX_LENGTH - 1 - DIGEST_LENGTH
 
 CLAUDE_CODE_SESSION = "X-Claude-Code-Session-Id"
+#: The longest ``metadata.user_id`` read as JSON (Claude Code's is about 150 characters).
+MAX_USER_ID = 1024
 CLAUDE_CODE_AGENT = "X-Claude-Code-Agent-Id"
 CODEX_SESSIONS = ("session-id", "session_id")
 OPEN_WEBUI_CHAT = "X-OpenWebUI-Chat-Id"
@@ -122,9 +124,11 @@ def _client_id(source: Source, request: StrataRequest) -> str | None:
     if source == "claude_code_metadata":
         metadata = request.body.get("metadata")
         user_id = metadata.get("user_id") if isinstance(metadata, dict) else None
+        if not isinstance(user_id, str) or len(user_id) > MAX_USER_ID:
+            return None
         try:
-            fields = json.loads(user_id) if isinstance(user_id, str) else None
-        except ValueError:
+            fields = json.loads(user_id)
+        except (ValueError, RecursionError):
             return None
         return usable_client_id(fields.get("session_id") if isinstance(fields, dict) else None)
     if source == "prompt_cache_key":

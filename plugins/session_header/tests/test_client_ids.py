@@ -153,7 +153,8 @@ def test_a_clients_id_that_is_not_usable_is_passed_over_never_refused(bad):
 
 
 @pytest.mark.parametrize("user_id", ["not json", json.dumps(["a"]), json.dumps({"device_id": "d"}),
-                                     json.dumps({"session_id": 7}), 42])
+                                     json.dumps({"session_id": 7}), 42, "[" * 100_000,
+                                     json.dumps({"session_id": SESSION_A, "pad": "x" * 2000})])
 def test_a_metadata_user_id_without_a_session_is_passed_over(user_id):
     route, body, _ = main_turn(None, claude_code_opening())
     assert key(route, {**body, "metadata": {"user_id": user_id}}) is None
