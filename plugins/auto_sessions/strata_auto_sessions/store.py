@@ -151,7 +151,9 @@ def _tensor_layout(fd: int, size: int) -> tuple[int, list[int]] | None:
         head = os.pread(fd, chunk, 0)
         try:
             return _parse_tensor_layout(head)
-        except (struct.error, IndexError, UnicodeDecodeError, KeyError):
+        except (KeyError, RecursionError):  # a value type GGUF has not, nesting no file has
+            return None
+        except (struct.error, IndexError):  # the metadata runs on past what was read
             if chunk >= size or chunk >= 256 << 20:
                 return None
             chunk = min(size, chunk * 4)
