@@ -211,12 +211,12 @@ async def test_a_wrong_typed_sidecar_is_refused_and_parking_goes_on(auto_client,
     sidecar[field] = value
     (directory / f"auto-{key_a}.json").write_text(json.dumps(sidecar))
 
+    code, output = sessions(directory, "ls")
+    assert code == 0 and "Traceback" not in output, output
     client = await auto_client(idle_save_s=0)
     stats = parking(client).stats  # auto-sessions started
     assert stats.damaged_files == 1 and stats.files_on_disk == 1
     assert any(f"auto-{key_a}.bin is left alone" in line and repr(field) in line for line in log_lines(caplog))
-    code, output = sessions(directory, "ls")
-    assert code == 0 and "Traceback" not in output, output
     rows = listed(directory)
     assert rows[key_a]["compatible"].startswith("no (damaged)") and repr(field) in rows[key_a]["damaged"]
     assert rows[key_b]["compatible"] == "yes"
@@ -265,20 +265,20 @@ async def test_a_lock_held_by_another_process_never_stops_the_server(auto_client
         switch = asyncio.create_task(client.post("/v1/chat/completions",
                                                  json={"messages": b, "max_tokens": 4, "temperature": 0}))
         watched_until = loop.time() + min(hold_s, lock_wait_s) - 1.5
-        slowest = 0.0
+        answers = []
         while loop.time() < watched_until:
             began = loop.time()
-            health = await asyncio.wait_for(client.get("/health"), 10)
-            assert health.status == 200
-            slowest = max(slowest, loop.time() - began)
+            health = await asyncio.wait_for(client.get("/health"), 30)
+            answers.append((round(loop.time() - began, 2), health.status))
             await asyncio.sleep(0.25)
-        assert slowest < 1.0, f"/health took {slowest:.1f} s while the lock was held"
+        assert answers and all(took < 1.0 and status == 200 for took, status in answers), answers
         assert not switch.done(), "the switch did not wait for the lock"
         resp = await asyncio.wait_for(switch, 120)
         assert resp.status == 200, await resp.text()
     finally:
         holder.kill()
         holder.wait()
+        holder.stdout.close()
     key_a = key_of(client, a)
     if saved:
         assert stats.saves == 1 and (directory / f"auto-{key_a}.bin").exists()
