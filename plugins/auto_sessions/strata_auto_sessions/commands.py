@@ -22,7 +22,7 @@ import strata_serve
 from strata_serve import ConfigError, load_settings
 
 from strata_auto_sessions.parking import GB, NAME, AutoSessionsConfig
-from strata_auto_sessions.store import SessionStore, Sidecar, as_of, incompatibility, last_use, sample_digest
+from strata_auto_sessions.store import SessionStore, Sidecar, as_of, incompatibility, sample_digest
 
 
 class Sessions:
@@ -38,12 +38,13 @@ class Sessions:
         sidecars = dict(self.store.sessions())
         now = time.time()
         rows = []
-        for key, path, size, _used in self.store.files():
+        for key, path, size, last_used in self.store.files():
             sidecar = sidecars.get(key)
             if sidecar is None:
                 continue
-            # A time stamped ahead of the clock (a run with its clock set wrong) is not an age.
-            created, used = as_of(sidecar.created, now), last_use(path.stat().st_mtime, sidecar.last_used, now=now)
+            # A time stamped ahead of the clock (a run with its clock set wrong) is not an age;
+            # files() gives 0 for a file whose every time is.
+            created, used = as_of(sidecar.created, now), last_used or None
             rows.append({
                 "key": key, "tenant": tenant_of(key, sidecar), "tokens": sidecar.tokens, "bytes": size,
                 "age_s": None if created is None else now - created,
