@@ -60,9 +60,9 @@ def on_config(settings):
 
 
 @strata_serve.hookimpl
-def on_startup(service):
+async def on_startup(service):
     config = service.plugin_config(NAME, AutoSessionsConfig)
-    service.state[NAME] = AutoSessions.start(config, service)
+    service.state[NAME] = await AutoSessions.start(config, service)
 
 
 @strata_serve.hookimpl

@@ -22,7 +22,7 @@ import strata_serve
 from strata_serve import ConfigError, load_settings
 
 from strata_auto_sessions.parking import GB, NAME, AutoSessionsConfig
-from strata_auto_sessions.store import SessionStore, Sidecar, incompatibility, sample_digest
+from strata_auto_sessions.store import SessionStore, Sidecar, as_of, incompatibility, sample_digest
 
 
 class Sessions:
@@ -38,15 +38,24 @@ class Sessions:
         sidecars = dict(self.store.sessions())
         now = time.time()
         rows = []
-        for key, path, size, used in self.store.files():
+        for key, path, size, last_used in self.store.files():
             sidecar = sidecars.get(key)
             if sidecar is None:
                 continue
+            # A time stamped ahead of the clock (a run with its clock set wrong) is not an age;
+            # files() gives 0 for a file whose every time is.
+            created, used = as_of(sidecar.created, now), last_used or None
             rows.append({
                 "key": key, "tenant": tenant_of(key, sidecar), "tokens": sidecar.tokens, "bytes": size,
-                "age_s": now - sidecar.created, "last_used_s": now - used,
+                "age_s": None if created is None else now - created,
+                "last_used_s": None if used is None else now - used,
                 "compatible": self.compatible(sidecar, engine), "file": str(path),
+                "stamped_ahead": created is None or used is None,
             })
+        for key, path, why in self.store.damaged():
+            rows.append({"key": key, "tenant": None, "tokens": None, "bytes": path.stat().st_size, "age_s": None,
+                         "last_used_s": None, "compatible": f"no (damaged): its sidecar is refused: {why}",
+                         "file": str(path), "damaged": why})
         return rows
 
     def compatible(self, sidecar: Sidecar, engine: dict[str, Any] | None) -> str:
@@ -81,11 +90,13 @@ def _size(n: int) -> str:
     return f"{n / GB:.2f} GB" if n >= GB / 100 else f"{n / 1024**2:.2f} MB"
 
 
-def _ago(seconds: float) -> str:
+def _ago(seconds: float | None, suffix: str = "", ahead: bool = False) -> str:
+    if seconds is None:  # damaged, or stamped ahead of the clock: no age to give
+        return "stamped ahead of the clock" if ahead else "-"
     for unit, length in (("d", 86400), ("h", 3600), ("min", 60)):
         if seconds >= length:
-            return f"{seconds / length:.0f} {unit}"
-    return f"{max(seconds, 0):.0f} s"
+            return f"{seconds / length:.0f} {unit}{suffix}"
+    return f"{max(seconds, 0):.0f} s{suffix}"
 
 
 def register(cli: click.Group) -> None:
@@ -115,8 +126,10 @@ def register(cli: click.Group) -> None:
                 click.echo(json.dumps(row))
             return
         table = [("KEY", "TENANT", "TOKENS", "SIZE", "AGE", "LAST USED", "COMPATIBLE")]
-        table += [(row["key"], row["tenant"] or "-", f"{row['tokens']:,}", _size(row["bytes"]),
-                   _ago(row["age_s"]), f"{_ago(row['last_used_s'])} ago", row["compatible"]) for row in rows]
+        table += [(row["key"], row["tenant"] or "-", "-" if row["tokens"] is None else f"{row['tokens']:,}",
+                   _size(row["bytes"]), _ago(row["age_s"], ahead=row.get("stamped_ahead", False)),
+                   _ago(row["last_used_s"], " ago", ahead=row.get("stamped_ahead", False)), row["compatible"])
+                  for row in rows]
         widths = [max(len(line[c]) for line in table) for c in range(6)]
         for line in table:
             click.echo("  ".join(cell.ljust(widths[c]) for c, cell in enumerate(line[:6])) + "  " + line[6])

@@ -27,7 +27,7 @@ from strata_serve import first_result
 from strata_auto_sessions.prefix import ParkedConversation, message_chain
 from strata_auto_sessions.store import (
     REFUSAL_REASONS, SIDECAR_VERSION, ParkingStore, SessionStore, Sidecar, engine_fingerprint, incompatibility,
-    swa_unusable,
+    LockTimeout, last_use, swa_unusable,
 )
 
 log = logging.getLogger("strata_auto_sessions")
@@ -72,6 +72,10 @@ class AutoSessionsConfig(BaseModel):
     #: Files saved by an engine build at most this many llama.cpp builds apart from the
     #: running one are restored; farther apart they are refused.
     build_range: int = Field(1000, ge=0)
+    #: Wait at most this long for the slot directory's lock, which another server or
+    #: ``strata-serve sessions`` may hold; then the save, restore or prune is given up
+    #: (logged) and the request goes on without it.
+    lock_wait_s: float = Field(10.0, gt=0)
 
     @model_validator(mode="after")
     def _min_tokens_alone(self) -> AutoSessionsConfig:
@@ -138,6 +142,9 @@ class AutoSessionsStats:
     files_on_disk: int = gauge("Session files on disk", summary="files")
     bytes_on_disk: int = gauge("Bytes of session files on disk", name="on_disk_bytes", unit="bytes",
                                summary="on disk")
+    #: Session files beside a sidecar that is refused (not JSON, a field of another type):
+    #: never restored, left alone.
+    damaged_files: int = gauge("Session files whose sidecar is damaged")
 
     def snapshot(self) -> dict[str, float]:
         return asdict(self)
@@ -168,7 +175,7 @@ class AutoSessions:
         self.unsaveable: str | None = None
 
     @classmethod
-    def start(cls, config: AutoSessionsConfig, service: Any) -> AutoSessions:
+    async def start(cls, config: AutoSessionsConfig, service: Any) -> AutoSessions:
         info = service.engine.info
         if "slot_files" not in getattr(service.engine, "capabilities", {"slot_files"}):
             log.warning("[strata] auto sessions: off: the engine backend cannot save and restore slots")
@@ -181,7 +188,11 @@ class AutoSessions:
         store = first_result(service.pm, "auto_sessions_store", directory=Path(directory), service=service) \
             or SessionStore(Path(directory))
         try:
-            removed = store.prepare()
+            async with store.lock_without_blocking(config.lock_wait_s):
+                removed = store.prepare()
+        except LockTimeout as exc:
+            log.warning("[strata] auto sessions: unfinished temporary files are left for the next start: %s", exc)
+            removed = 0
         except OSError as exc:
             log.warning("[strata] auto sessions: off: slot directory %s unusable: %s", directory, exc)
             return cls(config, None, {})
@@ -191,7 +202,7 @@ class AutoSessions:
         parking.bytes_per_token = store.bytes_per_token(parking.fingerprint)
         parking.describe_engine()
         parking.judge_engine()
-        parking.refresh_usage()
+        parking.refresh_usage(report=True)
         log.info("[strata] auto sessions: on, files in %s (%d file(s), %s); a conversation is worth a file "
                  "from %s", directory, parking.stats.files_on_disk, _size(parking.stats.bytes_on_disk),
                  _threshold(config))
@@ -430,11 +441,18 @@ class AutoSessions:
                     service.slots.emptied(slot)
                     return None
                 now = time.time()
-                kept = self.store.commit(temp, key, Sidecar(
-                    key=key, fingerprint=self.fingerprint, tokens=n_saved, bytes=n_written,
-                    created=sidecar.created if sidecar else now, last_used=now, digest="", prompt=prompt,
-                    tenant=held.tenant, version=SIDECAR_VERSION,
-                ))
+                try:
+                    async with self.store.lock_without_blocking(self.config.lock_wait_s):
+                        kept = self.store.commit(temp, key, Sidecar(
+                            key=key, fingerprint=self.fingerprint, tokens=n_saved, bytes=n_written,
+                            created=sidecar.created if sidecar else now, last_used=now, digest="",
+                            prompt=prompt, tenant=held.tenant, version=SIDECAR_VERSION,
+                        ))
+                except LockTimeout as exc:
+                    self._discard(temp)
+                    self.stats.save_failures += 1
+                    log.warning("[strata] auto sessions: saving %s given up: %s; it stays in the slot", key, exc)
+                    return False
                 break
             except (EngineError, EngineUnavailable, OSError) as exc:
                 self._discard(temp)
@@ -456,7 +474,7 @@ class AutoSessions:
         log.info("[strata] auto sessions: saved %s tokens (%s) to %s in %.0f ms%s%s",
                  f"{n_saved:,}", _size(n_written), self.store.bin_name(key), ms,
                  "" if reason == "switch" else f" ({reason})", _from_slot(service, slot))
-        self._prune(protect=in_use(service, key, incoming))
+        await self._prune(protect=in_use(service, key, incoming))
         return True
 
     def _file_kept(self, key: str) -> bool:
@@ -506,8 +524,13 @@ class AutoSessions:
         assert self.store is not None
         # Locked from the choice of file to the engine's read: `strata-serve sessions rm`
         # never removes a file between the checks and the restore.
-        with self.store.lock():
-            return await self._restore_locked(key, request, service)
+        try:
+            async with self.store.lock_without_blocking(self.config.lock_wait_s):
+                return await self._restore_locked(key, request, service)
+        except LockTimeout as exc:
+            log.warning("[strata] auto sessions: not restoring %s: %s; the request is answered by a full "
+                        "prefill", key, exc)
+            return False
 
     async def _restore_locked(self, key: str, request: StrataRequest, service: Any) -> bool:
         assert self.store is not None
@@ -522,6 +545,11 @@ class AutoSessions:
                 return False
             path = self.store.bin_path(source)
         sidecar = self.store.sidecar(source)
+        problem = self.store.sidecar_problem(source) if sidecar is None else None
+        if problem is not None:
+            self.stats.restores_refused_damaged += 1
+            log.warning("[strata] auto sessions: not restoring %s: its sidecar is damaged (%s)", path.name, problem)
+            return False
         if self.refused(path.name, sidecar):
             return False
         if not self.store.intact(source, sidecar):
@@ -598,6 +626,7 @@ class AutoSessions:
         except OSError as exc:
             log.warning("[strata] auto sessions: cannot list %s: %s", self.store.directory, exc)
             return None
+        now = time.time()
         for other, sidecar in sessions:
             # Tenants never share: a file is another tenant's unless its sidecar names this one
             # (and an unnamed tenant's keys have no tenant prefix).
@@ -610,8 +639,8 @@ class AutoSessions:
                                                           build_range=self.config.build_range):
                 continue
             parked.append(ParkedConversation(key=other, tokens=sidecar.tokens, bytes=sidecar.bytes,
-                                             last_used=sidecar.last_used, chain=list(prompt["chain"]),
-                                             sizes=list(prompt.get("sizes") or [])))
+                                             last_used=last_use(sidecar.last_used, now=now) or 0.0,
+                                             chain=list(prompt["chain"]), sizes=list(prompt.get("sizes") or [])))
         if not parked:
             return None
         chosen = first_result(service.pm, "auto_sessions_fallback", request=request, chain=chain,
@@ -667,19 +696,27 @@ class AutoSessions:
                     "prefill", self.store.bin_name(key), exc)  # type: ignore[union-attr]
         return False
 
-    def refresh_usage(self) -> None:
-        """Count the files on disk (after a change, not at every read of the numbers)."""
+    def refresh_usage(self, report: bool = False) -> None:
+        """Count the files on disk (after a change, not at every read of the numbers);
+        ``report`` logs each file whose sidecar is damaged."""
         assert self.store is not None
         try:
             self.stats.files_on_disk, self.stats.bytes_on_disk = self.store.usage()
+            damaged = self.store.damaged()
         except OSError as exc:
             log.warning("[strata] auto sessions: cannot list %s: %s", self.store.directory, exc)
+            return
+        self.stats.damaged_files = len(damaged)
+        for _key, path, why in damaged if report else ():
+            log.warning("[strata] auto sessions: %s is left alone, never restored: its sidecar is damaged (%s)",
+                        path.name, why)
 
-    def _prune(self, protect: frozenset[str] = frozenset()) -> None:
+    async def _prune(self, protect: frozenset[str] = frozenset()) -> None:
         assert self.store is not None
         try:
-            removed = self.store.prune(self.config.keep, int(self.config.max_gb * GB), protect)
-        except OSError as exc:
+            async with self.store.lock_without_blocking(self.config.lock_wait_s):
+                removed = self.store.prune(self.config.keep, int(self.config.max_gb * GB), protect)
+        except OSError as exc:  # a lock held elsewhere too long (LockTimeout) among them
             log.warning("[strata] auto sessions: pruning failed: %s", exc)
             return
         finally:

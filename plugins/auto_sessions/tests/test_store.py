@@ -208,3 +208,145 @@ def test_the_layout_comes_from_the_flags_and_the_environment():
     assert state_layout([], {"LLAMA_ARG_CACHE_TYPE_K": "q8_0", "LLAMA_ARG_SWA_FULL": "1"}) == \
         StateLayout(cache_type_k="q8_0", swa_full=True)
     assert state_layout(["-ctk", "q8_0", "-ctk", "f32"], {}).cache_type_k == "f32", "the last flag wins"
+
+
+def test_a_sidecar_without_the_weights_is_unjudged_not_taken_for_the_same_model(tmp_path):
+    """Saved by a version that fingerprinted the header only: nothing says the weights are the same."""
+    big = tmp_path / "m.gguf"
+    big.write_bytes(b"GGUF" + bytes(range(256)) * 100_000)  # 25 MB: sampled, not read whole
+    now = fingerprint(str(big), 4096)
+    older = {k: v for k, v in now.items() if k != "weights"}
+    assert "weights" in now and incompatibility(saved(older), now).reason == "unjudged"
+    assert incompatibility(saved(now), now) is None
+
+
+def test_the_weights_digest_reads_no_gguf_it_cannot_parse(tmp_path):
+    """Counts that no file could hold (a damaged header) end the parse, they never run it."""
+    import struct
+
+    from strata_auto_sessions.store import _tensor_layout, weights_digest
+
+    odd = tmp_path / "odd.gguf"
+    header = b"GGUF" + struct.pack("<IQQ", 3, 1, 1) + struct.pack("<Q", 3) + b"key"
+    odd.write_bytes(header + struct.pack("<IIQ", 9, 8, 1 << 60) + b"\0" * (20 << 20))
+    began = time.monotonic()
+    with open(odd, "rb") as handle:
+        assert _tensor_layout(handle.fileno(), odd.stat().st_size) is None
+    assert weights_digest(str(odd)) is not None and time.monotonic() - began < 5
+
+
+# -- sidecars of every odd shape --------------------------------------------------
+
+def good_sidecar(key="k") -> dict:
+    return {"key": key, "fingerprint": {"model": "m", "n_ctx": 4096, "header_sha256": "h", "size": 1,
+                                        "layout": {"cache_type_k": "f16", "swa_full": False}},
+            "tokens": 10, "bytes": 5, "created": 1.0, "last_used": 2.0, "digest": "d",
+            "prompt": {"units": 1, "digest": "x", "chain": ["ab"], "sizes": [3]}, "tenant": None, "version": 2}
+
+
+ODD_SIDECARS = {
+    "last_used a string": lambda d: d.update(last_used="1"),
+    "tokens a string": lambda d: d.update(tokens="10"),
+    "tokens a boolean": lambda d: d.update(tokens=True),
+    "tokens null": lambda d: d.update(tokens=None),
+    "tokens huge": lambda d: d.update(tokens=10**30),
+    "tokens negative": lambda d: d.update(tokens=-1),
+    "created NaN": lambda d: d.update(created=float("nan")),
+    "created huge": lambda d: d.update(created=1e300),
+    "key a number": lambda d: d.update(key=1),
+    "digest missing": lambda d: d.pop("digest"),
+    "fingerprint a list": lambda d: d.update(fingerprint=[]),
+    "layout a string": lambda d: d["fingerprint"].update(layout="f16"),
+    "build a number": lambda d: d["fingerprint"].update(build=5000),
+    "swa_full a string": lambda d: d["fingerprint"]["layout"].update(swa_full="no"),
+    "prompt a string": lambda d: d.update(prompt="x"),
+    "chain of numbers": lambda d: d["prompt"].update(chain=[1, 2]),
+    "tenant a list": lambda d: d.update(tenant=["alice"]),
+}
+
+
+@pytest.mark.parametrize("damage", list(ODD_SIDECARS))
+def test_a_sidecar_with_a_field_of_another_type_is_refused_and_the_others_still_work(tmp_path, damage):
+    store = SessionStore(tmp_path)
+    make_file(store, "good", 10, 5)
+    store.bin_path("odd").write_bytes(b"x" * 10)
+    data = good_sidecar("odd")
+    ODD_SIDECARS[damage](data)
+    store.sidecar_path("odd").write_text(json.dumps(data))  # NaN written as NaN, as Python would
+    assert store.sidecar("odd") is None
+    assert [key for key, *_ in store.files()] == ["good"] and [k for k, _ in store.sessions()] == ["good"]
+    assert store.bytes_per_token({}) == 10.0, "the good file's"
+    assert store.prune(keep=1, max_bytes=10**9) == [] and store.bin_path("odd").exists(), "never removed"
+    assert store.usage() == (1, 10)
+    assert store.sidecar_problem("odd") and store.sidecar_problem("good") is None
+    assert [(key, why) for key, _path, why in store.damaged()] == [("odd", store.sidecar_problem("odd"))]
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", "null", "7", '"a string"', "{", "NaN", '{"key": "odd", "tokens": NaN}',
+                                  "[" * 100_000, "\xff\xfe"],
+                         ids=["list", "null", "number", "string", "cut", "NaN", "NaN-field", "deep", "not-utf8"])
+def test_a_sidecar_that_is_not_a_json_object_is_refused(tmp_path, text):
+    store = SessionStore(tmp_path)
+    store.bin_path("odd").write_bytes(b"x")
+    store.sidecar_path("odd").write_bytes(text.encode("latin-1"))
+    assert store.sidecar("odd") is None and store.sidecar_problem("odd")
+    assert store.files() == [] and [key for key, *_ in store.damaged()] == ["odd"]
+
+
+def test_a_good_sidecar_still_reads_with_every_field(tmp_path):
+    store = SessionStore(tmp_path)
+    store.sidecar_path("k").write_text(json.dumps(good_sidecar()))
+    car = store.sidecar("k")
+    assert car is not None and car.tokens == 10 and car.prompt["chain"] == ["ab"] and car.version == 2
+    data = good_sidecar()
+    data["fingerprint"]["added_later"] = {"any": "thing"}  # a newer version may record more
+    store.sidecar_path("k").write_text(json.dumps(data))
+    assert store.sidecar("k") is not None
+
+
+# -- times stamped ahead of the clock -----------------------------------------------
+
+YEAR = 365 * 86400
+
+
+def test_files_stamped_ahead_of_the_clock_are_the_first_pruned(tmp_path):
+    """A run with its clock a year ahead left two files; with keep = 3 they would have pushed
+    out the working set, and never been pruned."""
+    store = SessionStore(tmp_path)
+    for n, age in enumerate([30, 20, 10]):
+        make_file(store, f"work{n}", 100, age)
+    make_file(store, "ahead0", 100, -YEAR)
+    make_file(store, "ahead1", 100, -YEAR - 60)
+    make_file(store, "skewed", 100, -60)  # a clock corrected by a minute since: taken as now
+    assert [key for key, *_ in store.files()][:1] == ["skewed"]
+    removed = store.prune(keep=3, max_bytes=10**9)
+    assert sorted(key for key, _ in removed) == ["ahead0", "ahead1", "work0"]
+    assert sorted(key for key, *_ in store.files()) == ["skewed", "work1", "work2"]
+    assert all(used <= time.time() for *_, used in store.files())
+
+
+def test_a_file_stamped_ahead_is_current_again_once_used(tmp_path):
+    store = SessionStore(tmp_path)
+    make_file(store, "old", 100, 100)
+    make_file(store, "ahead", 100, -YEAR)
+    assert [key for key, *_ in store.files()] == ["old", "ahead"]
+    store.touch("ahead")  # a restore touches it: its sidecar says now
+    assert [key for key, *_ in store.files()] == ["ahead", "old"]
+
+
+def test_sessions_ls_shows_no_age_for_a_file_stamped_ahead(tmp_path):
+    from click.testing import CliRunner
+
+    from strata_serve.cli import cli
+
+    store = SessionStore(tmp_path)
+    make_file(store, "ahead", 100, -YEAR)
+    make_file(store, "now", 100, 5)
+    result = CliRunner().invoke(cli, ["sessions", "--slot-dir", str(tmp_path), "ls", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {row["key"]: row for row in map(json.loads, result.output.splitlines())}
+    assert rows["ahead"]["last_used_s"] is None and rows["ahead"]["age_s"] is None and rows["ahead"]["stamped_ahead"]
+    assert 4 < rows["now"]["last_used_s"] < 60 and not rows["now"]["stamped_ahead"]
+    table = CliRunner().invoke(cli, ["sessions", "--slot-dir", str(tmp_path), "ls"]).output
+    (line,) = [line for line in table.splitlines() if line.startswith("ahead")]
+    assert "stamped ahead of the clock" in line and " s ago" not in line, line
