@@ -407,6 +407,17 @@ async def test_names_are_trusted_when_listed_or_when_listening_beyond_loopback(s
     client = await strata_client_factory(settings=strata_settings_factory(server={"host": "0.0.0.0"}))
     status, _, _ = await raw_exchange(client, b"GET /v1/models HTTP/1.1", host="gpu-box.lan:8080")
     assert status == 200
+    # Served by name, yet a page there is not this server's own: a page on a name rebound
+    # to this machine sends an Origin equal to its Host, and it still gets 403.
+    for name in ("gpu-box.lan:8080", f"evil.example:{client.port}"):
+        status, _, payload = await raw_exchange(
+            client, b"GET /v1/models HTTP/1.1\r\nOrigin: http://" + name.encode(), host=name)
+        assert_openai_error(json.loads(payload), 403, status)
+        assert json.loads(payload)["error"]["code"] == "origin_not_allowed"
+    # By its IP address, the same request is same-origin.
+    own = f"{client.host}:{client.port}"
+    status, _, _ = await raw_exchange(client, b"GET /v1/models HTTP/1.1\r\nOrigin: http://" + own.encode(), host=own)
+    assert status == 200
 
 
 async def test_cors_preflight_answers_allowed_origins_only(strata_client_factory, strata_settings_factory):
