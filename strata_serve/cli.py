@@ -171,8 +171,12 @@ def _resolve_model_or_exit(settings: Settings) -> None:
 
 
 async def serve(settings: Settings) -> None:
-    """Run until SIGINT/SIGTERM, then stop in order: listeners, drain, on_shutdown, engine."""
-    from strata_serve.api import create_app
+    """Run until SIGINT/SIGTERM, then stop in order: listeners, drain, on_shutdown, engine.
+
+    Each step of the stop is bounded (``server.shutdown_grace_s``, ``server.shutdown_save_s``);
+    a second signal stops at once.
+    """
+    from strata_serve.api import SERVICE, create_app
     from strata_serve.plugins import get_plugin_manager
 
     pm = get_plugin_manager(settings)
@@ -199,7 +203,11 @@ async def serve(settings: Settings) -> None:
             host, port,
         )
         await stop.wait()
-        log.info("[strata] stopping: finishing the request in flight, then saving and stopping the engine")
+        # A second signal stops now: what still runs is cut off, the engine killed.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, app[SERVICE].stop_now)
+        log.info("[strata] stopping: finishing the request in flight, then saving and stopping the engine "
+                 "(a second Ctrl-C or SIGTERM stops at once)")
     finally:
         await runner.cleanup()
     log.info("[strata] stopped")

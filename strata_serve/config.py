@@ -158,6 +158,10 @@ class ServerSettings(BaseModel):
     api_keys: dict[str, SecretStr] = Field(default_factory=dict)
     #: On a normal stop, how long the request in flight may take to finish.
     shutdown_grace_s: float = Field(30, ge=0)
+    #: On a normal stop, how long the plugins' ``on_shutdown`` (auto-sessions' saves) may
+    #: take, the cut-off requests' own last steps included; past it the stop goes on
+    #: and each conversation the engine held that no file keeps is logged by name.
+    shutdown_save_s: float = Field(60, gt=0)
     #: Keying plugins asked first for a conversation key, in this order (the first answer wins);
     #: the others follow in load order, the built-in default last.
     conversation_key_order: Annotated[list[str], NoDecode] = Field(default_factory=list)

@@ -161,6 +161,9 @@ def post_request(request: StrataRequest, outcome: Outcome, service: Service) -> 
 def on_shutdown(service: Service) -> Any:
     """The server is stopping normally: the FIFO is drained and held, the engine is still up.
 
+    Bounded by ``server.shutdown_save_s`` (cancelled past it, or at once on a second
+    signal); the core then logs each conversation held that no file keeps.
+
     :param service: The running service.
     """
 

@@ -66,6 +66,9 @@ class MemoryEngine:
     async def stop(self) -> None:
         self._ready = False
 
+    def kill(self) -> None:
+        self._ready = False
+
     async def crash_and_restart(self) -> None:
         """What a crash does to an engine: the slot is empty, the generation moves on."""
         self._ready = False

@@ -407,6 +407,17 @@ async def test_names_are_trusted_when_listed_or_when_listening_beyond_loopback(s
     client = await strata_client_factory(settings=strata_settings_factory(server={"host": "0.0.0.0"}))
     status, _, _ = await raw_exchange(client, b"GET /v1/models HTTP/1.1", host="gpu-box.lan:8080")
     assert status == 200
+    # Served by name, yet a page there is not this server's own: a page on a name rebound
+    # to this machine sends an Origin equal to its Host, and it still gets 403.
+    for name in ("gpu-box.lan:8080", f"evil.example:{client.port}"):
+        status, _, payload = await raw_exchange(
+            client, b"GET /v1/models HTTP/1.1\r\nOrigin: http://" + name.encode(), host=name)
+        assert_openai_error(json.loads(payload), 403, status)
+        assert json.loads(payload)["error"]["code"] == "origin_not_allowed"
+    # By its IP address, the same request is same-origin.
+    own = f"{client.host}:{client.port}"
+    status, _, _ = await raw_exchange(client, b"GET /v1/models HTTP/1.1\r\nOrigin: http://" + own.encode(), host=own)
+    assert status == 200
 
 
 async def test_cors_preflight_answers_allowed_origins_only(strata_client_factory, strata_settings_factory):
@@ -562,17 +573,18 @@ async def test_more_messages_than_the_context_or_the_limit_get_400_before_valida
 
 async def test_request_bodies_together_are_bounded_not_only_each(strata_client_factory, strata_settings_factory):
     # Thirty clients sending large (or compressed) bodies at once took the server past 1.5 GB:
-    # each body is held from its first byte to its answer. Two bodies of 1 MiB on their way
-    # fill a 2 MiB budget; a third request is refused at once, before its body is read.
-    settings = strata_settings_factory(server={"max_body_mib": 1, "max_bodies_mib": 2})
+    # each body is held from its first byte to its answer. A body of 1 MiB and one of 0.5 MiB
+    # on their way fill a 1.5 MiB budget; a third request is refused at once, before its
+    # body is read.
+    settings = strata_settings_factory(server={"max_body_mib": 1, "max_bodies_mib": 1.5})
     client = await strata_client_factory(settings=settings)
     host, port = client.server.host, client.server.port
     mib = 1024 * 1024
     slow = []
-    for _ in range(2):
+    for length in (mib, mib // 2):
         reader, writer = await asyncio.open_connection(host, port)
         writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {mib}\r\n\r\n".encode() + b'{"messages": [')
+                     f"Content-Length: {length}\r\n\r\n".encode() + b'{"messages": [')
         await writer.drain()
         slow.append((reader, writer))
     body = chat_body("hi", max_tokens=1)
@@ -580,26 +592,43 @@ async def test_request_bodies_together_are_bounded_not_only_each(strata_client_f
     async def refused() -> bool:
         resp = await client.post("/v1/chat/completions", json=body)
         if resp.status != 503:
+            assert resp.status == 200, await resp.text()
             return False
         answer = await resp.json()
         assert_openai_error(answer, 503, resp.status)
         assert answer["error"]["code"] == "bodies_budget" and resp.headers["Retry-After"] == "1"
         return True
 
-    deadline = asyncio.get_running_loop().time() + 10
-    while not await refused():  # the two slow requests reach their handlers
-        assert asyncio.get_running_loop().time() < deadline, "the budget never filled"
-        await asyncio.sleep(0.05)
-    gzipped = await client.post("/v1/chat/completions", data=b"\x1f\x8b", headers={
-        "Content-Type": "application/json", "Content-Encoding": "gzip"})
-    assert gzipped.status == 503, "a compressed body reserves the largest size"
-    for _, writer in slow:  # the slow clients give up: their reservations are returned
-        writer.close()
-        await writer.wait_closed()
-    deadline = asyncio.get_running_loop().time() + 10
-    while (resp := await client.post("/v1/chat/completions", json=body)).status != 200:
-        assert resp.status == 503 and asyncio.get_running_loop().time() < deadline, await resp.text()
-        await asyncio.sleep(0.05)
+    async def until(want_refused: bool, what: str) -> None:
+        deadline = asyncio.get_running_loop().time() + 10
+        while await refused() != want_refused:
+            assert asyncio.get_running_loop().time() < deadline, what
+            await asyncio.sleep(0.05)
+
+    async def gzipped() -> int:
+        resp = await client.post("/v1/chat/completions", data=b"\x1f\x8b", headers={
+            "Content-Type": "application/json", "Content-Encoding": "gzip"})
+        return resp.status
+
+    try:
+        await until(True, "the budget never filled")  # the two slow requests reach their handlers
+        # The smaller client gives up: its reservation is returned, and a small body fits again.
+        slow[1][1].close()
+        await slow[1][1].wait_closed()
+        await until(False, "the reservation of a client that left was never returned")
+        # Room for a 2-byte body but not for the largest one: a compressed body may inflate to
+        # that, so it reserves that, and is refused where its Content-Length alone would fit.
+        assert await gzipped() == 503, "a compressed body reserves the largest size"
+        slow[0][1].close()
+        await slow[0][1].wait_closed()
+        deadline = asyncio.get_running_loop().time() + 10
+        while (status := await gzipped()) == 503:  # the last reservation returned
+            assert asyncio.get_running_loop().time() < deadline, "the budget never emptied"
+            await asyncio.sleep(0.05)
+        assert status == 400, "within the budget, the compressed body is read (and is not gzip)"
+    finally:  # a client left open would hold the server's stop for read_timeout_s
+        for _, writer in slow:
+            writer.close()
 
 
 async def test_a_media_type_spelled_with_escapes_is_still_checked(client, recorder):

@@ -1,5 +1,6 @@
 """The command line as a user runs it: a real process, a real signal."""
 
+import importlib.metadata
 import json
 import os
 import re
@@ -132,3 +133,73 @@ def test_uvloop_asked_for_but_not_installed_is_a_clear_error(monkeypatch):
     with pytest.raises(click.ClickException, match=r"uvloop, which is not installed: pip install 'strata-serve"):
         loop_factory("uvloop")
     assert loop_factory("asyncio") is None
+
+
+#: Where the test set-up (make's .venv/.examples) installs the plugins only the tests load:
+#: a site directory beside the venv's site-packages, added by conftest.py alone.
+TEST_PLUGINS = Path(sys.prefix) / "test-plugins"
+TEST_ONLY_PLUGINS = {"prefix_key", "quirks_strata_metal"}
+#: Run strata-serve with the test plugins' site directory added, as the tests have it.
+WITH_TEST_PLUGINS = ("-c", "import site, sys; site.addsitedir(sys.argv.pop(1)); "
+                           "from strata_serve.cli import main; main()", str(TEST_PLUGINS))
+
+
+def plugin_names(command: list[str], env: dict[str, str]) -> set[str]:
+    listing = subprocess.run(command + ["plugins"], env=env, capture_output=True, text=True, timeout=60)
+    assert listing.returncode == 0, listing.stderr
+    return {line.split()[0] for line in listing.stdout.splitlines()[1:]}
+
+
+def keys_of_two_openings(command: list[str], env: dict[str, str], tmp_path: Path, model: Path) -> list[str]:
+    """The conversation keys a server run by ``command`` gives two conversations whose
+    first 200 characters are the same."""
+    shared = ("Review this change line by line and say what it breaks, what it fixes, and what "
+              "it leaves as it was; be brief, name the files, and quote no more than a line of each. ") * 2
+    assert len(shared) > 200
+    port = free_port("127.0.0.1")
+    log_file = tmp_path / f"server-{port}.log"
+    keys = []
+    with open(log_file, "w") as log, subprocess.Popen(
+        command + ["run", "--model", str(model), "--port", str(port), "--slot-save-path", str(tmp_path / "slots"),
+                   "--cache-ram", "0", "--ctx-size", "2048"],
+        stderr=log, env={**env, "PYTHONUNBUFFERED": "1"},
+    ) as proc:
+        try:
+            wait_for(log_file, r"try: curl")
+            for tail in ("a.py", "b.py"):
+                request = urllib.request.Request(
+                    f"http://127.0.0.1:{port}/v1/chat/completions",
+                    data=json.dumps({"messages": [{"role": "user", "content": shared + tail}],
+                                     "max_tokens": 1}).encode(),
+                    headers={"Content-Type": "application/json"},
+                )
+                with urllib.request.urlopen(request, timeout=30) as resp:
+                    keys.append(resp.headers["X-Strata-Conversation"])
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return keys
+
+
+def test_a_plain_run_after_the_test_set_up_has_no_test_only_plugin(tmp_path, strata_demo_model):
+    # `make test` used to install the example keying plugin into .venv itself: the README's
+    # `.venv/bin/strata-serve run` then keyed two conversations sharing their first 200
+    # characters as one. The tests load such plugins from a directory of their own.
+    assert str(TEST_PLUGINS) in sys.path, "the tests have the test-only plugins (conftest.py)"
+    loaded_here = {ep.name for ep in importlib.metadata.entry_points(group="strata_serve")}
+    assert TEST_ONLY_PLUGINS <= loaded_here
+    plain = [str(Path(sys.prefix) / "bin" / "strata-serve")]
+    with_them = [sys.executable, *WITH_TEST_PLUGINS]
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+
+    listed = plugin_names(plain, env)
+    assert "auto_sessions" in listed and not listed & TEST_ONLY_PLUGINS, listed
+    assert TEST_ONLY_PLUGINS <= plugin_names(with_them, env), "the control: the same listing sees them"
+
+    a, b = keys_of_two_openings(plain, env, tmp_path, strata_demo_model)
+    assert a != b, "a plain run keys them by their whole first message"
+    a, b = keys_of_two_openings(with_them, env, tmp_path, strata_demo_model)
+    assert a == b, "the control: with the example plugin, the first 200 characters name them"

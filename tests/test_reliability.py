@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -257,13 +258,14 @@ def wait_for(log_file: Path, text: str, timeout: float = 60) -> None:
     raise AssertionError(f"never saw {text!r}:\n{log_file.read_text()[-3000:]}")
 
 
-def start_server(tmp_path: Path, model: Path, port: int, log) -> subprocess.Popen:
+def start_server(tmp_path: Path, model: Path, port: int, log, **settings: str) -> subprocess.Popen:
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
         "STRATA_PLUGINS__AUTO_SESSIONS__MIN_TOKENS": str(MIN_TOKENS),
         "STRATA_SERVER__SHUTDOWN_GRACE_S": "0.5",
         "STRATA_ENGINE__LOG_LEVEL": "DEBUG",
+        **settings,
     }
     return subprocess.Popen(
         [sys.executable, "-m", "strata_serve.cli", "run", "--model", str(model), "--port", str(port),
@@ -311,6 +313,100 @@ async def test_sigterm_mid_stream_cuts_cleanly_saves_and_the_next_start_restores
         finally:
             proc.send_signal(signal.SIGTERM)
             await asyncio.to_thread(proc.wait, 30)
+
+
+async def hold_a_conversation_then_hang_the_engine(log_file: Path, port: int) -> tuple[str, int]:
+    """A conversation worth a file held in the slot (its idle save never comes), then the
+    engine frozen with SIGSTOP: it takes calls and answers none, like a hung engine."""
+    import aiohttp
+
+    await asyncio.to_thread(wait_for, log_file, "listening on")
+    engine_pid = int(re.search(r"engine ready at .* \(pid (\d+)\)", log_file.read_text()).group(1))
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                json=body(conversation("hung"))) as resp:
+            assert resp.status == 200
+            key = resp.headers["X-Strata-Conversation"]
+    os.kill(engine_pid, signal.SIGSTOP)
+    return key, engine_pid
+
+
+def gone(pid: int) -> bool:
+    """The process has ended (a zombie not yet reaped by its parent counts as ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def end_the_engine(pid: int | None) -> None:
+    """A test that failed must not leave a frozen engine behind."""
+    if pid is not None and not gone(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+async def test_a_stop_with_the_engine_hung_ends_within_its_bound_and_names_what_it_did_not_save(
+    tmp_path, strata_demo_model
+):
+    # The shutdown save used to wait on the engine as long as engine.request_timeout_s
+    # (3,600 s): 45 s after SIGTERM the server still ran.
+    port = free_port("127.0.0.1")
+    log_file = tmp_path / "server.log"
+    engine_pid = None
+    with open(log_file, "a") as log, start_server(
+        tmp_path, strata_demo_model, port, log, STRATA_SERVER__SHUTDOWN_SAVE_S="3",
+        STRATA_PLUGINS__AUTO_SESSIONS__IDLE_SAVE_S="0",
+    ) as proc:
+        try:
+            key, engine_pid = await hold_a_conversation_then_hang_the_engine(log_file, port)
+            began = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            # The bound: 3 s of saves, then the engine's 10 s to heed SIGTERM before SIGKILL.
+            assert await asyncio.to_thread(proc.wait, 60) == 0
+            took = time.monotonic() - began
+            text = log_file.read_text()
+            assert "the stop's saves did not finish in 3 s" in text, text[-3000:]
+            assert f"not saved: conversation {key} (slot 0, " in text
+            assert "[strata] stopped" in text
+            assert took < 45, f"the stop took {took:.0f} s"
+            assert gone(engine_pid), "the frozen engine is killed with the server"
+            assert not list((tmp_path / "slots").glob("auto-*.bin"))
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            end_the_engine(engine_pid)
+
+
+@pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+async def test_a_second_signal_stops_at_once(tmp_path, strata_demo_model, second):
+    # Left to its bound (server.shutdown_save_s, 60 s by default), this stop would take a
+    # minute more; a second signal used to be ignored.
+    port = free_port("127.0.0.1")
+    log_file = tmp_path / "server.log"
+    engine_pid = None
+    with open(log_file, "a") as log, start_server(
+        tmp_path, strata_demo_model, port, log, STRATA_PLUGINS__AUTO_SESSIONS__IDLE_SAVE_S="0",
+    ) as proc:
+        try:
+            key, engine_pid = await hold_a_conversation_then_hang_the_engine(log_file, port)
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(wait_for, log_file, "[strata] stopping:")
+            await asyncio.sleep(1)  # the shutdown save is sent, and waits on the frozen engine
+            assert proc.poll() is None, "the first signal alone does not stop it this soon"
+            began = time.monotonic()
+            proc.send_signal(second)
+            assert await asyncio.to_thread(proc.wait, 30) == 0
+            took = time.monotonic() - began
+            text = log_file.read_text()
+            assert "stopping now" in text and f"not saved: conversation {key} (slot 0, " in text, text[-3000:]
+            assert "[strata] stopped" in text
+            assert took < 10, f"the stop took {took:.0f} s after the second signal"
+            assert gone(engine_pid), "the frozen engine is killed with the server"
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            end_the_engine(engine_pid)
 
 
 # -- load ------------------------------------------------------------------------

@@ -124,30 +124,39 @@ async def test_a_tenant_reaches_only_its_own_slot_files(strata_client_factory, s
     saved = await client.post("/slots/0?action=save", json={"filename": "x.bin"}, headers=as_("ka"))
     assert saved.status == 200, await saved.text()
     assert (await saved.json())["filename"] == "x.bin", "the answer names what the client said"
+    alice_tokens = (await saved.json())["n_saved"]
     alice_file = slots / "hand-alice--x.bin"
     alice_bytes = alice_file.read_bytes()
     assert not (slots / "x.bin").exists()
 
-    # bob's x.bin is his own: alice's is neither restored nor overwritten.
+    # The plain key is a tenant of its own: its x.bin is a plain name, and holds another state.
+    plain_words = chat_body("The plain key's own, much longer words: " + "a wave, a gull, a harbour; " * 20)
+    assert (await client.post("/v1/chat/completions", json=plain_words, headers=as_("k-plain"))).status == 200
+    plain = await client.post("/slots/0?action=save", json={"filename": "x.bin"}, headers=as_("k-plain"))
+    assert plain.status == 200 and (slots / "x.bin").exists()
+    assert (await plain.json())["n_saved"] != alice_tokens, "the two files hold states told apart by size"
+
+    # bob has no x.bin of his own: neither alice's nor the plain key's is restored for him.
     missing = await client.post("/slots/0?action=restore", json={"filename": "x.bin"}, headers=as_("kb"))
     nosuch = await client.post("/slots/0?action=restore", json={"filename": "nosuch.bin"}, headers=as_("kb"))
     assert_openai_error(await missing.json(), 404, missing.status)
     assert missing.status == nosuch.status
     assert without_name(await missing.json(), "x.bin") == without_name(await nosuch.json(), "nosuch.bin"), \
         "another tenant's file and no file at all get the same answer"
+    # bob's x.bin is his own: alice's is not overwritten.
     assert (await client.post("/v1/chat/completions", json=chat_body("bob's own words"), headers=as_("kb"))).status == 200
     bob = await client.post("/slots/0?action=save", json={"filename": "x.bin"}, headers=as_("kb"))
     assert bob.status == 200
     assert alice_file.read_bytes() == alice_bytes and (slots / "hand-bob--x.bin").exists()
 
-    # The plain key is a tenant of its own: plain names, and no way into a named tenant's.
-    plain = await client.post("/slots/0?action=save", json={"filename": "x.bin"}, headers=as_("k-plain"))
-    assert plain.status == 200 and (slots / "x.bin").exists()
+    # No way from the plain key into a named tenant's namespace.
     for name in ("hand-alice--x.bin", "HAND-alice--x.bin"):
         resp = await client.post("/slots/0?action=restore", json={"filename": name}, headers=as_("k-plain"))
         assert_openai_error(await resp.json(), 400, resp.status)
+    # alice gets back exactly what she saved, not the plain key's x.bin nor bob's.
     restored = await client.post("/slots/0?action=restore", json={"filename": "x.bin"}, headers=as_("ka"))
     assert restored.status == 200 and (await restored.json())["filename"] == "x.bin"
+    assert (await restored.json())["n_restored"] == alice_tokens
     assert alice_file.read_bytes() == alice_bytes
 
 

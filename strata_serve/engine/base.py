@@ -120,6 +120,11 @@ class Engine(Protocol):
 
     async def stop(self) -> None: ...
 
+    def kill(self) -> None:
+        """Stop at once, waiting for nothing: a second signal during a stop. :meth:`stop`
+        is still called after it. (A backend without it is stopped by :meth:`stop` alone.)"""
+        ...
+
     @property
     def ready(self) -> bool:
         """Started, answering, and letting requests through."""

@@ -434,6 +434,21 @@ class LlamaServer:
         if self._session is not None:
             await self._session.close()
 
+    def kill(self) -> None:
+        """Stop at once (a second signal during a stop): SIGKILL, no restart.
+
+        Calls in flight fail at once; :meth:`stop` then finds the process gone. An
+        attached engine is not ours to kill.
+        """
+        self._stopping = True
+        self._ready.clear()
+        self._up.clear()
+        self._notify()
+        if self._proc is not None and self._proc.returncode is None:
+            log.warning("[strata] killing the engine (pid %d)", self._proc.pid)
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.kill()
+
     async def _end_pump(self) -> None:
         """Let the output reader finish (the pipe's end), bounded: a child of the engine may hold it."""
         if self._pump is None:
