@@ -398,7 +398,7 @@ async def test_claude_code_on_a_context_too_small_shows_how_to_serve_more(cli_se
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["is_error"] is True, result
     asked = assert_says_how_to_serve_more(result["result"])
-    assert asked > 3 * SMALL_CTX, f"Claude Code's first request is {asked:,} tokens"
+    assert asked > 2 * SMALL_CTX, f"Claude Code's first request is {asked:,} tokens"
 
 
 async def test_codex_on_a_context_too_small_shows_how_to_serve_more(cli_server, workspace):
