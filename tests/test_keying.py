@@ -233,3 +233,37 @@ async def test_two_keys_that_differ_only_by_case_get_two_files(strata_client_fac
     assert len({name.casefold() for name in files}) == 2, "two files even where case is folded"
     stats = client.app[SERVICE].state["auto_sessions"].stats
     assert stats.restores == 1, "Chat came back from its own file"
+
+
+async def test_two_tenants_sending_one_client_session_id_never_share_a_key_or_a_file(
+    strata_client_factory, strata_settings_factory, caplog
+):
+    # Claude Code's own session header: the same id and the same opening from two tenants.
+    caplog.set_level(logging.INFO, logger="strata_auto_sessions")
+    settings = strata_settings_factory(plugins={"auto_sessions": {"min_tokens": 100, "idle_save_s": 0}},
+                                       server={"api_keys": {"alice": "ka", "bob": "kb"}})
+    client = await strata_client_factory(strata_auto_sessions, strata_session_header, settings=settings)
+    slots = client.app[SERVICE].engine.info.slot_save_path
+    session = "b5b1fbbf-ba96-40de-8923-ca1fdfb5dba9"
+
+    async def ask(api_key: str, turns: int) -> tuple[str, dict]:
+        body = {"model": "m", "max_tokens": 8, "temperature": 0, "system": "You are terse.",
+                "messages": conversation("shared", turns)}
+        resp = await client.post("/v1/messages", json=body, headers={
+            "x-api-key": api_key, "anthropic-version": "2023-06-01", "X-Claude-Code-Session-Id": session})
+        assert resp.status == 200, await resp.text()
+        return resp.headers["X-Strata-Conversation"], (await resp.json())["usage"]
+
+    def restored() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "auto sessions: restored" in r.getMessage()]
+
+    alice, _ = await ask("ka", 1)
+    bob, _ = await ask("kb", 1)
+    assert alice.startswith(f"alice--{session}_") and bob.startswith(f"bob--{session}_")
+    assert alice.split("--", 1)[1] == bob.split("--", 1)[1], "one id, one opening, two tenants"
+    assert not restored(), "bob was never given alice's file"
+    assert (await ask("ka", 2))[0] == alice  # alice's comes back from her own file
+    assert (await ask("kb", 2))[0] == bob
+    lines = restored()
+    assert len(lines) == 2 and "auto-alice--" in lines[0] and "auto-bob--" in lines[1], lines
+    assert {p.name.split("--", 1)[0] for p in slots.glob("auto-*.bin")} == {"auto-alice", "auto-bob"}
