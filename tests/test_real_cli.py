@@ -10,7 +10,7 @@ changed at the end of its prompt. The two sessions are told apart by the clients
 their identical openings.
 
 The model is the tiny random-weight demo model at a context that holds what these
-clients send (Claude Code's first request is about 17,800 tokens on it, Codex's 20,300):
+clients send (Claude Code's first request is about 17,000 tokens on it, Codex's 20,200):
 its answers are garbage, the clients must still finish. The test's plugin ends every
 answer early (a random model never ends by itself; Claude Code asks for 32,000 tokens,
 Codex for no limit); the prompts go as sent. The clients get a private HOME, a private
@@ -339,7 +339,7 @@ SMALL_CTX = 8192
 def assert_says_how_to_serve_more(message: str, ctx: int = SMALL_CTX) -> int:
     """The refusal names the context, the request's size and how to serve a bigger one;
     it returns the request's size as said."""
-    found = re.search(r"the request is ([\d,]+) tokens, more than the context of ([\d,]+) tokens", message)
+    found = re.search(r"the request \(([\d,]+) tokens\) exceeds the available context size \(([\d,]+) tokens", message)
     assert found, message
     asked, held = (int(group.replace(",", "")) for group in found.groups())
     assert held == ctx and asked > ctx, message
@@ -397,6 +397,8 @@ async def test_claude_code_on_a_context_too_small_shows_how_to_serve_more(cli_se
     assert log.seen and all(s.http_status == 400 for s in log.seen), log.seen
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["is_error"] is True, result
+    # Claude Code knows the engine's words for it, and says so before the message.
+    assert result["result"].startswith("Prompt is too long"), result["result"]
     asked = assert_says_how_to_serve_more(result["result"])
     assert asked > 2 * SMALL_CTX, f"Claude Code's first request is {asked:,} tokens"
 
@@ -416,3 +418,18 @@ async def test_codex_on_a_context_too_small_shows_how_to_serve_more(cli_server, 
     assert shown and any(m and "--ctx-size" in m for m in shown), events
     asked = assert_says_how_to_serve_more(next(m for m in shown if m and "--ctx-size" in m))
     assert asked > SMALL_CTX, asked
+
+
+def test_the_refusal_names_the_slots_and_an_attached_engine():
+    from strata_serve.api.relay import context_overflow
+    from strata_serve.config import EngineSettings
+
+    error = {"n_prompt_tokens": 20000, "n_ctx": 4096}
+    two_slots = context_overflow(error, EngineSettings(ctx_size=8192, parallel=2))
+    assert "(4,096 tokens per slot, 2 slots)" in two_slots and "CTX_SIZE=65536" in two_slots, two_slots
+    attached = context_overflow(error, EngineSettings(url="http://127.0.0.1:9000"))
+    assert "restart the engine at http://127.0.0.1:9000" in attached and "-c 32768" in attached, attached
+    capped = context_overflow(error, EngineSettings(ctx_size=65536))
+    assert "--ctx-size asked for 65,536; the engine keeps to the model's own context length" in capped, capped
+    unknown = context_overflow({"message": "too long"}, None)
+    assert unknown.startswith("too long: serve a model with a larger context"), unknown

@@ -188,8 +188,9 @@ def context_overflow(error: dict[str, Any], engine: EngineSettings | None) -> st
     parallel = engine.parallel if engine is not None else 1
     # A power of two above the request (room left for the answer), at least 32k, per slot.
     needed = max(32768, 1 << n_prompt.bit_length()) * parallel
-    per_slot = f" per slot ({parallel} slots)" if parallel > 1 else ""
-    said = (f"the request is {n_prompt:,} tokens, more than the context of {n_ctx:,} tokens{per_slot} "
+    per_slot = f" per slot, {parallel} slots" if parallel > 1 else ""
+    # The engine's own words stay: Claude Code recognises them ("Prompt is too long").
+    said = (f"the request ({n_prompt:,} tokens) exceeds the available context size ({n_ctx:,} tokens{per_slot}) "
             "this server was started with")
     if engine is not None and engine.url:
         return f"{said}: restart the engine at {engine.url} with a larger context (llama-server -c {needed})"
