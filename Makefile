@@ -45,12 +45,18 @@ HOST ?= 127.0.0.1
 PORT ?= 8080
 ARGS ?=
 PYTEST_ARGS ?=
+# The real clients the end-to-end tests drive (tests/test_real_cli.py), from npm, pinned,
+# into a directory of this checkout: nothing is installed globally.
+NODE_DIR := .node
+CLAUDE_CODE_VERSION := 2.1.332
+CODEX_VERSION := 0.171.0
+NODE_STAMP := $(NODE_DIR)/.installed-$(CLAUDE_CODE_VERSION)-$(CODEX_VERSION)
 
-.PHONY: help setup serve test test-pythons bench bench-quick clean
+.PHONY: help setup clients serve test test-pythons bench bench-quick clean
 
 help:
 	@echo "make serve   set up (first time: ~10 min to build the engine) and run strata-serve on SmolLM2-135M"
-	@echo "make test    set up and run every test"
+	@echo "make test    set up (the client tests' Claude Code and Codex CLI from npm too) and run every test"
 	@echo "make test-pythons  a quick subset on Python $(TEST_PYTHONS) too"
 	@echo "make bench   run the benchmarks (bench-quick: a short version)"
 
@@ -116,8 +122,24 @@ serve: setup $(filter $(DEMO_MODEL),$(MODEL))
 	$(BIN)/strata-serve run --model $(MODEL) --ctx-size $(CTX_SIZE) --slot-save-path slots --host $(HOST) --port $(PORT) \
 	  $(ARGS)
 
+# Claude Code ships a native binary per platform in an optional dependency, copied into
+# place by its postinstall script; each CLI is run once to prove it starts here.
+$(NODE_STAMP):
+	@command -v npm >/dev/null || { echo "[strata] npm not found: the client tests run Claude Code and Codex CLI from npm; install Node.js 20 or later with npm (Debian: apt-get install nodejs npm)"; exit 1; }
+	rm -rf $(NODE_DIR)
+	npm install --prefix $(NODE_DIR) --no-audit --no-fund --loglevel=error \
+	  @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) @openai/codex@$(CODEX_VERSION) \
+	  || { echo "[strata] npm could not install @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) and @openai/codex@$(CODEX_VERSION) into $(NODE_DIR)"; exit 1; }
+	$(NODE_DIR)/node_modules/.bin/claude --version | grep -q '^$(CLAUDE_CODE_VERSION) ' \
+	  || { echo "[strata] $(NODE_DIR)/node_modules/.bin/claude does not run as Claude Code $(CLAUDE_CODE_VERSION)"; exit 1; }
+	$(NODE_DIR)/node_modules/.bin/codex --version | grep -q ' $(CODEX_VERSION)$$' \
+	  || { echo "[strata] $(NODE_DIR)/node_modules/.bin/codex does not run as Codex CLI $(CODEX_VERSION)"; exit 1; }
+	touch $@
+
+clients: $(NODE_STAMP)
+
 # pytest's exit code 5 means no tests ran: a broken set-up, never a pass.
-test: setup $(VENV)/.examples
+test: setup $(VENV)/.examples $(NODE_STAMP)
 	rc=0; $(BIN)/python -m pytest $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "[strata] no tests were collected: failing"; exit 1; fi; exit $$rc
 
@@ -172,4 +194,4 @@ bench-quick: setup
 	$(BIN)/python -m bench.run --quick
 
 clean:
-	rm -rf $(VENV) $(foreach v,$(TEST_PYTHONS),.venv-$(v)) models build *.egg-info
+	rm -rf $(VENV) $(foreach v,$(TEST_PYTHONS),.venv-$(v)) $(NODE_DIR) models build *.egg-info

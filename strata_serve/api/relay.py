@@ -23,6 +23,7 @@ from strata_serve.api.errors import APIError
 from strata_serve.api.formats import OPENAI, ApiFormat, StreamSeen
 from strata_serve.api.checks import check_media, check_messages, might_hold_media
 from strata_serve.api.app_state import SERVICE, TENANT
+from strata_serve.config import EngineSettings
 from strata_serve.engine.base import Engine, EngineUnavailable, JSONAnswer
 from strata_serve.hook_types import KeyRefused, Outcome, StrataRequest, Timings
 from strata_serve.service import QueueFull, Service, ShuttingDown
@@ -146,11 +147,12 @@ def service_errors(service: Service) -> Iterator[None]:
 _NOT_SUPPORTED = 501
 
 
-def engine_answer(status: int, body: Any) -> web.Response:
+def engine_answer(status: int, body: Any, engine: EngineSettings | None = None) -> web.Response:
     """The engine's answer as ours; an error is raised as :class:`APIError` for the route's shape.
 
     The engine's own 4xx error object keeps its fields (its numeric ``code``, its type,
-    the token counts of a context overflow) in the OpenAI shape.
+    the token counts of a context overflow) in the OpenAI shape. A context overflow is
+    told in words a user can act on (:func:`context_overflow`), given the ``engine``'s settings.
     """
     if status < 400:
         if isinstance(body, JSONAnswer):  # the engine's own bytes: no second encoding
@@ -165,8 +167,40 @@ def engine_answer(status: int, body: Any) -> web.Response:
     if status >= 500:
         raise APIError(502, f"the engine failed: {message}")
     extra = {k: v for k, v in error.items() if k not in ("message", "type", "param", "code")}
+    if error.get("type") == _EXCEEDS_CONTEXT:
+        message = context_overflow(error, engine)
     raise APIError(status, message, param=error.get("param"), code=error.get("code"),
                    type_=error.get("type") or "invalid_request_error", extra=extra)
+
+
+#: The engine's error type for a prompt longer than a slot's context (HTTP 400, with
+#: ``n_prompt_tokens`` and ``n_ctx``); its message says "the request exceeds the available
+#: context size, try increasing it" and no more.
+_EXCEEDS_CONTEXT = "exceed_context_size_error"
+
+
+def context_overflow(error: dict[str, Any], engine: EngineSettings | None) -> str:
+    """What to tell a client whose request does not fit the context: both sizes, and how to
+    serve one that holds it (an agent's first request is 20,000-40,000 tokens)."""
+    n_prompt, n_ctx = error.get("n_prompt_tokens"), error.get("n_ctx")
+    if not isinstance(n_prompt, int) or not isinstance(n_ctx, int) or n_prompt <= 0 or n_ctx <= 0:
+        return f"{error.get('message') or 'the request exceeds the context size'}: serve a model with a larger context"
+    parallel = engine.parallel if engine is not None else 1
+    # A power of two above the request (room left for the answer), at least 32k, per slot.
+    needed = max(32768, 1 << n_prompt.bit_length()) * parallel
+    per_slot = f" per slot, {parallel} slots" if parallel > 1 else ""
+    # The engine's own words stay: Claude Code recognises them ("Prompt is too long").
+    said = (f"the request ({n_prompt:,} tokens) exceeds the available context size ({n_ctx:,} tokens{per_slot}) "
+            "this server was started with")
+    if engine is not None and engine.url:
+        return f"{said}: restart the engine at {engine.url} with a larger context (llama-server -c {needed})"
+    if engine is not None and engine.ctx_size // parallel > n_ctx:
+        # The engine keeps to the context the model was trained for, whatever -c asks.
+        said += (f" (--ctx-size asked for {engine.ctx_size:,}; the engine keeps to the model's own "
+                 "context length)")
+    return (f"{said}: serve a model made for {n_prompt:,} tokens or more with a context to match, e.g. "
+            f"`make serve MODEL=path/to/model.gguf CTX_SIZE={needed}` or "
+            f"`strata-serve run --model path/to/model.gguf --ctx-size {needed}`")
 
 
 async def direct(request: web.Request, method: str, path: str, body: Any = None) -> web.Response:
@@ -183,7 +217,7 @@ async def direct(request: web.Request, method: str, path: str, body: Any = None)
     with service_errors(service):
         await service.engine.wait_ready()
         status, answer = await service.engine.request(method, path, json=body, op=path.strip("/"))
-    return engine_answer(status, answer)
+    return engine_answer(status, answer, service.settings.engine)
 
 
 async def relay(request: web.Request, route: str, path: str, body: dict[str, Any], *,
@@ -260,7 +294,7 @@ async def _relay_json(service: Service, path: str, body: dict[str, Any], outcome
     else:
         outcome.status = "error"
         outcome.error = f"engine answered HTTP {status}"
-    return engine_answer(status, answer)
+    return engine_answer(status, answer, service.settings.engine)
 
 
 async def _end_with_error(response: web.StreamResponse, message: str, kind: str, api: ApiFormat) -> None:
@@ -277,7 +311,7 @@ async def _relay_stream(
         if upstream.status != 200:
             answer = await upstream.body()
             outcome.error = f"engine answered HTTP {upstream.status}"
-            return engine_answer(upstream.status, answer)
+            return engine_answer(upstream.status, answer, service.settings.engine)
         response = web.StreamResponse(
             status=200,
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",

@@ -1,0 +1,435 @@
+"""The real Claude Code and Codex CLIs against strata-serve, end to end.
+
+``make test`` installs both from npm at pinned versions into ``.node/`` (``make clients``).
+Each CLI runs two sessions that open the same way (one prompt, one working directory),
+taking turns: A, B, then A resumed, then B resumed. Every resumed turn is a switch, so
+auto-sessions parks the other session and restores this one from its file (the engine's
+RAM cache is off): the engine then reuses all but the few hundred tokens the client
+changed at the end of its prompt. The two sessions are told apart by the clients' own ids
+(``X-Claude-Code-Session-Id``; Codex's ``session-id`` and ``prompt_cache_key``), never by
+their identical openings.
+
+The model is the tiny random-weight demo model at a context that holds what these
+clients send (Claude Code's first request is about 17,000 tokens on it, Codex's 20,200):
+its answers are garbage, the clients must still finish. The test's plugin ends every
+answer early (a random model never ends by itself; Claude Code asks for 32,000 tokens,
+Codex for no limit); the prompts go as sent. The clients get a private HOME, a private
+CODEX_HOME, the server's address, and the settings that keep them off the network (no
+update check, telemetry or error reports); every process has a deadline.
+
+A second part serves a context too small for them, as ``make serve``'s SmolLM2 has, and
+checks what the user sees: the refusal in the API's own shape, naming the context, the
+request's size and how to serve a bigger one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import strata_serve
+from strata_serve.api import SERVICE
+
+ROOT = Path(__file__).resolve().parent.parent
+NODE_BIN = ROOT / ".node" / "node_modules" / ".bin"
+#: Holds either client's whole request on the demo model (one token per character).
+CTX_SIZE = 65536
+#: Each answer's length (the test's plugin sets it): the clients ask for up to 32,000.
+ANSWER_TOKENS = 16
+#: Deadline of one CLI run (a first turn prefills about 40,000 tokens on a shared machine).
+CLI_TIMEOUT_S = 300
+#: A resumed turn reuses its own state when it re-reads at most this many tokens: the
+#: clients change the end of their prompt between turns (Claude Code moves a system
+#: block after the new turn), so the last few hundred tokens are new anyway.
+RESUME_SLACK = 1000
+PROMPT = "What does calc.py do?"
+#: Two sessions taking turns: each resumed turn follows the other session's.
+SESSIONS = [("A", "a"), ("B", "b"), ("A resumed", "a"), ("B resumed", "b")]
+STOP_LETTERS = [chr(c) for c in [*range(ord("a"), ord("z") + 1), *range(ord("A"), ord("Z") + 1)]]
+
+
+@dataclass
+class Seen:
+    """One request as strata-serve handled it."""
+
+    route: str
+    key: str | None
+    client_id: str | None
+    restored: int
+    http_status: int | None
+    status: str
+    prompt_tokens: int | None
+    reused: int | None
+    at: float
+
+
+class RequestLog:
+    """A plugin writing down each request's key, the client's own id and what the engine reused."""
+
+    strata_name = "cli_request_log"
+
+    def __init__(self) -> None:
+        self.seen: list[Seen] = []
+
+    @strata_serve.hookimpl
+    def pre_request(self, request: strata_serve.StrataRequest) -> None:
+        # A random model never ends by itself (the clients ask for 32,000 tokens, Codex
+        # for no limit); the prompt is left as sent. Codex takes an answer cut at
+        # ANSWER_TOKENS. Claude Code takes a cut answer for one past its limit and asks
+        # again, so its answers end at a stop sequence: any letter, which the demo model
+        # writes several times in 16 characters (when it writes one first, the answer is
+        # empty, and Claude Code sends the request once more: its own behaviour).
+        if request.route == "responses":
+            request.body["max_output_tokens"] = ANSWER_TOKENS
+        elif request.route == "messages":
+            request.body["stop_sequences"] = STOP_LETTERS
+            request.body["max_tokens"] = min(request.body.get("max_tokens") or 4 * ANSWER_TOKENS, 4 * ANSWER_TOKENS)
+
+    @strata_serve.hookimpl
+    def post_request(self, request: strata_serve.StrataRequest, outcome: strata_serve.Outcome) -> None:
+        headers = request.headers
+        client_id = headers.get("X-Claude-Code-Session-Id") or headers.get("session-id") or headers.get("session_id")
+        timings = outcome.timings
+        self.seen.append(Seen(
+            route=request.route, key=request.conversation_key, client_id=client_id,
+            restored=request.restored_tokens, http_status=outcome.http_status, status=outcome.status,
+            prompt_tokens=timings.prompt_tokens if timings else None, reused=timings.reused if timings else None,
+            at=time.monotonic(),
+        ))
+
+
+def client_binary(name: str) -> Path:
+    path = NODE_BIN / name
+    if not os.access(path, os.X_OK):
+        pytest.fail(f"{path} is missing: `make test` installs Claude Code and Codex CLI there with npm "
+                    "(`make clients` alone does that)")
+    return path
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+async def run_cli(argv: list[str], *, cwd: Path, env: dict[str, str], timeout: float = CLI_TIMEOUT_S) -> Run:
+    """Run a CLI to its end within ``timeout`` seconds (its whole process group is killed past it)."""
+    start = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(
+        *argv, cwd=cwd, env=env, stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = await proc.communicate()
+        pytest.fail(f"{argv[0]} did not finish within {timeout:g} s\nstdout: {out.decode()[-2000:]}\n"
+                    f"stderr: {err.decode()[-2000:]}")
+    finally:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    return Run(proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"), time.monotonic() - start)
+
+
+def base_env(home: Path) -> dict[str, str]:
+    """A clean environment: a private HOME, nothing of the developer's own set-up."""
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "LANG": "C.UTF-8",
+            "TERM": "dumb", "NO_COLOR": "1"}
+
+
+def claude_env(home: Path, url: str) -> dict[str, str]:
+    return {
+        **base_env(home),
+        "ANTHROPIC_BASE_URL": url,
+        "ANTHROPIC_API_KEY": "sk-local",
+        "ANTHROPIC_MODEL": "local",
+        # Off the network: no update check, telemetry or error reports. The umbrella
+        # CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC is left unset, as a user would.
+        "DISABLE_AUTOUPDATER": "1",
+        "DISABLE_TELEMETRY": "1",
+        "DISABLE_ERROR_REPORTING": "1",
+        "DISABLE_BUG_COMMAND": "1",
+        "CLAUDE_CODE_DISABLE_FEEDBACK_SURVEY": "1",
+    }
+
+
+def codex_config(url: str, context_window: int) -> str:
+    return (
+        'model = "local"\n'
+        'model_provider = "strata"\n'
+        f"model_context_window = {context_window}\n"
+        "check_for_update_on_startup = false\n"
+        "[analytics]\n"
+        "enabled = false\n"
+        "[model_providers.strata]\n"
+        'name = "strata-serve"\n'
+        f'base_url = "{url}/v1"\n'
+        'wire_api = "responses"\n'
+        "request_max_retries = 0\n"
+        "stream_max_retries = 0\n"
+    )
+
+
+def codex_env(home: Path, codex_home: Path) -> dict[str, str]:
+    return {**base_env(home), "CODEX_HOME": str(codex_home)}
+
+
+def claude_argv(*extra: str) -> list[str]:
+    return [str(client_binary("claude")), "-p", *extra, "--output-format", "json"]
+
+
+def codex_argv(*extra: str) -> list[str]:
+    return [str(client_binary("codex")), "exec", "--skip-git-repo-check", "--json", *extra]
+
+
+def claude_result(run: Run) -> dict[str, Any]:
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    said = {k: result.get(k) for k in ("subtype", "terminal_reason", "is_error", "num_turns", "api_error_status",
+                                        "stop_reason", "result", "permission_denials")}
+    assert run.returncode == 0, f"claude exited {run.returncode}: {said}\nstderr: {run.stderr[-3000:]}"
+    assert result.get("is_error") is False, result
+    return result
+
+
+def codex_thread(run: Run) -> str:
+    assert run.returncode == 0, f"codex exited {run.returncode}\nstdout: {run.stdout[-3000:]}\nstderr: {run.stderr[-3000:]}"
+    events = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert any(e.get("type") == "turn.completed" for e in events), events
+    return next(e["thread_id"] for e in events if e.get("type") == "thread.started")
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> dict[str, Path]:
+    """A HOME, a CODEX_HOME and one project directory both sessions of a client work in."""
+    home, codex_home, project = tmp_path / "home", tmp_path / "codex-home", tmp_path / "project"
+    for path in (home, codex_home, project):
+        path.mkdir()
+    (project / "calc.py").write_text("def add(a, b):\n    return a + b\n")
+    return {"home": home, "codex_home": codex_home, "project": project}
+
+
+@pytest.fixture
+def cli_server(strata_client_factory, strata_settings_factory):
+    """strata-serve as ``strata-serve run`` has it (every installed plugin but the examples),
+    on the demo model at ``ctx_size``, with the request log."""
+
+    async def make(ctx_size: int) -> tuple[Any, RequestLog, str]:
+        log = RequestLog()
+        settings = strata_settings_factory(
+            # The engine keeps to the context a model was trained for (the demo model's is
+            # 4,096 tokens), so the model is said to be made for this one.
+            engine={"ctx_size": ctx_size, "start_timeout_s": 120,
+                    "extra_args": ["--override-kv", f"llama.context_length=int:{ctx_size}"]},
+            plugins={"auto_sessions": {"min_tokens": 100, "idle_save_s": 0}},
+            disable_plugins=["prefix_key"],
+        )
+        client = await strata_client_factory(log, settings=settings, entrypoints=True)
+        return client, log, str(client.make_url("")).rstrip("/")
+
+    return make
+
+
+def assert_resumed(turn: list[Seen], label: str) -> Seen:
+    """The resumed turn's first request was restored from its own file and re-read only its end."""
+    assert turn, f"{label}: no request reached the server"
+    first = turn[0]
+    assert first.restored > 0, f"{label}: nothing was restored: {first}"
+    assert first.prompt_tokens is not None and first.reused is not None, first
+    assert first.prompt_tokens - first.reused <= RESUME_SLACK, (
+        f"{label}: re-read {first.prompt_tokens - first.reused:,} of {first.prompt_tokens:,} tokens: {first}")
+    return first
+
+
+def assert_keyed_by_id(ids: dict[str, str], keys: dict[str, set[str | None]]) -> None:
+    """Two sessions that open alike have a key each, the same across a resume, from the client's id."""
+    assert ids["a"] != ids["b"]
+    assert len(keys["a"]) == 1 and len(keys["b"]) == 1, f"one key per session, constant across its resume: {keys}"
+    assert keys["a"] != keys["b"], (
+        f"two sessions that open alike got one key {keys['a']}: the key must come from the client's id")
+    for session in ("a", "b"):
+        (key,) = keys[session]
+        assert key is not None and ids[session] in key, f"the key {key!r} is not the client's id {ids[session]}"
+
+
+def report(label: str, run: Run, turn: list[Seen]) -> str:
+    parts = [f"{s.prompt_tokens} tokens, reused {s.reused}, restored {s.restored}" for s in turn]
+    return f"{label}: {run.seconds:.1f} s, {len(turn)} request(s): " + "; ".join(parts)
+
+
+async def test_claude_code_two_sessions_resumed_in_turn_each_restore_their_own_state(cli_server, workspace):
+    client, log, url = await cli_server(CTX_SIZE)
+    env, cwd = claude_env(workspace["home"], url), workspace["project"]
+    ids: dict[str, str] = {}
+    keys: dict[str, set[str | None]] = {"a": set(), "b": set()}
+    lines: list[str] = []
+    resumed: list[tuple[str, list[Seen]]] = []
+    for label, session in SESSIONS:
+        since = len(log.seen)
+        resume = ["--resume", ids[session]] if session in ids else []
+        run = await run_cli(claude_argv(*resume, "And what else?" if resume else PROMPT), cwd=cwd, env=env)
+        result = claude_result(run)
+        turn = log.seen[since:]
+        lines.append(report(label, run, turn))
+        assert turn and all(s.http_status == 200 and s.status == "ok" for s in turn), turn
+        assert {s.route for s in turn} == {"messages"}, turn
+        if resume:
+            resumed.append((label, turn))
+        ids.setdefault(session, result["session_id"])
+        assert result["session_id"] == ids[session], "a resumed session keeps its id"
+        assert {s.client_id for s in turn} == {ids[session]}, turn
+        keys[session] |= {s.key for s in turn}
+    print("\n".join(lines))
+    assert_keyed_by_id(ids, keys)
+    for label, turn in resumed:
+        assert_resumed(turn, label)
+
+
+async def test_codex_two_sessions_resumed_in_turn_each_restore_their_own_state(cli_server, workspace):
+    client, log, url = await cli_server(CTX_SIZE)
+    (workspace["codex_home"] / "config.toml").write_text(codex_config(url, CTX_SIZE))
+    env, cwd = codex_env(workspace["home"], workspace["codex_home"]), workspace["project"]
+    ids: dict[str, str] = {}
+    keys: dict[str, set[str | None]] = {"a": set(), "b": set()}
+    lines: list[str] = []
+    resumed: list[tuple[str, list[Seen]]] = []
+    for label, session in SESSIONS:
+        since = len(log.seen)
+        resume = session in ids
+        argv = codex_argv("resume", ids[session], "And what else?") if resume else codex_argv(PROMPT)
+        run = await run_cli(argv, cwd=cwd, env=env)
+        thread = codex_thread(run)
+        turn = log.seen[since:]
+        lines.append(report(label, run, turn))
+        assert turn and all(s.http_status == 200 and s.status == "ok" for s in turn), turn
+        assert {s.route for s in turn} == {"responses"}, turn
+        if resume:
+            resumed.append((label, turn))
+        ids.setdefault(session, thread)
+        assert thread == ids[session], "a resumed session keeps its id"
+        assert {s.client_id for s in turn} == {ids[session]}, turn
+        keys[session] |= {s.key for s in turn}
+    print("\n".join(lines))
+    assert_keyed_by_id(ids, keys)
+    for label, turn in resumed:
+        assert_resumed(turn, label)
+
+
+# A context too small for an agent: what the user sees.
+
+#: ``make serve``'s context (SmolLM2's own is 8,192 tokens): the clients' first request is
+#: several times longer.
+SMALL_CTX = 8192
+
+
+def assert_says_how_to_serve_more(message: str, ctx: int = SMALL_CTX) -> int:
+    """The refusal names the context, the request's size and how to serve a bigger one;
+    it returns the request's size as said."""
+    found = re.search(r"the request \(([\d,]+) tokens\) exceeds the available context size \(([\d,]+) tokens", message)
+    assert found, message
+    asked, held = (int(group.replace(",", "")) for group in found.groups())
+    assert held == ctx and asked > ctx, message
+    assert re.search(r"make serve MODEL=\S+ CTX_SIZE=\d+", message) and "--ctx-size " in message, message
+    needed = int(re.search(r"CTX_SIZE=(\d+)", message).group(1))
+    assert needed > asked, message
+    return asked
+
+
+LONG_TEXT = " ".join(f"word{n}" for n in range(2500))  # about 17,000 tokens on the demo model
+
+
+async def test_a_request_past_the_context_is_refused_in_each_apis_shape_saying_how_to_serve_more(cli_server):
+    import anthropic
+    import openai
+
+    client, log, url = await cli_server(SMALL_CTX)
+    claude = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+    oai = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    try:
+        for stream in (False, True):
+            with pytest.raises(anthropic.BadRequestError) as refused:
+                await asyncio.to_thread(claude.messages.create, model="local", max_tokens=8, stream=stream,
+                                        messages=[{"role": "user", "content": LONG_TEXT}])
+            body = refused.value.body
+            assert set(body) == {"type", "error"} and body["error"]["type"] == "invalid_request_error", body
+            assert_says_how_to_serve_more(body["error"]["message"])
+
+            with pytest.raises(openai.BadRequestError) as refused:
+                await asyncio.to_thread(oai.responses.create, model="local", input=LONG_TEXT, stream=stream)
+            error = refused.value.body
+            assert {"message", "type", "param", "code"} <= set(error), error
+            assert error["n_ctx"] == SMALL_CTX and error["n_prompt_tokens"] > SMALL_CTX, error
+            assert_says_how_to_serve_more(error["message"])
+
+            with pytest.raises(openai.BadRequestError) as refused:
+                await asyncio.to_thread(oai.chat.completions.create, model="local", stream=stream,
+                                        messages=[{"role": "user", "content": LONG_TEXT}])
+            assert_says_how_to_serve_more(refused.value.body["message"])
+    finally:
+        claude.close()
+        oai.close()
+    assert log.seen and all(s.http_status == 400 for s in log.seen), log.seen
+    # The refusal is the request's own: the server goes on answering what fits.
+    answer = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
+    assert answer.status == 200, await answer.text()
+
+
+async def test_claude_code_on_a_context_too_small_shows_how_to_serve_more(cli_server, workspace):
+    client, log, url = await cli_server(SMALL_CTX)
+    run = await run_cli(claude_argv(PROMPT), cwd=workspace["project"], env=claude_env(workspace["home"], url))
+    print(f"claude on a {SMALL_CTX}-token context: exit {run.returncode}, {run.seconds:.1f} s\n"
+          f"stdout: {run.stdout[-1500:]}\nstderr: {run.stderr[-1500:]}")
+    assert run.returncode != 0
+    assert log.seen and all(s.http_status == 400 for s in log.seen), log.seen
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["is_error"] is True, result
+    # Claude Code knows the engine's words for it, and says so before the message.
+    assert result["result"].startswith("Prompt is too long"), result["result"]
+    asked = assert_says_how_to_serve_more(result["result"])
+    assert asked > 2 * SMALL_CTX, f"Claude Code's first request is {asked:,} tokens"
+
+
+async def test_codex_on_a_context_too_small_shows_how_to_serve_more(cli_server, workspace):
+    client, log, url = await cli_server(SMALL_CTX)
+    (workspace["codex_home"] / "config.toml").write_text(codex_config(url, SMALL_CTX))
+    run = await run_cli(codex_argv(PROMPT), cwd=workspace["project"],
+                        env=codex_env(workspace["home"], workspace["codex_home"]))
+    print(f"codex on a {SMALL_CTX}-token context: exit {run.returncode}, {run.seconds:.1f} s\n"
+          f"stdout: {run.stdout[-1500:]}\nstderr: {run.stderr[-1500:]}")
+    assert run.returncode != 0
+    assert log.seen and all(s.http_status == 400 for s in log.seen), log.seen
+    events = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    shown = [e.get("message") or e.get("error", {}).get("message") for e in events
+             if e.get("type") in ("error", "turn.failed")]
+    assert shown and any(m and "--ctx-size" in m for m in shown), events
+    asked = assert_says_how_to_serve_more(next(m for m in shown if m and "--ctx-size" in m))
+    assert asked > SMALL_CTX, asked
+
+
+def test_the_refusal_names_the_slots_and_an_attached_engine():
+    from strata_serve.api.relay import context_overflow
+    from strata_serve.config import EngineSettings
+
+    error = {"n_prompt_tokens": 20000, "n_ctx": 4096}
+    two_slots = context_overflow(error, EngineSettings(ctx_size=8192, parallel=2))
+    assert "(4,096 tokens per slot, 2 slots)" in two_slots and "CTX_SIZE=65536" in two_slots, two_slots
+    attached = context_overflow(error, EngineSettings(url="http://127.0.0.1:9000"))
+    assert "restart the engine at http://127.0.0.1:9000" in attached and "-c 32768" in attached, attached
+    capped = context_overflow(error, EngineSettings(ctx_size=65536))
+    assert "--ctx-size asked for 65,536; the engine keeps to the model's own context length" in capped, capped
+    unknown = context_overflow({"message": "too long"}, None)
+    assert unknown.startswith("too long: serve a model with a larger context"), unknown
