@@ -86,9 +86,10 @@ class Limits:
     #: Most open files in the last third over the most in the first third.
     fd_growth: int = 16
     #: Session files on disk at any sample: ``keep`` (the prune setting) plus the one just
-    #: committed before its prune runs; temporaries: one (one slot).
+    #: committed before its prune runs; temporaries: those of the one save in progress (one
+    #: slot), its state and its sidecar; a temporary seen at two samples in a row was left.
     extra_files: int = 1
-    temporaries: int = 1
+    temporaries: int = 2
     #: Tokens a quiet return may re-read of what its conversation held (the engine reads at
     #: least one token again; a chat template may split a reply's last token differently).
     quiet_reread: int = 4
@@ -103,12 +104,14 @@ class Plan:
     #: How long the engine stays frozen each time.
     stop_s: float = 6.0
     clients: int = 6
-    #: Conversations at a time: more than ``keep``, so pruning takes place.
-    conversations: int = 12
+    #: Conversations at a time, fewer than ``keep``: a conversation grown past ``longest``
+    #: is left for a new one, and the files of those left are what pruning removes, so a
+    #: return that re-reads with its file on disk shows a loss, not a prune.
+    conversations: int = 6
     keep: int = 8
     min_tokens: int = 200
     opening: int = 600
-    grow: int = 40
+    grow: int = 150
     #: A conversation longer than this is left for a new one (the context is 4,096).
     longest: int = 2400
     max_tokens: int = 12
@@ -259,6 +262,8 @@ class Record:
     read: int | None = None
     #: Tokens of this conversation the engine held at its previous answered turn (returns).
     held_before: int = 0
+    #: The conversation's file was on disk when the request was sent.
+    had_file: bool = False
     phase: str = "faults"
 
 
@@ -379,6 +384,7 @@ class Sample:
     temporaries: int
     disk_bytes: int
     stats: dict[str, Any] | None
+    temporary_names: list[str] = field(default_factory=list)
 
 
 def process_rss_mib(pid: int) -> float:
@@ -395,16 +401,17 @@ def open_files(pid: int) -> int:
 BALLAST = "ballast"
 
 
-def slot_files(directory: Path) -> tuple[int, int, int]:
+def slot_files(directory: Path) -> tuple[int, list[str], int]:
     """(session files, temporaries, bytes of every file but the ballast) in the slot directory."""
-    sessions = temporaries = size = 0
+    sessions = size = 0
+    temporaries: list[str] = []
     for path in directory.iterdir():
         if path.name == BALLAST:
             continue
         with contextlib.suppress(OSError):
             size += path.stat().st_size
         if path.name.startswith("tmp-"):
-            temporaries += 1
+            temporaries.append(path.name)
         elif path.name.startswith("auto-") and path.name.endswith(".bin"):
             sessions += 1
     return sessions, temporaries, size
@@ -461,7 +468,8 @@ class Soak:
     def turn(self, conversation: Conversation, stream: bool, pattern: str, phase: str = "faults") -> Record:
         body = request_body(conversation.api, conversation.turns, self.plan.max_tokens, stream)
         record = Record(conversation.api, stream, pattern, time.monotonic(), held_before=conversation.held,
-                        phase=phase)
+                        phase=phase, had_file=conversation.key is not None
+                        and (self.slot_dir / f"auto-{conversation.key}.bin").exists())
         text = send(self.url, conversation.api, body, pattern, record)
         self.records.append(record)
         conversation.key = record.key or conversation.key
@@ -498,7 +506,7 @@ class Soak:
             stream = pattern in STREAM_ONLY or draw.random() < 0.5
             if draw.random() < self.plan.side_share:
                 if self.side(stream, pattern).outcome == "unreachable":
-                    time.sleep(0.25)
+                    time.sleep(1.0)
                 continue
             try:
                 conversation = self.free.get(timeout=1)
@@ -506,7 +514,7 @@ class Soak:
                 continue
             try:
                 if self.turn(conversation, stream, pattern).outcome == "unreachable":
-                    time.sleep(0.25)  # nothing listens: a client tries again a little later
+                    time.sleep(1.0)  # nothing listens: a client tries again a little later
             finally:
                 if conversation.tokens() > self.plan.longest:
                     conversation = self.new_conversation(conversation.api)
@@ -583,8 +591,8 @@ class Soak:
             return  # between a stop and the next start
         sessions, temporaries, size = slot_files(self.slot_dir)
         stats = self.server.stats()
-        self.samples.append(Sample(time.monotonic(), pid, rss, fds, sessions, temporaries, size,
-                                   ((stats or {}).get("plugins") or {}).get("auto_sessions")))
+        self.samples.append(Sample(time.monotonic(), pid, rss, fds, sessions, len(temporaries), size,
+                                   ((stats or {}).get("plugins") or {}).get("auto_sessions"), temporaries))
 
     def sampler(self) -> None:
         while not self.stop.wait(self.plan.sample_every_s):
@@ -667,19 +675,16 @@ def explained(record: dict[str, Any], faults: list[dict[str, Any]], kinds: tuple
 
 
 def thirds(samples: list[dict[str, Any]], began: float, ended: float) -> tuple[list[dict], list[dict]]:
-    """The samples of the faulted run's first and last thirds taken of the process that ran
-    last (a restart starts a new one)."""
-    third = (ended - began) / 3
+    """The samples of the first and last thirds of the faulted run of the process that ran
+    last (the restart starts a new one, a sixth of the way in): from its first sample on."""
     during = [s for s in samples if began <= s["at"] <= ended]
     if not during:
         return [], []
     pid = during[-1]["pid"]
     mine = [s for s in during if s["pid"] == pid]
-    first = [s for s in mine if s["at"] <= began + third]
-    last = [s for s in mine if s["at"] >= ended - third]
-    if not first:  # the restart came after the first third: the process's own first third
-        first = mine[:max(1, len(mine) // 3)]
-    return first, last
+    third = (mine[-1]["at"] - mine[0]["at"]) / 3
+    return ([s for s in mine if s["at"] <= mine[0]["at"] + third],
+            [s for s in mine if s["at"] >= mine[-1]["at"] - third])
 
 
 def judge(found: dict[str, Any], limits: Limits = Limits()) -> list[str]:
@@ -715,13 +720,18 @@ def judge(found: dict[str, Any], limits: Limits = Limits()) -> list[str]:
                 failures.append(f"{name}: re-read {back['held_before'] - (back['reused'] or 0)} of the "
                                 f"{back['held_before']} tokens it held (at most {limits.quiet_reread})")
     plan = found["plan"]
+    for before, sample in zip(found["samples"], found["samples"][1:]):
+        left = set(before.get("temporary_names") or ()) & set(sample.get("temporary_names") or ())
+        if left:
+            failures.append(f"at {sample['at'] - found['began']:.0f} s: temporaries left in the slot directory "
+                            f"since the sample before: {sorted(left)}")
     for sample in found["samples"]:
         at = f"at {sample['at'] - found['began']:.0f} s"
         if sample["session_files"] > plan["keep"] + limits.extra_files:
             failures.append(f"{at}: {sample['session_files']} session files, past keep = {plan['keep']} "
                             f"(+{limits.extra_files})")
         if sample["temporaries"] > limits.temporaries:
-            failures.append(f"{at}: {sample['temporaries']} temporaries left in the slot directory")
+            failures.append(f"{at}: {sample['temporaries']} temporaries in the slot directory, more than one save's")
     first, last = thirds(found["samples"], found["began"], found["faults_over"])
     if not first or not last:
         failures.append("too few samples of one process to compare the first and last thirds")
@@ -754,6 +764,7 @@ def rows(found: dict[str, Any]) -> list[dict[str, Any]]:
             "closed": sum(r["outcome"] == "closed" for r in window),
             "failed": sum(r["outcome"] in ("failed_in_shape", "unreachable") for r in window),
             "returns": len(returns), "reread": sum(max(0, r["held_before"] - r["reused"]) for r in returns),
+            "reread_filed": sum(max(0, r["held_before"] - r["reused"]) for r in returns if r.get("had_file")),
             "states": _states(returns),
             "faults": ", ".join(f"{happened.count(k)} {k}" for k in ("kill", "stop", "disk_full", "restart")
                                 if happened.count(k)),
@@ -779,8 +790,10 @@ def report(found: dict[str, Any], failures: list[str], command: str) -> str:
         by_outcome[r["outcome"]] = by_outcome.get(r["outcome"], 0) + 1
     by_api = {api: sum(r["api"] == api for r in records) for api in PATHS}
     kinds = [f["kind"] for f in found["faults"]]
+    answered_per_minute = sum(r["outcome"] == "answered" and r["phase"] == "faults" for r in records) / max(minutes,
+                                                                                                          1e-9)
     lines = [
-        f"# Soak: {minutes:.1f} minutes under faults",
+        f"# Soak: {plan['minutes']:g} minutes under faults",
         "",
         f"Made by `{command}` on {datetime.date.today().isoformat()}; machine: {machine()}; shared with other "
         f"work: load average (1, 5, 15 min) at the end {', '.join(f'{x:.1f}' for x in found['load_average'])}.",
@@ -797,6 +810,8 @@ def report(found: dict[str, Any], failures: list[str], command: str) -> str:
         f"emptied again, the engine frozen (SIGSTOP) for {plan['stop_s']:g} s; a sixth of the way in, strata-serve "
         "stopped (SIGTERM) and started again on the same directory.",
         "",
+        f"The faults ran {minutes:.1f} minutes (the last requests included); {answered_per_minute:.0f} requests "
+        "answered a minute on this machine, whose load says how much of it the soak had. "
         f"Faults made: {kinds.count('kill')} kills, {kinds.count('stop')} freezes, {kinds.count('disk_full')} disk "
         f"fills, {kinds.count('restart')} restart. Requests: {len(records):,} ("
         + ", ".join(f"{api} {n:,}" for api, n in by_api.items()) + "); "
@@ -809,16 +824,20 @@ def report(found: dict[str, Any], failures: list[str], command: str) -> str:
         "requests answered, closed by their client on purpose, failed (502/503 or a stream's error event during a "
         "kill or the restart; refused while strata-serve was down), answered returns (a conversation's turn "
         "after an answered one), the tokens they re-read (what the engine held at the conversation's previous "
-        "turn minus what it reused: the engine's `timings`, or the API's `usage`), where their state came from "
-        "(`X-Strata-State`), the faults made, and auto-sessions' saves and prunes so far (`/stats`, per process).",
+        "turn minus what it reused: the engine's `timings`, or the API's `usage`; in brackets, those of returns "
+        "whose file was on disk when they were sent; the others' had been lost to a fault or pruned, or never "
+        "made), where their state came from "
+        "(`X-Strata-State`: a stream's leaves before the answer, so it says `engine` there), the faults made, and "
+        "auto-sessions' saves and prunes so far (`/stats`, per process).",
         "",
         "| s | RSS MiB | open files | session files | MB on disk | answered | closed | failed | returns "
-        "| re-read tokens | state of returns | faults | saves | prunes |",
+        "| re-read tokens (with a file) | state of returns | faults | saves | prunes |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows(found):
         lines.append(f"| {row['t']:.0f} | {row['rss']:.1f} | {row['fds']} | {row['files']} | {row['mb']:.1f} "
-                     f"| {row['answered']} | {row['closed']} | {row['failed']} | {row['returns']} | {row['reread']:,} "
+                     f"| {row['answered']} | {row['closed']} | {row['failed']} | {row['returns']} "
+                     f"| {row['reread']:,} ({row['reread_filed']:,}) "
                      f"| {row['states']} | {row['faults']} | {row['saves'] if row['saves'] is not None else '-'} "
                      f"| {row['prunes'] if row['prunes'] is not None else '-'} |")
     returns = found["returns"]
