@@ -52,13 +52,14 @@ CLAUDE_CODE_VERSION := 2.1.332
 CODEX_VERSION := 0.171.0
 NODE_STAMP := $(NODE_DIR)/.installed-$(CLAUDE_CODE_VERSION)-$(CODEX_VERSION)
 
-.PHONY: help setup clients serve test test-pythons bench bench-quick clean
+.PHONY: help setup clients serve test test-pythons bench bench-quick soak clean
 
 help:
 	@echo "make serve   set up (first time: ~10 min to build the engine) and run strata-serve on SmolLM2-135M"
 	@echo "make test    set up (the client tests' Claude Code and Codex CLI from npm too) and run every test"
 	@echo "make test-pythons  a quick subset on Python $(TEST_PYTHONS) too"
 	@echo "make bench   run the benchmarks (bench-quick: a short version)"
+	@echo "make soak    strata-serve under faults for $(SOAK_MINUTES) minutes (SOAK_MINUTES=5 to shorten; needs root)"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -192,6 +193,12 @@ bench: setup
 
 bench-quick: setup
 	$(BIN)/python -m bench.run --quick
+
+# Not part of `make test`: the real server under every fault at once, bounded to 30 minutes
+# (SOAK_MINUTES shortens it), its table in bench/results/soak.md. It mounts a tmpfs: root.
+SOAK_MINUTES ?= 30
+soak: setup
+	$(BIN)/python -m bench.soak --minutes $(SOAK_MINUTES)
 
 clean:
 	rm -rf $(VENV) $(foreach v,$(TEST_PYTHONS),.venv-$(v)) $(NODE_DIR) models build *.egg-info

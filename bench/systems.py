@@ -42,6 +42,7 @@ class System:
     :param cache_ram_mib: the engine's RAM prompt cache; None leaves the engine's default.
     :param parallel: the engine's slots (``-np``).
     :param plugins: strata-serve's ``plugins`` section.
+    :param server: strata-serve's ``server`` section, besides its port and queue limit.
     """
 
     name: str
@@ -51,6 +52,7 @@ class System:
     cache_ram_mib: int | None = None
     parallel: int = 1
     plugins: dict[str, Any] = field(default_factory=dict)
+    server: dict[str, Any] = field(default_factory=dict)
 
 
 def engine_env() -> dict[str, str]:
@@ -167,7 +169,7 @@ class StrataServe(Running):
                                   "parallel": system.parallel, "extra_args": extra_args, "log_level": "DEBUG"}
         if system.cache_ram_mib is not None:
             engine["cache_ram_mib"] = system.cache_ram_mib
-        config = {"server": {"port": port, "queue_limit": 256}, "engine": engine, "plugins": system.plugins}
+        config = {"server": {"port": port, "queue_limit": 256, **system.server}, "engine": engine, "plugins": system.plugins}
         path = work / "strata.json"
         path.write_text(json.dumps(config, indent=1))
         self.url = f"http://127.0.0.1:{port}"

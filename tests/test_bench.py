@@ -58,3 +58,75 @@ async def test_quick_benchmark_writes_its_tables(tmp_path):
     assert found["profile"]["total"] > 0 and "strata-serve core" in found["profile"]["categories"]
     assert "Where the layer's time goes" in report and "| bare relay |" in report
     print(f"bench-quick took {results['seconds']['total']:.0f} s")
+
+
+# -- the soak ---------------------------------------------------------------------------------
+
+from bench import soak  # noqa: E402
+
+
+def test_a_short_soak_passes_under_every_fault(tmp_path):
+    """The soak for 30 s, a fault every 8 s (four conversations, so the returns are few):
+    each kind of fault was made, every API was answered, conversations were parked and came
+    back, and the verdict passed. (Under load, the restart holds the other faults back.)"""
+    plan = soak.Plan(minutes=0.5, fault_every_s=8, stop_s=2, conversations=4)
+    assert soak.main(plan, tmp_path, "pytest") == 0, (tmp_path / "soak.md").read_text()
+    report = (tmp_path / "soak.md").read_text()
+    assert "## Over time" in report and "Passed:" in report
+    found = json.loads((tmp_path / "soak.json").read_text())
+    kinds = [f["kind"] for f in found["faults"]]
+    assert kinds.count("kill") >= 1 and kinds.count("stop") >= 1 and kinds.count("disk_full") >= 1, kinds
+    assert kinds.count("restart") == 1, kinds
+    # Every API was sent to; under the faults of so short a run, not each is answered there.
+    assert {r["api"] for r in found["records"]} == set(soak.PATHS)
+    assert any(r["outcome"] == "answered" and r["phase"] == "faults" for r in found["records"])
+    answered = {r["api"] for r in found["records"] if r["outcome"] == "answered"}
+    assert set(soak.CONVERSATION_APIS) <= answered, answered
+    assert {r["pattern"] for r in found["records"]} == set(soak.PATTERNS)
+    assert found["returns"]["parked"] >= 2 and len(found["returns"]["quiet"]) == found["returns"]["parked"]
+    assert len(found["samples"]) >= 5 and all(s["rss_mib"] > 0 and s["fds"] > 0 for s in found["samples"])
+
+
+def _clean_run() -> dict:
+    """A soak's findings that pass: a kill from 10 to 12 s, one 502 under it."""
+    records = [
+        {"api": "chat", "stream": False, "pattern": "read_all", "began": 1.0, "ended": 1.5, "status": 200,
+         "outcome": "answered", "detail": "", "state": "disk", "reused": 600, "read": 40, "held_before": 600,
+         "phase": "faults"},
+        {"api": "messages", "stream": False, "pattern": "read_all", "began": 10.5, "ended": 11.0, "status": 502,
+         "outcome": "failed_in_shape", "detail": "HTTP 502", "state": None, "reused": None, "read": None,
+         "held_before": 0, "phase": "faults"},
+    ]
+    back = {"name": "c", "api": "chat", "status": 200, "state": "disk", "held_before": 700, "reused": 699,
+            "read": 40, "outcome": "answered"}
+    samples = [{"at": float(t), "pid": 7, "rss_mib": 90.0, "fds": 30, "session_files": 3, "temporaries": 0,
+                "disk_bytes": 1, "stats": None} for t in range(0, 61, 5)]
+    return {"problems": [], "began": 0.0, "faults_over": 60.0, "plan": {"keep": 8},
+            "faults": [{"kind": "kill", "began": 10.0, "ended": 12.0}], "records": records, "samples": samples,
+            "returns": {"parked": 2, "conversations": 3, "first": [back, back], "quiet": [back, back]}}
+
+
+def test_the_soak_verdict_fails_each_thing_it_requires():
+    assert soak.judge(_clean_run()) == []
+    broken = {
+        "a 500": lambda f: f["records"][0].update(status=500, outcome="violation"),
+        "a 502 with no fault under way": lambda f: f["records"][1].update(began=40.0, ended=40.5),
+        "an error not in the API's shape": lambda f: f["records"][1].update(outcome="violation"),
+        "a hang": lambda f: f["records"][0].update(ended=1.0 + soak.DEADLINE_S + 1),
+        "refused with no restart": lambda f: f["records"][1].update(outcome="unreachable"),
+        "a parked state lost": lambda f: f["returns"]["first"].__setitem__(0, {**f["returns"]["first"][0],
+                                                                              "state": "none"}),
+        "a quiet return re-reading": lambda f: f["returns"]["quiet"].__setitem__(0, {**f["returns"]["quiet"][0],
+                                                                                 "reused": 600}),
+        "nothing parked": lambda f: f["returns"].update(parked=0, first=[], quiet=[]),
+        "memory growing": lambda f: [s.update(rss_mib=90.0 + s["at"]) for s in f["samples"]],
+        "open files growing": lambda f: [s.update(fds=30 + int(s["at"])) for s in f["samples"]],
+        "files past keep": lambda f: f["samples"][3].update(session_files=10),
+        "temporaries past one save's": lambda f: f["samples"][3].update(temporaries=3),
+        "a temporary left": lambda f: [s.update(temporaries=1, temporary_names=["tmp-auto-a-1.json"])
+                                       for s in f["samples"][3:5]],
+    }
+    for name, breaks in broken.items():
+        found = _clean_run()
+        breaks(found)
+        assert soak.judge(found), name

@@ -303,6 +303,35 @@ async def test_request_running_past_the_grace_is_cut(strata_client_factory, stra
     assert recorder.events[-1][0] == "shutdown"
 
 
+async def test_requests_a_stop_cuts_before_their_answer_get_503_in_their_shape(strata_client_factory,
+                                                                                strata_settings_factory, recorder):
+    """Queued behind a request that outlives the grace, they are cut with it: each gets the
+    stop's 503 in its API's shape (the connection used to be closed with no answer at all)."""
+    settings = strata_settings_factory(server={"shutdown_grace_s": 0.3})
+    client = await strata_client_factory(recorder, settings=settings)
+    service = client.app[SERVICE]
+    resp = await client.post("/v1/chat/completions",
+                             json=chat_body("never ending", max_tokens=3500, ignore_eos=True, stream=True))
+    await resp.content.readany()
+    queued = [
+        asyncio.create_task(client.post("/v1/chat/completions", json=chat_body("queued plain"))),
+        asyncio.create_task(client.post("/v1/chat/completions", json=chat_body("queued stream", stream=True))),
+        asyncio.create_task(client.post("/v1/messages", json={
+            "model": "local", "max_tokens": 4, "messages": [{"role": "user", "content": "queued messages"}]})),
+    ]
+    deadline = time.monotonic() + 30
+    while len(service._tasks) < 1 + len(queued):
+        assert time.monotonic() < deadline, "the requests never reached the queue"
+        await asyncio.sleep(0.01)
+    await asyncio.wait_for(service.shutdown(), 15)
+    plain, stream, messages = [await asyncio.wait_for(task, 15) for task in queued]
+    assert_openai_error(await plain.json(), 503, plain.status)
+    assert_openai_error(await stream.json(), 503, stream.status)
+    body = await messages.json()
+    assert messages.status == 503 and body["type"] == "error" and body["error"]["type"] == "overloaded_error", body
+    assert "shutting down" in body["error"]["message"]
+
+
 async def test_startup_hooks_run_in_order_before_the_first_request(strata_client_factory, recorder):
     client = await strata_client_factory(recorder)
     await client.post("/v1/chat/completions", json=chat_body())

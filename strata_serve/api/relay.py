@@ -241,16 +241,29 @@ async def relay(request: web.Request, route: str, path: str, body: dict[str, Any
         except KeyRefused as exc:
             raise APIError(400, str(exc), param=exc.param, code="invalid_conversation_key") from None
     answer: web.StreamResponse | None = None
+    sent: Outcome | None = None
 
     async def send(outcome: Outcome) -> None:
-        nonlocal answer
+        nonlocal answer, sent
+        sent = outcome
         if sreq.stream:
             answer = await _relay_stream(request, service, path, sreq.body, outcome, sreq, api)
         else:
             answer = await _relay_json(service, path, sreq.body, outcome, api)
 
-    with service_errors(service):
-        outcome = await service.process(sreq, send)
+    try:
+        with service_errors(service):
+            outcome = await service.process(sreq, send)
+    except asyncio.CancelledError:
+        # Cut by a stop before its answer began (queued, or waiting on the engine): it gets
+        # the stop's answer, not a connection closed without one. A stream already answering
+        # was ended with an error event in it.
+        if not service.closing or (sreq.stream and sent is not None and sent.http_status == 200):
+            raise
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
+        raise APIError(503, "the server is shutting down", code="shutting_down") from None
     assert answer is not None
     if not sreq.stream:
         # Once the request is done: a route the engine placed itself is located by then.

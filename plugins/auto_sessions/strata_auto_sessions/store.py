@@ -842,12 +842,17 @@ class SessionStore:
         target = self.sidecar_path(sidecar.key)
         temp = self.directory / _temp_name(sidecar.key, ".json")
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
-        os.fchmod(fd, PRIVATE_FILE_MODE)  # the mode given to open passes through the umask
-        with os.fdopen(fd, "w") as handle:
-            json.dump(asdict(sidecar), handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, target)
+        try:
+            os.fchmod(fd, PRIVATE_FILE_MODE)  # the mode given to open passes through the umask
+            with os.fdopen(fd, "w") as handle:
+                json.dump(asdict(sidecar), handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temp, target)
+        except BaseException:
+            # A full disk fails the write: the temporary would stay until the next start.
+            temp.unlink(missing_ok=True)
+            raise
 
     def sidecar(self, key: str) -> Sidecar | None:
         return Sidecar.read(self.sidecar_path(key))

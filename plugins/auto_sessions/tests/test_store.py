@@ -66,6 +66,28 @@ def test_sidecar_round_trip_and_unreadable(tmp_path):
     assert store.sidecar("a") is None
 
 
+def test_a_sidecar_write_on_a_full_disk_leaves_no_temporary(tmp_path):
+    """The disk fills up to its last byte (a real tmpfs, a ballast file): touching a sidecar
+    fails with ENOSPC and leaves the directory as it was, once space is back too."""
+    from tests.test_reliability import tmpfs
+
+    with tmpfs(tmp_path / "full", "256k") as directory:
+        store = SessionStore(directory)
+        make_file(store, "a", 10, 0)
+        before = sorted(p.name for p in directory.iterdir())
+        ballast = os.open(directory / "ballast", os.O_WRONLY | os.O_CREAT)
+        try:
+            with pytest.raises(OSError):
+                while os.write(ballast, b"\0" * 4096):
+                    pass
+        finally:
+            os.close(ballast)
+        with pytest.raises(OSError):
+            store.touch("a")
+        (directory / "ballast").unlink()
+        assert sorted(p.name for p in directory.iterdir()) == before
+
+
 def test_fingerprint_tells_models_apart(tmp_path):
     one, two = tmp_path / "one.gguf", tmp_path / "two.gguf"
     one.write_bytes(b"GGUF" + b"\x01" * 100)
