@@ -535,10 +535,17 @@ class AutoSessions:
             if verdict == Verdict.UNSUPPORTED:
                 self._give_up("the engine cannot restore slots")
             return False
+        # The slot then holds the file's conversation, the incoming one's or the fallback's,
+        # until the request changes it: one the engine refuses, or whose client leaves first,
+        # never does, and no save under the incoming key may hold the rest of another's.
+        # (Nothing nameable when another slot holds the fallback: never recorded in two.)
+        holder: str | None = source
+        if source != key and any(state.key == source for state in service.slots if state.id != request.slot):
+            holder = None
         for attempt in range(2):
             began = time.monotonic()
             try:
-                answer = await service.restore_slot(path.name, slot=request.slot, key=key,
+                answer = await service.restore_slot(path.name, slot=request.slot, key=holder,
                                                     tenant=request.tenant, request=request)
                 break
             except (EngineError, EngineUnavailable) as exc:
@@ -632,8 +639,6 @@ class AutoSessions:
 
     def _prefix_restored(self, key: str, source: str, request: StrataRequest, service: Any,
                          n_restored: int, ms: float) -> None:
-        # The slot holds the incoming conversation, whose own file does not exist yet.
-        service.slots[request.slot].file_current = False
         self.stats.prefix_restores += 1
         self.stats.prefix_restored_tokens += n_restored
         request.state[NAME] = {"restore_ms": ms, "continues": False, "prefix_of": source}
