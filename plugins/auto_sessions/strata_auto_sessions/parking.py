@@ -432,7 +432,10 @@ class AutoSessions:
                 now = time.time()
                 kept = self.store.commit(temp, key, Sidecar(
                     key=key, fingerprint=self.fingerprint, tokens=n_saved, bytes=n_written,
-                    created=sidecar.created if sidecar else now, last_used=now, digest="", prompt=prompt,
+                    # A file's state began with its first file; a state with none, when the
+                    # slot began holding it: a removal by hand since then drops the save.
+                    created=sidecar.created if sidecar else (held.since or now), last_used=now, digest="",
+                    prompt=prompt,
                     tenant=held.tenant, version=SIDECAR_VERSION,
                 ))
                 break

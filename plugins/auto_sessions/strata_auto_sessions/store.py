@@ -504,18 +504,22 @@ class SessionStore:
     def commit(self, temp_name: str, key: str, sidecar: Sidecar) -> bool:
         """Move a finished save under its real name, private to this user, with its sidecar.
 
-        :returns: False when the session was removed by hand since the server took it
-            (``strata-serve sessions rm``): the save is dropped, once.
+        :returns: False when the session was removed by hand (``strata-serve sessions
+            rm``) at or after ``sidecar.created``, when the saved state began: the save is
+            dropped (each time: an erase that failed leaves the same state to be saved
+            again). A state begun after the removal (the conversation started anew) is
+            kept, and the removal is done with.
         :raises OSError: when the file on disk is not the size the engine reported
             (a full disk can leave a short file behind a reported success).
         """
         with self.lock():
             pending = self.removed_by_hand()
             if key in pending:
+                if pending[key] >= sidecar.created:
+                    self.discard(temp_name)
+                    return False
                 del pending[key]
                 _write_private_json(self.directory / REMOVED_NAME, pending)
-                self.discard(temp_name)
-                return False
             self._commit(temp_name, key, sidecar)
             return True
 
