@@ -97,6 +97,7 @@ async def on_shutdown(service):
         if parking.active:
             for slot in range(len(service.slots)):
                 await parking.park_held(service, slot, reason="shutdown")
+        parking.stop()
 
 
 @strata_serve.hookimpl

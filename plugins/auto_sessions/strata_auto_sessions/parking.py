@@ -19,15 +19,15 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from strata_serve import EngineError, Outcome, StrataRequest, Verdict, counter, gauge, in_tenant
+from strata_serve import ConfigError, EngineError, Outcome, StrataRequest, Verdict, counter, gauge, in_tenant
 from strata_serve import EngineUnavailable
 
 from strata_serve import first_result
 
 from strata_auto_sessions.prefix import ParkedConversation, message_chain
 from strata_auto_sessions.store import (
-    REFUSAL_REASONS, SIDECAR_VERSION, ParkingStore, SessionStore, Sidecar, engine_fingerprint, incompatibility,
-    swa_unusable,
+    REFUSAL_REASONS, SIDECAR_VERSION, DirectoryInUse, ParkingStore, SessionStore, Sidecar, engine_fingerprint,
+    incompatibility, swa_unusable,
 )
 
 log = logging.getLogger("strata_auto_sessions")
@@ -182,6 +182,8 @@ class AutoSessions:
             or SessionStore(Path(directory))
         try:
             removed = store.prepare()
+        except DirectoryInUse as exc:
+            raise ConfigError(f"auto sessions: {exc}") from None
         except OSError as exc:
             log.warning("[strata] auto sessions: off: slot directory %s unusable: %s", directory, exc)
             return cls(config, None, {})
@@ -196,6 +198,12 @@ class AutoSessions:
                  "from %s", directory, parking.stats.files_on_disk, _size(parking.stats.bytes_on_disk),
                  _threshold(config))
         return parking
+
+    def stop(self) -> None:
+        """The server stops: it lets go of the directory."""
+        release = getattr(self.store, "release", None)  # a store of the protocol's first version has none
+        if release is not None:
+            release()
 
     @property
     def active(self) -> bool:

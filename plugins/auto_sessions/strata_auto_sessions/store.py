@@ -39,10 +39,16 @@ _FILE_KEY = r"(?:[a-z0-9_-]|\+[a-z])+"
 SESSION_NAME = re.compile(rf"{PREFIX}(?P<key>{_FILE_KEY})\.(?P<ext>bin|json)")
 TEMP_NAME = re.compile(rf"{TEMP_PREFIX}[a-z0-9_+-]+\.(?:bin|json)")
 #: The store's own files, under names no key can take (a key has no ``.``): the sessions
-#: removed by hand while a server may hold them, and what the running engine is (for
-#: ``strata-serve sessions ls``).
+#: removed by hand while a server may hold them, what the running engine is (for
+#: ``strata-serve sessions ls``), and the lock the running server holds for its lifetime
+#: (one server per directory).
 REMOVED_NAME = f"{PREFIX}.removed.json"
 ENGINE_NAME = f"{PREFIX}.engine.json"
+SERVER_LOCK_NAME = f"{PREFIX}.server.lock"
+
+
+class DirectoryInUse(Exception):
+    """Another live server uses the slot directory (it holds :data:`SERVER_LOCK_NAME`)."""
 
 
 def file_key(key: str) -> str:
@@ -357,7 +363,8 @@ class ParkingStore(Protocol):
 
     def commit(self, temp_name: str, key: str, sidecar: Sidecar) -> bool | None:
         """Put a finished save under its name; False when the session was removed by hand
-        (``strata-serve sessions rm``) since: the save is dropped."""
+        (``strata-serve sessions rm``) since its state began (``sidecar.created``): the
+        save is dropped."""
         ...
 
     def describe_engine(self, fingerprint: dict[str, Any]) -> None:
@@ -386,6 +393,8 @@ class SessionStore:
         self.directory = directory
         self._lock_depth = 0
         self._lock_fd: int | None = None
+        #: The server lock (:meth:`claim`), while this process holds it.
+        self._claim_fd: int | None = None
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
@@ -435,8 +444,13 @@ class SessionStore:
         return _temp_name(key, ".bin")
 
     def prepare(self) -> int:
-        """Create the directory and remove temporaries a crash left behind; returns how many."""
+        """Create the directory, claim it for this server (:meth:`claim`), and remove
+        temporaries a crash left behind; returns how many.
+
+        :raises DirectoryInUse: when another live server uses the directory.
+        """
         make_private_dir(self.directory)
+        self.claim()
         removed = 0
         with self.lock():
             for leftover in self.directory.iterdir():
@@ -446,6 +460,42 @@ class SessionStore:
             # A new engine holds nothing a removal by hand was about.
             (self.directory / REMOVED_NAME).unlink(missing_ok=True)
         return removed
+
+    def claim(self) -> None:
+        """Hold the directory for this server's lifetime: an exclusive ``flock`` on
+        :data:`SERVER_LOCK_NAME`, kept until :meth:`release` or the process ends (the
+        kernel lets go of a killed server's, so a stale file never blocks a start).
+
+        A second server would undo the first one's pending removals and save over its
+        files; sharing a directory between servers is not supported yet.
+
+        :raises DirectoryInUse: when another live server holds it.
+        """
+        if self._claim_fd is not None:
+            return
+        path = self.directory / SERVER_LOCK_NAME
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, PRIVATE_FILE_MODE)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            raise DirectoryInUse(
+                f"another strata-serve server (pid {holder}) uses the slot directory {self.directory}; "
+                "two servers on one directory would undo each other's removals and save over each "
+                "other's files: give this one its own directory (engine.slot_save_path)") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._claim_fd = fd
+
+    def release(self) -> None:
+        """Let go of the directory (:meth:`claim`): the server stops."""
+        if self._claim_fd is not None:
+            os.close(self._claim_fd)  # closing the last descriptor releases the flock
+            self._claim_fd = None
 
     def describe_engine(self, fingerprint: dict[str, Any]) -> None:
         _write_private_json(self.directory / ENGINE_NAME, {"fingerprint": fingerprint, "since": time.time()})
