@@ -166,6 +166,8 @@ class AutoSessions:
         self._idle: dict[int, Any] = {}
         #: Why no state of this engine is worth a file (``store.swa_unusable``), or None.
         self.unsaveable: str | None = None
+        #: The conversations last recorded as held (``store.record_held``).
+        self._held: list[str] | None = None
 
     @classmethod
     def start(cls, config: AutoSessionsConfig, service: Any) -> AutoSessions:
@@ -200,7 +202,8 @@ class AutoSessions:
         return parking
 
     def stop(self) -> None:
-        """The server stops: it lets go of the directory."""
+        """The server stops: it holds nothing any more, and lets go of the directory."""
+        self._record_held([])
         release = getattr(self.store, "release", None)  # a store of the protocol's first version has none
         if release is not None:
             release()
@@ -248,6 +251,7 @@ class AutoSessions:
 
     async def before(self, request: StrataRequest, service: Any) -> None:
         self._cancel_idle_save(request.slot)
+        self.record_held(service)
         held = await service.slot(request.slot)
         if request.route == "slots":
             if request.body.get("action") in ("restore", "erase"):
@@ -487,7 +491,27 @@ class AutoSessions:
         except (EngineError, EngineUnavailable) as exc:
             log.warning("[strata] auto sessions: erasing the slot after %s was removed failed: %s", key, exc)
         self.refresh_usage()
+        self.record_held(service)
         return None
+
+    def record_held(self, service: Any) -> None:
+        """Tell ``strata-serve sessions rm`` which conversations the slots hold or are
+        being run, saved or not (it runs in another process); written when that changes."""
+        held = sorted(in_use(service))
+        if held != self._held:
+            self._record_held(held)
+
+    def _record_held(self, held: list[str]) -> None:
+        record = getattr(self.store, "record_held", None)  # a store of the protocol's first version has none
+        if record is None:
+            return
+        try:
+            record(held)
+        except OSError as exc:
+            log.warning("[strata] auto sessions: cannot record the held conversations in %s: %s",
+                        self.store.directory, exc)  # type: ignore[union-attr]
+            return
+        self._held = held
 
     def _discard(self, temp: str) -> None:
         try:

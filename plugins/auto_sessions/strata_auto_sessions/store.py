@@ -40,10 +40,12 @@ SESSION_NAME = re.compile(rf"{PREFIX}(?P<key>{_FILE_KEY})\.(?P<ext>bin|json)")
 TEMP_NAME = re.compile(rf"{TEMP_PREFIX}[a-z0-9_+-]+\.(?:bin|json)")
 #: The store's own files, under names no key can take (a key has no ``.``): the sessions
 #: removed by hand while a server may hold them, what the running engine is (for
-#: ``strata-serve sessions ls``), and the lock the running server holds for its lifetime
-#: (one server per directory).
+#: ``strata-serve sessions ls``), the conversations the running server holds in its slots
+#: (for ``strata-serve sessions rm``), and the lock the running server holds for its
+#: lifetime (one server per directory).
 REMOVED_NAME = f"{PREFIX}.removed.json"
 ENGINE_NAME = f"{PREFIX}.engine.json"
+HELD_NAME = f"{PREFIX}.held.json"
 SERVER_LOCK_NAME = f"{PREFIX}.server.lock"
 
 
@@ -367,6 +369,12 @@ class ParkingStore(Protocol):
         save is dropped."""
         ...
 
+    def record_held(self, keys: list[str]) -> None:
+        """Record the conversations the server holds in its slots or is running, saved or
+        not, for ``strata-serve sessions rm`` (another process). A store without it still
+        works; ``rm`` then sees only the parked files."""
+        ...
+
     def describe_engine(self, fingerprint: dict[str, Any]) -> None:
         """Record what the running engine is, for ``strata-serve sessions ls``."""
         ...
@@ -459,6 +467,7 @@ class SessionStore:
                     removed += 1
             # A new engine holds nothing a removal by hand was about.
             (self.directory / REMOVED_NAME).unlink(missing_ok=True)
+            (self.directory / HELD_NAME).unlink(missing_ok=True)
         return removed
 
     def claim(self) -> None:
@@ -496,6 +505,35 @@ class SessionStore:
         if self._claim_fd is not None:
             os.close(self._claim_fd)  # closing the last descriptor releases the flock
             self._claim_fd = None
+
+    def server_running(self) -> bool:
+        """Whether a live server holds the directory (:meth:`claim`), this process's included."""
+        try:
+            fd = os.open(self.directory / SERVER_LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
+    def record_held(self, keys: list[str]) -> None:
+        _write_private_json(self.directory / HELD_NAME, {"keys": sorted(keys), "pid": os.getpid()})
+
+    def held_by_server(self) -> list[str]:
+        """The conversations a live server holds in its slots or is running (recorded by
+        :meth:`record_held`); none when no server runs."""
+        if not self.server_running():
+            return []  # what a killed server recorded is held by no one
+        try:
+            data = json.loads((self.directory / HELD_NAME).read_text())
+        except (OSError, ValueError):
+            return []
+        keys = data.get("keys") if isinstance(data, dict) else None
+        return [key for key in keys if isinstance(key, str)] if isinstance(keys, list) else []
 
     def describe_engine(self, fingerprint: dict[str, Any]) -> None:
         _write_private_json(self.directory / ENGINE_NAME, {"fingerprint": fingerprint, "since": time.time()})

@@ -97,10 +97,16 @@ async def test_a_second_server_on_a_directory_in_use_is_refused_and_a_killed_one
 
         await ask(port, b)  # a leaves the first server's slot: its save is dropped
         assert not (slots / f"auto-{key}.bin").exists(), "the removed conversation never came back"
+        await ask(port, conversation("held-at-the-kill"))  # held, never saved
+        held = json.loads((slots / "auto-.held.json").read_text())["keys"]
+        assert len(held) == 1 and not (slots / f"auto-{held[0]}.bin").exists()
     finally:
         stop(first, signal.SIGKILL)  # kill -9: its lock file stays behind, unheld
 
     assert (slots / "auto-.server.lock").exists()
+    # What the killed server held is held by no one: rm does not take its word for it.
+    result = await asyncio.to_thread(CliRunner().invoke, cli, ["sessions", "--slot-dir", str(slots), "rm", held[0]])
+    assert result.exit_code == 1 and f"no session {held[0]!r}" in result.output, result.output
     third_log = tmp_path / "third.log"
     third = start(slots, strata_demo_model, port, third_log)
     try:

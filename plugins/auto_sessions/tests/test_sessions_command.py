@@ -196,6 +196,52 @@ async def test_rm_of_a_held_conversation_whose_file_is_current_erases_it_from_th
     assert again["timings"]["cache_n"] < 40, "nothing of it was kept"
 
 
+async def test_rm_of_a_held_conversation_not_yet_saved_by_key(auto_client, caplog):
+    """No file yet: rm finds it among what the server holds, says so, and it is never written."""
+    caplog.set_level(logging.INFO, logger="strata_auto_sessions")
+    client = await auto_client(idle_save_s=0)
+    a, b = conversation("unsaved"), conversation("next")
+    await ask(client, a)
+    key, directory = key_of(client, a), slot_dir(client)
+    assert client.app[SERVICE].slots[0].key == key and not (directory / f"auto-{key}.bin").exists()
+
+    code, output = await asyncio.to_thread(sessions, directory, "rm", key)
+    assert code == 0, output
+    assert f"removed {key}: held by the running server, not saved yet" in output and "1 session(s) removed" in output
+    await ask(client, b)  # the switch would save a: dropped, the slot erased
+    assert not (directory / f"auto-{key}.bin").exists() and not (directory / f"auto-{key}.json").exists()
+    assert any(f"{key} was removed by hand" in line for line in log_lines(caplog))
+    again = await ask(client, a)
+    assert again["timings"]["cache_n"] < 40, "nothing of it was kept"
+    code, output = await asyncio.to_thread(sessions, directory, "rm", "nosuch")
+    assert code == 1 and "no session 'nosuch'" in output, "only what the server holds or parked is removable"
+
+
+async def test_rm_of_a_tenant_takes_its_held_conversation_not_yet_saved(strata_client_factory,
+                                                                         strata_settings_factory, caplog):
+    caplog.set_level(logging.INFO, logger="strata_auto_sessions")
+    settings = strata_settings_factory(plugins={"auto_sessions": {"min_tokens": 100, "idle_save_s": 0}},
+                                       server={"port": 0, "shutdown_grace_s": 10, **KEYS})
+    client = await strata_client_factory(strata_auto_sessions, settings=settings)
+    a, b = conversation("alice-unsaved"), conversation("bob-parked")
+    await ask(client, b, key="bob-key")
+    await ask(client, a, key="alice-key")  # bob's parked, alice's held and not saved
+    directory = slot_dir(client)
+    held = client.app[SERVICE].slots[0]
+    alice = held.key
+    assert held.tenant == "alice" and not (directory / f"auto-{alice}.bin").exists()
+
+    code, output = await asyncio.to_thread(sessions, directory, "rm", "--tenant", "alice")
+    assert code == 0, output
+    assert f"removed {alice}: held by the running server" in output and "1 session(s) removed" in output
+    assert [row["tenant"] for row in listed(directory).values()] == ["bob"], "bob's file stays"
+    back = await ask(client, b, key="bob-key")  # alice's leaves the slot: dropped
+    assert back["timings"]["cache_n"] > 600, "bob's came back from its file"
+    assert not (directory / f"auto-{alice}.bin").exists()
+    again = await ask(client, a, key="alice-key")
+    assert again["timings"]["cache_n"] < 40, "nothing of alice's was kept"
+
+
 async def test_a_conversation_started_anew_after_its_rm_parks_normally(auto_client, caplog):
     """The removal is about the state that existed when rm ran (its time against when the
     slot's state began): the same key's conversation started afresh later is saved, and
