@@ -46,7 +46,7 @@ TEMP_NAME = re.compile(rf"{TEMP_PREFIX}[a-z0-9_+-]+\.(?:bin|json)")
 REMOVED_NAME = f"{PREFIX}.removed.json"
 ENGINE_NAME = f"{PREFIX}.engine.json"
 HELD_NAME = f"{PREFIX}.held.json"
-SERVER_LOCK_NAME = f"{PREFIX}.server.lock"
+SERVER_LOCK_NAME = f"{PREFIX}.server.json"
 
 
 class DirectoryInUse(Exception):
@@ -467,7 +467,7 @@ class SessionStore:
                     removed += 1
             # A new engine holds nothing a removal by hand was about.
             (self.directory / REMOVED_NAME).unlink(missing_ok=True)
-            (self.directory / HELD_NAME).unlink(missing_ok=True)
+            self.record_held([])
         return removed
 
     def claim(self) -> None:
@@ -487,7 +487,10 @@ class SessionStore:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            try:
+                holder = json.loads(os.pread(fd, 256, 0))["pid"]
+            except (ValueError, KeyError, TypeError):
+                holder = "unknown"
             os.close(fd)
             raise DirectoryInUse(
                 f"another strata-serve server (pid {holder}) uses the slot directory {self.directory}; "
@@ -496,8 +499,9 @@ class SessionStore:
         except BaseException:
             os.close(fd)
             raise
+        os.fchmod(fd, PRIVATE_FILE_MODE)  # the mode given to open passes through the umask
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "since": time.time()}).encode(), 0)
         self._claim_fd = fd
 
     def release(self) -> None:

@@ -103,7 +103,7 @@ async def test_a_second_server_on_a_directory_in_use_is_refused_and_a_killed_one
     finally:
         stop(first, signal.SIGKILL)  # kill -9: its lock file stays behind, unheld
 
-    assert (slots / "auto-.server.lock").exists()
+    assert (slots / "auto-.server.json").exists()
     # What the killed server held is held by no one: rm does not take its word for it.
     result = await asyncio.to_thread(CliRunner().invoke, cli, ["sessions", "--slot-dir", str(slots), "rm", held[0]])
     assert result.exit_code == 1 and f"no session {held[0]!r}" in result.output, result.output
