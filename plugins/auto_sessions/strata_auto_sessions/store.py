@@ -483,7 +483,9 @@ class SessionStore:
         if self._claim_fd is not None:
             return
         path = self.directory / SERVER_LOCK_NAME
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, PRIVATE_FILE_MODE)
+        # Held open read-only: a file open for writing would keep the directory's file
+        # system from being remounted read-only while the server runs.
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW, PRIVATE_FILE_MODE)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -499,10 +501,10 @@ class SessionStore:
         except BaseException:
             os.close(fd)
             raise
-        os.fchmod(fd, PRIVATE_FILE_MODE)  # the mode given to open passes through the umask
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "since": time.time()}).encode(), 0)
         self._claim_fd = fd
+        os.fchmod(fd, PRIVATE_FILE_MODE)  # the mode given to open passes through the umask
+        with open(path, "w") as handle:  # who holds it, for the next one's message
+            json.dump({"pid": os.getpid(), "since": time.time()}, handle)
 
     def release(self) -> None:
         """Let go of the directory (:meth:`claim`): the server stops."""
