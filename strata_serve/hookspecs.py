@@ -90,6 +90,10 @@ def on_startup(service: Service) -> Any:
     (requests wait meanwhile). On a normal stop: requests drain, ``on_shutdown``, the
     engine stops.
 
+    Raise :class:`strata_serve.ConfigError` to refuse the start (a resource another
+    server holds): the engine stops and the server does not serve. Any other failure is
+    logged with the plugin's name and the start goes on.
+
     :param service: The running service (engine, settings, plugin manager).
     """
 

@@ -167,12 +167,14 @@ def call_impl(impl: pluggy.HookImpl, kwargs: dict[str, Any]) -> Any:
     return impl.function(*[kwargs[name] for name in impl.argnames])
 
 
-async def broadcast(pm: pluggy.PluginManager, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
+async def broadcast(pm: pluggy.PluginManager, hook_name: str, *,
+                    passthrough: tuple[type[Exception], ...] = (), **kwargs: Any) -> list[tuple[str, Any]]:
     """Call every implementation of a hook in pluggy's order, awaiting async ones.
 
     Unlike ``pm.hook.<name>(...)``, an implementation that raises is logged with its
-    plugin's name and the others still run. Returns ``(plugin name, result)`` for
-    each implementation that succeeded.
+    plugin's name and the others still run; exceptions of the ``passthrough`` types
+    are a plugin's answer, not its failure: they propagate. Returns ``(plugin name,
+    result)`` for each implementation that succeeded.
     """
     results = []
     hook = getattr(pm.hook, hook_name)
@@ -187,6 +189,8 @@ async def broadcast(pm: pluggy.PluginManager, hook_name: str, **kwargs: Any) -> 
                 result = await result
             _trace(pm, hook_name, name, result)
             results.append((name, result))
+        except passthrough:
+            raise
         except Exception:
             log.exception("plugin %s failed in %s; carrying on without it", name, hook_name)
     return results

@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 import pluggy
 from pydantic import BaseModel
 
-from strata_serve.config import Settings
+from strata_serve.config import ConfigError, Settings
 from strata_serve.engine.base import Engine, EngineUnavailable
 from strata_serve.hook_types import EngineError, KeyRefused, Outcome, StrataRequest, Verdict
 from strata_serve.plugins import broadcast, first_result
@@ -447,15 +447,22 @@ class Service:
         The order, documented in :mod:`strata_serve.hookspecs`: the engine is up (its
         ``info`` read), ``on_startup`` once, ``on_engine_start(restarted=False)``; after
         every later restart of the engine, ``on_engine_start(restarted=True)``.
+
+        :raises ConfigError: when a plugin refuses the start in ``on_startup`` (the
+            engine is stopped again).
         """
-        await self.engine.start()
+        try:
+            await self.engine.start()
+        except ConfigError:
+            await self.engine.stop()  # never leave an engine behind a refused start
+            raise
 
     async def _engine_started(self, restarted: bool) -> None:
         self._size_slots()
         self.sync_generation()
         if not self._started:
             self._started = True
-            await broadcast(self.pm, "on_startup", service=self)
+            await broadcast(self.pm, "on_startup", service=self, passthrough=(ConfigError,))
         await broadcast(self.pm, "on_engine_start", service=self, restarted=restarted)
 
     async def stop(self) -> None:

@@ -14,6 +14,7 @@ the answer matters.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -63,6 +64,11 @@ class SlotState:
     generation: int = 0
     #: The id of the last request that ran in the slot.
     last_request: int | None = None
+    #: When (``time.time()``) the slot began holding this conversation's state: its first
+    #: request here since the slot held something else, or the restore it continues.
+    #: None when it holds nothing nameable. A removal by hand (``strata-serve sessions
+    #: rm``) made since then is about this state.
+    since: float | None = None
 
     @property
     def empty(self) -> bool:
@@ -107,6 +113,8 @@ class SlotPicture:
         """
         before = replace(self.slots[slot])
         state = self.slots[slot]
+        if state.key != request.conversation_key or state.tenant != request.tenant or state.empty:
+            state.since = time.time() if request.conversation_key is not None else None
         state.key, state.tenant = request.conversation_key, request.tenant
         state.tokens = None  # known once the engine says
         state.file_current = False
@@ -141,19 +149,20 @@ class SlotPicture:
         state = self.slots[slot]
         state.key, state.tenant, state.tokens = key, tenant, n_restored
         state.file_current = from_own_file and key is not None
+        state.since = time.time() if key is not None else None
 
     def moved(self, slot: int, to: int) -> None:
         """The engine ran the request recorded in ``slot`` in slot ``to`` instead."""
         here, there = self.slots[slot], self.slots[to]
         there.key, there.tenant, there.tokens = here.key, here.tenant, here.tokens
-        there.file_current, there.last_request = False, here.last_request
-        here.key = here.tenant = None  # whatever it holds, it is no longer that conversation's
+        there.file_current, there.last_request, there.since = False, here.last_request, here.since
+        here.key = here.tenant = here.since = None  # whatever it holds, it is no longer that conversation's
         here.tokens, here.file_current = None, False  # counted by the engine's answer
 
     def emptied(self, slot: int) -> None:
         """Erased, or a failed restore that may have cleared it."""
         state = self.slots[slot]
-        state.key, state.tenant, state.tokens, state.file_current = None, None, 0, False
+        state.key, state.tenant, state.tokens, state.file_current, state.since = None, None, 0, False, None
 
     def unknown(self, slot: int, *, nameable: bool = True) -> None:
         """Something happened to the slot that cannot be counted (a failed call); with
@@ -162,7 +171,7 @@ class SlotPicture:
         state.tokens = None
         state.file_current = False
         if not nameable:
-            state.key = state.tenant = None
+            state.key = state.tenant = state.since = None
 
     # -- the engine's word -------------------------------------------------------------
 
@@ -194,7 +203,7 @@ class SlotPicture:
                          state.id, tokens, state.tokens)
             state.tokens = tokens
             if tokens == 0:
-                state.key, state.tenant, state.file_current = None, None, False
+                state.key, state.tenant, state.file_current, state.since = None, None, False, None
 
 
 def engine_tokens(entry: dict[str, Any]) -> int | None:

@@ -86,7 +86,8 @@ def test_the_store_lists_and_sweeps_only_files_with_its_sidecar(tmp_path):
     assert [key for key, *_ in store.files()] == ["Mine"]
     assert store.prune(keep=1, max_bytes=1) == [("Mine", 10)]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "auto-junk.bin", "auto-junk2.json", "auto-other.bin", "auto-other.json"]
+        "auto-.held.json", "auto-.server.json", "auto-junk.bin", "auto-junk2.json", "auto-other.bin",
+        "auto-other.json"]
 
 
 async def test_hand_saved_files_are_never_pruned_by_auto_sessions(strata_client_factory, strata_settings_factory):

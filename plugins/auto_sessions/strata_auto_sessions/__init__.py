@@ -87,6 +87,7 @@ async def post_request(request, outcome, service):
         if request.route != "slots":
             await parking.save_if_emptied_when_idle(service, request.slot)
         parking.schedule_idle_save(service, request.slot)
+        parking.record_held(service)
 
 
 @strata_serve.hookimpl
@@ -97,6 +98,7 @@ async def on_shutdown(service):
         if parking.active:
             for slot in range(len(service.slots)):
                 await parking.park_held(service, slot, reason="shutdown")
+        parking.stop()
 
 
 @strata_serve.hookimpl

@@ -3,10 +3,11 @@ inspected, removed and pruned, beside a running server or not.
 
 Every command takes the store's lock (an exclusive ``flock`` on the directory), which
 the server takes around each commit, prune and restore, so neither sees the other's
-work half-done. A conversation removed while a server holds it in its slot is not
-written back: the server drops that save and erases the slot. A pruned one is: pruning
-makes room on disk, and the server saves the conversation it holds again when it
-leaves the slot, since its file is gone.
+work half-done. A conversation removed while a server holds it in its slot, saved or
+not yet, is not written back: the server drops its saves of the state it held then and
+erases the slot (it records what it holds in the directory, and ``rm`` leaves a
+removal marker there). A pruned one is: pruning makes room on disk, and the server
+saves the conversation it holds again when it leaves the slot, since its file is gone.
 """
 
 from __future__ import annotations
@@ -169,27 +170,34 @@ def register(cli: click.Group) -> None:
     def rm(found: Sessions, keys: tuple[str, ...], everything: bool, tenant: str | None) -> None:
         """Remove sessions: KEY..., --all, or --tenant T.
 
-        A running server that holds one of them in its slot drops its next save of it
-        and erases the slot.
+        A running server that holds one of them in its slot, saved or not yet, drops
+        its saves of it and erases the slot.
         """
         if sum((bool(keys), everything, tenant is not None)) != 1:
             raise click.UsageError("give KEY..., --all or --tenant T (one of them)")
         with found.store.lock():
             parked = dict(found.store.sessions())
+            # Held by a running server and not saved yet: no file, yet theirs to remove.
+            held = [key for key in found.store.held_by_server() if key not in parked]
             if everything:
-                chosen = list(parked)
+                chosen = list(parked) + held
             elif tenant is not None:
                 chosen = [key for key, sidecar in parked.items() if tenant_of(key, sidecar) == tenant]
+                chosen += [key for key in held if strata_serve.tenant_of(key) == tenant]
             else:
-                unknown = [key for key in keys if key not in parked]
+                unknown = [key for key in keys if key not in parked and key not in held]
                 if unknown:
                     raise click.ClickException(f"no session {', '.join(map(repr, unknown))} in "
                                                f"{found.store.directory}; nothing removed")
                 chosen = list(keys)
-            removed = found.store.remove_by_hand(chosen)
-        for key, size in removed:
-            click.echo(f"removed {key} ({_size(size)})")
-        click.echo(f"{len(removed)} session(s) removed")
+            removed = dict(found.store.remove_by_hand(chosen))
+        for key in chosen:
+            if key in removed:
+                click.echo(f"removed {key} ({_size(removed[key])})")
+            else:
+                click.echo(f"removed {key}: held by the running server, not saved yet; it is never written, "
+                           "and the server erases it from its slot when it would save it")
+        click.echo(f"{len(chosen)} session(s) removed")
 
     @sessions.command()
     @click.option("--max-gb", type=float, required=True, help="Keep at most this many GB, newest first.")

@@ -19,15 +19,15 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from strata_serve import EngineError, Outcome, StrataRequest, Verdict, counter, gauge, in_tenant
+from strata_serve import ConfigError, EngineError, Outcome, StrataRequest, Verdict, counter, gauge, in_tenant
 from strata_serve import EngineUnavailable
 
 from strata_serve import first_result
 
 from strata_auto_sessions.prefix import ParkedConversation, message_chain
 from strata_auto_sessions.store import (
-    REFUSAL_REASONS, SIDECAR_VERSION, ParkingStore, SessionStore, Sidecar, engine_fingerprint, incompatibility,
-    LockTimeout, last_use, swa_unusable,
+    REFUSAL_REASONS, SIDECAR_VERSION, DirectoryInUse, LockTimeout, ParkingStore, SessionStore, Sidecar,
+    engine_fingerprint, incompatibility, last_use, swa_unusable,
 )
 
 log = logging.getLogger("strata_auto_sessions")
@@ -173,6 +173,8 @@ class AutoSessions:
         self._idle: dict[int, Any] = {}
         #: Why no state of this engine is worth a file (``store.swa_unusable``), or None.
         self.unsaveable: str | None = None
+        #: The conversations last recorded as held (``store.record_held``).
+        self._held: list[str] | None = None
 
     @classmethod
     async def start(cls, config: AutoSessionsConfig, service: Any) -> AutoSessions:
@@ -188,11 +190,17 @@ class AutoSessions:
         store = first_result(service.pm, "auto_sessions_store", directory=Path(directory), service=service) \
             or SessionStore(Path(directory))
         try:
-            async with store.lock_without_blocking(config.lock_wait_s):
-                removed = store.prepare()
-        except LockTimeout as exc:
-            log.warning("[strata] auto sessions: unfinished temporary files are left for the next start: %s", exc)
-            removed = 0
+            try:
+                async with store.lock_without_blocking(config.lock_wait_s):
+                    removed = store.prepare()
+            except LockTimeout as exc:
+                log.warning("[strata] auto sessions: unfinished temporary files are left for the next start: %s", exc)
+                removed = 0
+                claim = getattr(store, "claim", None)  # the directory is still this server's alone
+                if claim is not None:
+                    claim()
+        except DirectoryInUse as exc:
+            raise ConfigError(f"auto sessions: {exc}") from None
         except OSError as exc:
             log.warning("[strata] auto sessions: off: slot directory %s unusable: %s", directory, exc)
             return cls(config, None, {})
@@ -207,6 +215,13 @@ class AutoSessions:
                  "from %s", directory, parking.stats.files_on_disk, _size(parking.stats.bytes_on_disk),
                  _threshold(config))
         return parking
+
+    def stop(self) -> None:
+        """The server stops: it holds nothing any more, and lets go of the directory."""
+        self._record_held([])
+        release = getattr(self.store, "release", None)  # a store of the protocol's first version has none
+        if release is not None:
+            release()
 
     @property
     def active(self) -> bool:
@@ -251,6 +266,7 @@ class AutoSessions:
 
     async def before(self, request: StrataRequest, service: Any) -> None:
         self._cancel_idle_save(request.slot)
+        self.record_held(service)
         held = await service.slot(request.slot)
         if request.route == "slots":
             if request.body.get("action") in ("restore", "erase"):
@@ -445,8 +461,10 @@ class AutoSessions:
                     async with self.store.lock_without_blocking(self.config.lock_wait_s):
                         kept = self.store.commit(temp, key, Sidecar(
                             key=key, fingerprint=self.fingerprint, tokens=n_saved, bytes=n_written,
-                            created=sidecar.created if sidecar else now, last_used=now, digest="",
-                            prompt=prompt, tenant=held.tenant, version=SIDECAR_VERSION,
+                            # A file's state began with its first file; a state with none, when the
+                            # slot began holding it: a removal by hand since then drops the save.
+                            created=sidecar.created if sidecar else (held.since or now), last_used=now,
+                            digest="", prompt=prompt, tenant=held.tenant, version=SIDECAR_VERSION,
                         ))
                 except LockTimeout as exc:
                     self._discard(temp)
@@ -494,7 +512,27 @@ class AutoSessions:
         except (EngineError, EngineUnavailable) as exc:
             log.warning("[strata] auto sessions: erasing the slot after %s was removed failed: %s", key, exc)
         self.refresh_usage()
+        self.record_held(service)
         return None
+
+    def record_held(self, service: Any) -> None:
+        """Tell ``strata-serve sessions rm`` which conversations the slots hold or are
+        being run, saved or not (it runs in another process); written when that changes."""
+        held = sorted(in_use(service))
+        if held != self._held:
+            self._record_held(held)
+
+    def _record_held(self, held: list[str]) -> None:
+        record = getattr(self.store, "record_held", None)  # a store of the protocol's first version has none
+        if record is None:
+            return
+        try:
+            record(held)
+        except OSError as exc:
+            log.warning("[strata] auto sessions: cannot record the held conversations in %s: %s",
+                        self.store.directory, exc)  # type: ignore[union-attr]
+            return
+        self._held = held
 
     def _discard(self, temp: str) -> None:
         try:
@@ -563,10 +601,17 @@ class AutoSessions:
             if verdict == Verdict.UNSUPPORTED:
                 self._give_up("the engine cannot restore slots")
             return False
+        # The slot then holds the file's conversation, the incoming one's or the fallback's,
+        # until the request changes it: one the engine refuses, or whose client leaves first,
+        # never does, and no save under the incoming key may hold the rest of another's.
+        # (Nothing nameable when another slot holds the fallback: never recorded in two.)
+        holder: str | None = source
+        if source != key and any(state.key == source for state in service.slots if state.id != request.slot):
+            holder = None
         for attempt in range(2):
             began = time.monotonic()
             try:
-                answer = await service.restore_slot(path.name, slot=request.slot, key=key,
+                answer = await service.restore_slot(path.name, slot=request.slot, key=holder,
                                                     tenant=request.tenant, request=request)
                 break
             except (EngineError, EngineUnavailable) as exc:
@@ -661,8 +706,6 @@ class AutoSessions:
 
     def _prefix_restored(self, key: str, source: str, request: StrataRequest, service: Any,
                          n_restored: int, ms: float) -> None:
-        # The slot holds the incoming conversation, whose own file does not exist yet.
-        service.slots[request.slot].file_current = False
         self.stats.prefix_restores += 1
         self.stats.prefix_restored_tokens += n_restored
         request.state[NAME] = {"restore_ms": ms, "continues": False, "prefix_of": source}

@@ -42,10 +42,18 @@ _FILE_KEY = r"(?:[a-z0-9_-]|\+[a-z])+"
 SESSION_NAME = re.compile(rf"{PREFIX}(?P<key>{_FILE_KEY})\.(?P<ext>bin|json)")
 TEMP_NAME = re.compile(rf"{TEMP_PREFIX}[a-z0-9_+-]+\.(?:bin|json)")
 #: The store's own files, under names no key can take (a key has no ``.``): the sessions
-#: removed by hand while a server may hold them, and what the running engine is (for
-#: ``strata-serve sessions ls``).
+#: removed by hand while a server may hold them, what the running engine is (for
+#: ``strata-serve sessions ls``), the conversations the running server holds in its slots
+#: (for ``strata-serve sessions rm``), and the lock the running server holds for its
+#: lifetime (one server per directory).
 REMOVED_NAME = f"{PREFIX}.removed.json"
 ENGINE_NAME = f"{PREFIX}.engine.json"
+HELD_NAME = f"{PREFIX}.held.json"
+SERVER_LOCK_NAME = f"{PREFIX}.server.json"
+
+
+class DirectoryInUse(Exception):
+    """Another live server uses the slot directory (it holds :data:`SERVER_LOCK_NAME`)."""
 
 
 def file_key(key: str) -> str:
@@ -607,7 +615,14 @@ class ParkingStore(Protocol):
 
     def commit(self, temp_name: str, key: str, sidecar: Sidecar) -> bool | None:
         """Put a finished save under its name; False when the session was removed by hand
-        (``strata-serve sessions rm``) since: the save is dropped."""
+        (``strata-serve sessions rm``) since its state began (``sidecar.created``): the
+        save is dropped."""
+        ...
+
+    def record_held(self, keys: list[str]) -> None:
+        """Record the conversations the server holds in its slots or is running, saved or
+        not, for ``strata-serve sessions rm`` (another process). A store without it still
+        works; ``rm`` then sees only the parked files."""
         ...
 
     def describe_engine(self, fingerprint: dict[str, Any]) -> None:
@@ -640,6 +655,8 @@ class SessionStore:
         self.directory = directory
         self._lock_depth = 0
         self._lock_fd: int | None = None
+        #: The server lock (:meth:`claim`), while this process holds it.
+        self._claim_fd: int | None = None
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
@@ -737,8 +754,13 @@ class SessionStore:
         return _temp_name(key, ".bin")
 
     def prepare(self) -> int:
-        """Create the directory and remove temporaries a crash left behind; returns how many."""
+        """Create the directory, claim it for this server (:meth:`claim`), and remove
+        temporaries a crash left behind; returns how many.
+
+        :raises DirectoryInUse: when another live server uses the directory.
+        """
         make_private_dir(self.directory)
+        self.claim()
         removed = 0
         with self.lock():
             for leftover in self.directory.iterdir():
@@ -747,7 +769,79 @@ class SessionStore:
                     removed += 1
             # A new engine holds nothing a removal by hand was about.
             (self.directory / REMOVED_NAME).unlink(missing_ok=True)
+            self.record_held([])
         return removed
+
+    def claim(self) -> None:
+        """Hold the directory for this server's lifetime: an exclusive ``flock`` on
+        :data:`SERVER_LOCK_NAME`, kept until :meth:`release` or the process ends (the
+        kernel lets go of a killed server's, so a stale file never blocks a start).
+
+        A second server would undo the first one's pending removals and save over its
+        files; sharing a directory between servers is not supported yet.
+
+        :raises DirectoryInUse: when another live server holds it.
+        """
+        if self._claim_fd is not None:
+            return
+        path = self.directory / SERVER_LOCK_NAME
+        # Held open read-only: a file open for writing would keep the directory's file
+        # system from being remounted read-only while the server runs.
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW, PRIVATE_FILE_MODE)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = json.loads(os.pread(fd, 256, 0))["pid"]
+            except (ValueError, KeyError, TypeError):
+                holder = "unknown"
+            os.close(fd)
+            raise DirectoryInUse(
+                f"another strata-serve server (pid {holder}) uses the slot directory {self.directory}; "
+                "two servers on one directory would undo each other's removals and save over each "
+                "other's files: give this one its own directory (engine.slot_save_path)") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        self._claim_fd = fd
+        os.fchmod(fd, PRIVATE_FILE_MODE)  # the mode given to open passes through the umask
+        with open(path, "w") as handle:  # who holds it, for the next one's message
+            json.dump({"pid": os.getpid(), "since": time.time()}, handle)
+
+    def release(self) -> None:
+        """Let go of the directory (:meth:`claim`): the server stops."""
+        if self._claim_fd is not None:
+            os.close(self._claim_fd)  # closing the last descriptor releases the flock
+            self._claim_fd = None
+
+    def server_running(self) -> bool:
+        """Whether a live server holds the directory (:meth:`claim`), this process's included."""
+        try:
+            fd = os.open(self.directory / SERVER_LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
+    def record_held(self, keys: list[str]) -> None:
+        _write_private_json(self.directory / HELD_NAME, {"keys": sorted(keys), "pid": os.getpid()})
+
+    def held_by_server(self) -> list[str]:
+        """The conversations a live server holds in its slots or is running (recorded by
+        :meth:`record_held`); none when no server runs."""
+        if not self.server_running():
+            return []  # what a killed server recorded is held by no one
+        try:
+            data = json.loads((self.directory / HELD_NAME).read_text())
+        except (OSError, ValueError):
+            return []
+        keys = data.get("keys") if isinstance(data, dict) else None
+        return [key for key in keys if isinstance(key, str)] if isinstance(keys, list) else []
 
     def describe_engine(self, fingerprint: dict[str, Any]) -> None:
         _write_private_json(self.directory / ENGINE_NAME, {"fingerprint": fingerprint, "since": time.time()})
@@ -806,18 +900,22 @@ class SessionStore:
     def commit(self, temp_name: str, key: str, sidecar: Sidecar) -> bool:
         """Move a finished save under its real name, private to this user, with its sidecar.
 
-        :returns: False when the session was removed by hand since the server took it
-            (``strata-serve sessions rm``): the save is dropped, once.
+        :returns: False when the session was removed by hand (``strata-serve sessions
+            rm``) at or after ``sidecar.created``, when the saved state began: the save is
+            dropped (each time: an erase that failed leaves the same state to be saved
+            again). A state begun after the removal (the conversation started anew) is
+            kept, and the removal is done with.
         :raises OSError: when the file on disk is not the size the engine reported
             (a full disk can leave a short file behind a reported success).
         """
         with self.lock():
             pending = self.removed_by_hand()
             if key in pending:
+                if pending[key] >= sidecar.created:
+                    self.discard(temp_name)
+                    return False
                 del pending[key]
                 _write_private_json(self.directory / REMOVED_NAME, pending)
-                self.discard(temp_name)
-                return False
             self._commit(temp_name, key, sidecar)
             return True
 

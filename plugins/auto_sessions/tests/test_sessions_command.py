@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 import strata_auto_sessions
-from strata_auto_sessions.store import SessionStore
+from strata_auto_sessions.store import SessionStore, Sidecar
 from strata_serve.api import SERVICE
 from strata_serve.cli import cli
 from strata_serve.testing import ask, conversation
@@ -290,3 +290,95 @@ async def test_a_lock_held_by_another_process_never_stops_the_server(auto_client
     assert stats.saves == (2 if saved else 1) and (directory / f"auto-{key_of(client, b)}.bin").exists()
     if saved:
         assert stats.restores == 1 and again["timings"]["cache_n"] > 600, "a came back from its file"
+
+
+async def test_rm_of_a_held_conversation_not_yet_saved_by_key(auto_client, caplog):
+    """No file yet: rm finds it among what the server holds, says so, and it is never written."""
+    caplog.set_level(logging.INFO, logger="strata_auto_sessions")
+    client = await auto_client(idle_save_s=0)
+    a, b = conversation("unsaved"), conversation("next")
+    await ask(client, a)
+    key, directory = key_of(client, a), slot_dir(client)
+    assert client.app[SERVICE].slots[0].key == key and not (directory / f"auto-{key}.bin").exists()
+
+    code, output = await asyncio.to_thread(sessions, directory, "rm", key)
+    assert code == 0, output
+    assert f"removed {key}: held by the running server, not saved yet" in output and "1 session(s) removed" in output
+    await ask(client, b)  # the switch would save a: dropped, the slot erased
+    assert not (directory / f"auto-{key}.bin").exists() and not (directory / f"auto-{key}.json").exists()
+    assert any(f"{key} was removed by hand" in line for line in log_lines(caplog))
+    again = await ask(client, a)
+    assert again["timings"]["cache_n"] < 40, "nothing of it was kept"
+    code, output = await asyncio.to_thread(sessions, directory, "rm", "nosuch")
+    assert code == 1 and "no session 'nosuch'" in output, "only what the server holds or parked is removable"
+
+
+async def test_rm_of_a_tenant_takes_its_held_conversation_not_yet_saved(strata_client_factory,
+                                                                         strata_settings_factory, caplog):
+    caplog.set_level(logging.INFO, logger="strata_auto_sessions")
+    settings = strata_settings_factory(plugins={"auto_sessions": {"min_tokens": 100, "idle_save_s": 0}},
+                                       server={"port": 0, "shutdown_grace_s": 10, **KEYS})
+    client = await strata_client_factory(strata_auto_sessions, settings=settings)
+    a, b = conversation("alice-unsaved"), conversation("bob-parked")
+    await ask(client, b, key="bob-key")
+    await ask(client, a, key="alice-key")  # bob's parked, alice's held and not saved
+    directory = slot_dir(client)
+    held = client.app[SERVICE].slots[0]
+    alice = held.key
+    assert held.tenant == "alice" and not (directory / f"auto-{alice}.bin").exists()
+
+    code, output = await asyncio.to_thread(sessions, directory, "rm", "--tenant", "alice")
+    assert code == 0, output
+    assert f"removed {alice}: held by the running server" in output and "1 session(s) removed" in output
+    assert [row["tenant"] for row in listed(directory).values()] == ["bob"], "bob's file stays"
+    back = await ask(client, b, key="bob-key")  # alice's leaves the slot: dropped
+    assert back["timings"]["cache_n"] > 600, "bob's came back from its file"
+    assert not (directory / f"auto-{alice}.bin").exists()
+    again = await ask(client, a, key="alice-key")
+    assert again["timings"]["cache_n"] < 40, "nothing of alice's was kept"
+
+
+async def test_a_conversation_started_anew_after_its_rm_parks_normally(auto_client, caplog):
+    """The removal is about the state that existed when rm ran (its time against when the
+    slot's state began): the same key's conversation started afresh later is saved, and
+    comes back from its file."""
+    caplog.set_level(logging.INFO, logger="strata_auto_sessions")
+    client = await auto_client(idle_save_s=0)
+    a, b = conversation("removed-then-anew"), conversation("between")
+    await ask(client, a)
+    await ask(client, b)  # a parked
+    key, directory, stats = key_of(client, a), slot_dir(client), parking(client).stats
+    code, output = await asyncio.to_thread(sessions, directory, "rm", key)
+    assert code == 0 and f"removed {key} (" in output, output
+
+    anew = await ask(client, a)  # started anew by its client: read from the start
+    assert anew["timings"]["cache_n"] < 40
+    assert client.app[SERVICE].slots[0].since > SessionStore(directory).removed_by_hand()[key]
+    await ask(client, b)  # a leaves the slot: saved, not dropped
+    assert (directory / f"auto-{key}.bin").exists(), "the new state was saved"
+    assert not any(f"{key} was removed by hand" in line for line in log_lines(caplog))
+    assert key not in SessionStore(directory).removed_by_hand(), "the removal is done with"
+    restores = stats.restores
+    back = await ask(client, a)
+    assert back["timings"]["cache_n"] > 600 and stats.restores == restores + 1, "it came back from its file"
+
+
+def test_a_removal_drops_the_saves_of_a_state_begun_before_it_only(tmp_path):
+    """The marker's recorded time against when the saved state began (``created``): at or
+    before it, every save is dropped; after it, the save is kept and the removal done with."""
+    store = SessionStore(tmp_path)
+
+    def save(created: float) -> bool:
+        temp = store.temp_name("k")
+        (tmp_path / temp).write_bytes(b"state")
+        kept = store.commit(temp, "k", Sidecar(key="k", fingerprint={}, tokens=1, bytes=5, created=created,
+                                               last_used=created, digest=""))
+        assert not (tmp_path / temp).exists(), "no temporary left either way"
+        return kept
+
+    store.remove_by_hand(["k"])
+    removed_at = store.removed_by_hand()["k"]
+    assert save(removed_at - 3600) is False and save(removed_at) is False, "a state the rm was about"
+    assert not store.bin_path("k").exists() and "k" in store.removed_by_hand()
+    assert save(removed_at + 1) is True, "a state begun after the rm"
+    assert store.bin_path("k").exists() and "k" not in store.removed_by_hand()

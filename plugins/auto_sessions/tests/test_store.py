@@ -30,7 +30,8 @@ def test_prepare_removes_only_temporaries(tmp_path):
     (store.directory / "manual.bin").write_bytes(b"mine")
     make_file(store, "kept", 10, 0)
     assert store.prepare() == 2
-    assert sorted(p.name for p in store.directory.iterdir()) == ["auto-kept.bin", "auto-kept.json", "manual.bin"]
+    assert sorted(p.name for p in store.directory.iterdir()) == [
+        "auto-.held.json", "auto-.server.json", "auto-kept.bin", "auto-kept.json", "manual.bin"]
 
 
 def test_prune_by_count_newest_first_and_manual_files_untouched(tmp_path):

@@ -3,7 +3,9 @@ with the same long system prompt as a parked one reads it from disk, not again."
 
 from __future__ import annotations
 
+import json
 import logging
+from dataclasses import replace
 
 import pytest
 
@@ -160,3 +162,85 @@ async def test_a_long_shared_opening_is_worth_a_restore(strata_client_factory, s
                                                    tmp_path / "slots", model=slower_model)
     assert reply["stats"].prefix_restores == 1
     assert reply["timings"]["cache_n"] > 900, reply["timings"]
+
+
+# -- a new conversation's request that never changes the slot ------------------------------
+
+
+def key_of(client, messages) -> str:
+    from strata_serve.hook_types import StrataRequest
+
+    return client.app[SERVICE].conversation_key(StrataRequest(route="chat", body={"messages": messages}))
+
+
+@pytest.mark.parametrize("failure", ["engine refusal", "prompt past the context", "client leaves first"])
+async def test_a_request_that_never_changes_the_slot_leaves_it_the_other_conversations(server, monkeypatch,
+                                                                                        failure):
+    """B starts from A's file (their shared system prompt); B's request then never changes
+    the slot. The slot is A's, as it holds: no save under B's name takes A's later turns,
+    and B's own file, once B runs, holds only the opening they share and B's own."""
+    import asyncio
+
+    client = await server()
+    service = client.app[SERVICE]
+    directory = service.engine.info.slot_save_path
+    secret = "A's later turn, which only A's file may hold: " + " ".join(f"secret{n} ink" for n in range(20))
+    a = opening("What is rule7?") + [{"role": "assistant", "content": "rule7 is calm"},
+                                     {"role": "user", "content": secret}]
+    b = opening("And what is rule93?")
+    key_a, key_b = key_of(client, a), key_of(client, b)
+    assert key_a != key_b
+    await ask(client, a)
+    a_tokens = service.slots[0].tokens
+    await ask(client, [{"role": "user", "content": "Something else entirely: " + "tell me more " * 40}])
+    assert (directory / f"auto-{key_a}.bin").exists(), "A is parked"
+    stats = parking(client).stats
+
+    if failure == "engine refusal":
+        resp = await client.post("/v1/chat/completions", json=chat(b, grammar="root ::= ((( not a grammar"))
+        assert 400 <= resp.status < 500, await resp.text()
+    elif failure == "prompt past the context":
+        too_long = b[:1] + [{"role": "user", "content": "far too long " * 1500}]
+        resp = await client.post("/v1/chat/completions", json=chat(too_long))
+        assert 400 <= resp.status < 500, await resp.text()
+        key_b = key_of(client, too_long)
+    else:
+        reached, release = asyncio.Event(), asyncio.Event()
+        restore = service.engine.restore
+
+        async def held_open(*args, **kwargs):
+            answer = await restore(*args, **kwargs)
+            reached.set()
+            await release.wait()
+            return answer
+
+        monkeypatch.setattr(service.engine, "restore", held_open)
+        leaving = asyncio.create_task(client.post("/v1/chat/completions", json=chat(b)))
+        await asyncio.wait_for(reached.wait(), 60)
+        leaving.cancel()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while not any(task.cancelling() for task in service._tasks):
+            assert loop.time() < deadline, "the server never saw the client leave"
+            await asyncio.sleep(0.01)
+        release.set()
+        deadline = loop.time() + 30
+        while service._tasks:
+            assert loop.time() < deadline, "the request never ended"
+            await asyncio.sleep(0.05)
+        monkeypatch.setattr(service.engine, "restore", restore)
+    assert stats.prefix_restores == 1, "B started from A's file"
+    held = replace(service.slots[0])
+
+    await ask(client, [{"role": "user", "content": "Another one: " + "go on " * 40}])  # the slot leaves
+    assert not (directory / f"auto-{key_b}.bin").exists(), "no file under B's name holds A"
+    assert (held.key, held.tokens, held.file_current) == (key_a, a_tokens, True), held
+    assert stats.save_skips_unchanged >= 1, "A's file was current: nothing saved"
+
+    # B runs after all: it starts from A's file again, and its own file holds the opening
+    # and B's question, not A's later turns.
+    reply = await ask(client, b)
+    assert reply["timings"]["cache_n"] > 2_500, reply["timings"]
+    await ask(client, [{"role": "user", "content": "And a last one: " + "go on " * 40}])
+    sidecar = json.loads((directory / f"auto-{key_of(client, b)}.json").read_text())
+    assert sidecar["tokens"] < a_tokens - 200, (sidecar["tokens"], a_tokens)

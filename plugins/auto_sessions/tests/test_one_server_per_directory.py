@@ -1,0 +1,117 @@
+"""One server per slot directory: a second server's start on a directory a live server
+uses is refused (it would undo that one's pending removals); a killed server's lock
+never blocks the next start. Real server processes (``strata-serve run``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+from click.testing import CliRunner
+
+from strata_serve.cli import cli
+from strata_serve.testing import chat, conversation
+
+MIN_TOKENS = 100
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start(slots: Path, model: Path, port: int, log_file: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "STRATA_PLUGINS__AUTO_SESSIONS__MIN_TOKENS": str(MIN_TOKENS),
+           "STRATA_PLUGINS__AUTO_SESSIONS__IDLE_SAVE_S": "0", "STRATA_SERVER__SHUTDOWN_GRACE_S": "0.5"}
+    with open(log_file, "a") as log:
+        # A session of its own: a kill -9 of the group takes the server and its engine.
+        return subprocess.Popen(
+            [sys.executable, "-m", "strata_serve.cli", "run", "--model", str(model), "--port", str(port),
+             "--slot-save-path", str(slots), "--cache-ram", "0"],
+            stderr=log, stdout=log, env=env, start_new_session=True)
+
+
+def wait_for(log_file: Path, text: str, proc: subprocess.Popen, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if text in log_file.read_text():
+            return
+        assert proc.poll() is None or text in log_file.read_text(), log_file.read_text()[-3000:]
+        time.sleep(0.1)
+    raise AssertionError(f"never saw {text!r}:\n{log_file.read_text()[-3000:]}")
+
+
+async def ask(port: int, messages: list[dict]) -> dict:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=chat(messages)) as resp:
+            assert resp.status == 200, await resp.text()
+            return await resp.json()
+
+
+def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, sig)
+        proc.wait(30)
+
+
+async def test_a_second_server_on_a_directory_in_use_is_refused_and_a_killed_ones_lock_is_not(
+        tmp_path, strata_demo_model):
+    slots = tmp_path / "slots"
+    port, log = free_port(), tmp_path / "first.log"
+    first = start(slots, strata_demo_model, port, log)
+    try:
+        await asyncio.to_thread(wait_for, log, "[strata] listening on", first)
+        a, b = conversation("kept-away"), conversation("other")
+        await ask(port, a)
+        await ask(port, b)  # a parked
+        await ask(port, a)  # a restored: held by the first server, its file current
+        key = re.findall(r"restored [\d,]+ tokens from auto-([\w-]+)\.bin", log.read_text())[-1]
+        result = await asyncio.to_thread(CliRunner().invoke, cli, ["sessions", "--slot-dir", str(slots), "rm", key])
+        assert result.exit_code == 0 and f"removed {key}" in result.output, result.output
+
+        second_log = tmp_path / "second.log"
+        second = start(slots, strata_demo_model, free_port(), second_log)
+        try:
+            deadline = time.monotonic() + 120
+            while second.poll() is None and "[strata] listening on" not in second_log.read_text():
+                assert time.monotonic() < deadline, "the second server neither started nor stopped"
+                await asyncio.sleep(0.2)
+            await asyncio.sleep(0.5)  # what else it logs as it goes
+            code = second.poll()
+        finally:
+            stop(second, signal.SIGKILL)
+        text = second_log.read_text()
+        assert code is not None and code != 0 and "[strata] listening on" not in text, text[-3000:]
+        assert f"another strata-serve server (pid {first.pid}) uses the slot directory {slots}" in text, text[-3000:]
+        assert key in json.loads((slots / "auto-.removed.json").read_text()), "the pending removal stands"
+
+        await ask(port, b)  # a leaves the first server's slot: its save is dropped
+        assert not (slots / f"auto-{key}.bin").exists(), "the removed conversation never came back"
+        await ask(port, conversation("held-at-the-kill"))  # held, never saved
+        held = json.loads((slots / "auto-.held.json").read_text())["keys"]
+        assert len(held) == 1 and not (slots / f"auto-{held[0]}.bin").exists()
+    finally:
+        stop(first, signal.SIGKILL)  # kill -9: its lock file stays behind, unheld
+
+    assert (slots / "auto-.server.json").exists()
+    # What the killed server held is held by no one: rm does not take its word for it.
+    result = await asyncio.to_thread(CliRunner().invoke, cli, ["sessions", "--slot-dir", str(slots), "rm", held[0]])
+    assert result.exit_code == 1 and f"no session {held[0]!r}" in result.output, result.output
+    third_log = tmp_path / "third.log"
+    third = start(slots, strata_demo_model, port, third_log)
+    try:
+        await asyncio.to_thread(wait_for, third_log, "[strata] listening on", third)
+        reply = await ask(port, conversation("after-the-kill"))
+        assert reply["choices"], reply
+    finally:
+        stop(third)
