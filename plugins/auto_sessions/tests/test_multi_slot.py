@@ -26,6 +26,7 @@ from strata_serve.slot_state import engine_tokens
 from strata_serve.testing import conversation
 
 from tests.parked_state import logprob_body, logprob_distance, settle
+from tests.slot_reads import ENGINE_ARGS, SlotReads
 
 #: A turn reused its own state when it reused at least this much of its ~750-token opening.
 OWN_STATE = 600
@@ -224,15 +225,49 @@ async def test_a_switch_on_one_slot_never_disturbs_another(auto_client, monkeypa
     assert service.slots.corrections == 0, "the picture matched the engine"
 
 
-async def test_one_conversation_never_runs_in_two_slots_at_once(auto_client):
-    client = await auto_client(engine=engine_for(2), idle_save_s=0)
+@pytest.mark.parametrize("held", [False, True], ids=["new", "held"])
+async def test_one_conversation_never_runs_in_two_slots_at_once(auto_client, caplog, held):
+    """Three requests of one conversation at once, each an answer without end: all three
+    are in the server together, while the first streams on, and still they run one after
+    the other in one slot, each reading only the little the last left unread (the
+    engine's own count for that slot). A new conversation (no slot is named for it yet:
+    only the line knows it is running) and one a slot holds."""
+    reads = SlotReads(caplog)
+    client = await auto_client(reads, engine=engine_for(2, extra_args=ENDLESS + ENGINE_ARGS), idle_save_s=0)
+    service = client.app[SERVICE]
     url = url_of(client)
-    a = conversation("twice-a")
-    await stream_turn(url, a)
-    # Two requests of one conversation at once: one after the other, in the same slot.
-    results = await asyncio.gather(*(stream_turn(url, more(a, f"q{n}")) for n in range(3)))
-    assert len({h["X-Strata-Slot"] for _, h in results}) == 1
-    assert all(t["cache_n"] >= OWN_STATE for t, _ in results), [t for t, _ in results]
+    a = conversation(f"twice-{'held' if held else 'new'}")
+    if held:
+        await stream_turn(url, a)
+    started, release = [asyncio.Event() for _ in range(3)], asyncio.Event()
+    streams = [asyncio.create_task(endless_stream(url, more(a, f"q{n}"), event, release, read_to_the_end=False))
+               for n, event in enumerate(started)]
+    try:
+        deadline = time.monotonic() + 60
+        while not (any(event.is_set() for event in started)
+                   and len(service.fifo.busy) + service.fifo.waiting == 3):
+            assert time.monotonic() < deadline, ("the three requests never were in the server at once",
+                                                 service.fifo.busy, service.fifo.waiting)
+            await asyncio.sleep(0.01)
+        # They overlap: the first is still writing its answer with the other two in.
+        engine_view = await service.engine.slots()
+        assert any(entry["is_processing"] for entry in engine_view), engine_view
+    finally:
+        release.set()
+    results = await asyncio.wait_for(asyncio.gather(*streams), 120)
+    await settle(client, 60)
+    assert all(status == 200 for status, _, _ in results), results
+    key = results[0][1]["X-Strata-Conversation"]
+    ran_in = {int(headers["X-Strata-Slot"]) for _, headers, _ in results}
+    assert len(ran_in) == 1, f"one conversation ran in slots {ran_in}"
+    # Per request, the engine's count in its slot: one read of the opening at most (a new
+    # conversation's first request), every later one reads the few tokens after it.
+    turns = reads.of(key)
+    assert len(turns) == 3 + held and {read.slot for read in turns} == ran_in, turns
+    assert all(read.task is not None for read in turns), ("every request reached the engine", turns)
+    whole = [read for read in turns if read.tokens >= OWN_STATE]
+    assert len(whole) == 1 and whole[0] is turns[0], ("the opening was read once, by the first", turns)
+    assert all(read.cached >= OWN_STATE for read in turns[1:]), turns
 
 
 async def test_a_restart_restores_each_conversation_into_whichever_slot_it_lands_on(auto_client):
