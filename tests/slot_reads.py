@@ -94,7 +94,8 @@ class SlotReads:
         if request.id not in self._last_task:
             return
         before = self._last_task.pop(request.id)
-        deadline = time.monotonic() + 30
+        # (A client that timed out on a long answer leaves the engine writing it for a while.)
+        deadline = time.monotonic() + 120
         while (entry := await slot_entry(service, request.slot))["is_processing"]:
             assert time.monotonic() < deadline, "the engine never let go of the slot"
             await asyncio.sleep(0.01)
