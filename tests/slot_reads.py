@@ -12,8 +12,9 @@ many tokens its prompt has and how many of them the slot already held:
     slot   operator(): id  0 | task 5 | cached n_tokens = 744, memory_seq_rm [744, end)
 
 and when it ends (``release: ... | task 5 | stop processing``). A request holds its slot
-from ``pre_request`` to ``post_request``, so a task that is the slot's last at the end and
-was not at the start is the request's own, whatever ran in the other slots meanwhile.
+from ``pre_request`` to ``post_request``, so a task that is the slot's (current or last)
+at the end and was not at the start is the request's own, whatever ran in the other
+slots meanwhile.
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ class Read:
     request: int
     #: The engine's task (None: the request never reached the engine's slot).
     task: int | None
-    #: Prompt tokens the engine read for it, and those it took from what the slot held
-    #: (or had restored into it).
-    tokens: int
+    #: Prompt tokens the engine read for it (None: the engine's log said nothing of its
+    #: task), and those it took from what the slot held (or had restored into it).
+    tokens: int | None
     cached: int
 
 
@@ -58,9 +59,7 @@ class SlotReads:
     """Test plugin: each keyed request's read, by the engine's account for its own slot.
 
     ``SlotReads(caplog)``; the engine must run with :data:`ENGINE_ARGS`. Registered, it
-    writes a :class:`Read` for every request with a conversation key that got a slot,
-    once the engine let go of the slot (a request whose client left may still be in the
-    engine when ``post_request`` runs).
+    writes a :class:`Read` for every request with a conversation key that got a slot.
     """
 
     strata_name = "slot_reads"
@@ -94,23 +93,26 @@ class SlotReads:
         if request.id not in self._last_task:
             return
         before = self._last_task.pop(request.id)
-        # (A client that timed out on a long answer leaves the engine writing it for a while.)
-        deadline = time.monotonic() + 120
-        while (entry := await slot_entry(service, request.slot))["is_processing"]:
-            assert time.monotonic() < deadline, "the engine never let go of the slot"
+        # The task's prompt lines come as its prompt is read: a task the engine still runs
+        # (its client left, the engine has not noticed yet) is counted without waiting for
+        # its end. A request whose task never started leaves the slot's last task as it was.
+        deadline = time.monotonic() + 30
+        while True:
+            entry = await slot_entry(service, request.slot)
+            task = entry.get("id_task")
+            lines = self._task_lines(request.slot, task) if task is not None and task != before else {}
+            if "cached" in lines or "end" in lines or (not entry["is_processing"] and task == before):
+                break
+            if time.monotonic() >= deadline:
+                break  # no word from the engine on this task: unmeasured (None)
             await asyncio.sleep(0.01)
-        task = entry.get("id_task")
-        lines: dict[str, int] = {}
-        if task is not None and task != before:
-            # The engine's lines arrive through its output, read as it goes: wait for the task's end.
-            while "end" not in (lines := self._task_lines(request.slot, task)):
-                assert time.monotonic() < deadline, f"the engine never said task {task} ended"
-                await asyncio.sleep(0.01)
-        else:
-            task = None
         prompt, cached = lines.get("prompt"), lines.get("cached", 0)
+        if task == before:
+            task, tokens = None, 0
+        else:
+            tokens = prompt - cached if prompt is not None else (0 if "end" in lines else None)
         self.reads.append(Read(key=request.conversation_key, slot=request.slot, request=request.id, task=task,
-                               tokens=prompt - cached if prompt is not None else 0, cached=cached))
+                               tokens=tokens, cached=cached))
 
     def of(self, key: str) -> list[Read]:
         return sorted((read for read in self.reads if read.key == key), key=lambda read: read.request)
@@ -119,6 +121,6 @@ class SlotReads:
         """Per conversation, its requests that read at least ``opening`` tokens after its first such."""
         whole: dict[str, list[Read]] = {}
         for read in sorted(self.reads, key=lambda read: read.request):
-            if read.tokens >= opening:
+            if read.tokens is not None and read.tokens >= opening:
                 whole.setdefault(read.key, []).append(read)
         return {key: reads[1:] for key, reads in whole.items() if len(reads) > 1}

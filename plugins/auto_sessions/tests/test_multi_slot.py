@@ -274,6 +274,7 @@ async def test_one_conversation_never_runs_in_two_slots_at_once(auto_client, cap
     turns = reads.of(key)
     assert len(turns) == 3 + held and {read.slot for read in turns} == ran_in, turns
     assert all(read.task is not None for read in turns), ("every request reached the engine", turns)
+    assert all(read.tokens is not None for read in turns), turns
     whole = [read for read in turns if read.tokens >= OWN_STATE]
     assert len(whole) == 1 and whole[0] is turns[0], ("the opening was read once, by the first", turns)
     assert all(read.cached >= OWN_STATE for read in turns[1:]), turns
