@@ -199,6 +199,74 @@ async def test_disk_full_during_a_save(auto_client, tmp_path, caplog):
         await client.close()
 
 
+async def test_a_save_the_engine_reports_whole_but_left_short_is_never_kept(auto_client, monkeypatch, caplog):
+    """The engine writes a state file through C stdio and does not check the close: the
+    last buffered block, written at close, may fail and leave the file short while the
+    engine reports every byte written (``n_written``). Made real here with a file size
+    limit on the engine's process (``RLIMIT_FSIZE``, its SIGXFSZ ignored, as a shell's
+    ``trap '' XFSZ`` leaves it): every write the engine checks fits, the last block does
+    not. strata's own writes (the sidecar) are not limited: only the size on disk,
+    compared with the engine's count before the file gets its name, tells. The save fails
+    and is logged; no file, no temporary; without the limit the next save works."""
+    import resource
+
+    from strata_serve.engine import llama_server
+
+    engine_preexec = llama_server._engine_preexec
+
+    def ignoring_sigxfsz() -> None:
+        engine_preexec()
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # kept through exec: a write past the limit fails
+
+    monkeypatch.setattr(llama_server, "_engine_preexec", ignoring_sigxfsz)
+    caplog.set_level(logging.INFO, logger="strata_auto_sessions")
+    client = await auto_client()
+    service = client.app[SERVICE]
+    engine = service.engine
+    slots = engine.info.slot_save_path
+    a, b, c = conversation("short-a"), conversation("short-b"), conversation("short-c")
+    await ask(client, a)
+    await ask(client, b)  # A saved, whole
+    assert parking(client).stats.saves == 1
+    # How long B's file is: the engine's own count for a save of the slot as it is.
+    probe = await engine.save("probe.bin")
+    whole = probe["n_written"]
+    (slots / "probe.bin").unlink()
+    block = os.stat(slots).st_blksize
+    limit = (whole - 1) // block * block  # all but the last block, the one written at close
+    real_save = engine.save
+    seen: dict[str, object] = {}
+
+    async def save_under_the_limit(filename, slot=0):
+        unlimited = resource.prlimit(engine.pid, resource.RLIMIT_FSIZE)
+        resource.prlimit(engine.pid, resource.RLIMIT_FSIZE, (limit, unlimited[1]))  # the soft limit only
+        try:
+            seen["answer"] = await real_save(filename, slot)
+        finally:
+            resource.prlimit(engine.pid, resource.RLIMIT_FSIZE, unlimited)
+        seen["on_disk"] = (slots / filename).stat().st_size
+        return seen["answer"]
+
+    monkeypatch.setattr(engine, "save", save_under_the_limit)
+    status, answer = await ask(client, c)  # B is saved for the switch
+    monkeypatch.setattr(engine, "save", real_save)
+    assert status == 200 and answer["choices"]
+    assert seen["answer"]["n_written"] == whole and seen["on_disk"] == limit < whole, (
+        "the engine reported every byte and wrote fewer", seen, whole)
+    stats = parking(client).stats
+    assert stats.save_failures == 1 and stats.saves == 1, stats
+    assert any(f"holds {limit:,} bytes; the engine reported {whole:,}" in r.getMessage() for r in caplog.records
+               if r.levelno == logging.WARNING), caplog.text
+    key_b = service.conversation_key(_req(b))
+    assert not (slots / f"auto-{key_b}.bin").exists() and not (slots / f"auto-{key_b}.json").exists()
+    only_complete_files(slots)
+    status, _ = await ask(client, a)  # C saved, whole
+    assert status == 200 and parking(client).stats.saves == 2
+    only_complete_files(slots)
+    status, back = await ask(client, c)
+    assert status == 200 and back["timings"]["cache_n"] > 600, "C's file is whole: restored and reused"
+
+
 async def test_read_only_directory_then_writable_again(auto_client, tmp_path):
     with tmpfs(tmp_path / "ro", "10m") as slots:
         client = await auto_client(slots)
@@ -244,6 +312,47 @@ async def test_symlink_under_a_session_name_is_never_followed(auto_client, tmp_p
     assert status == 200 and answer["timings"]["cache_n"] == 0
     assert parking(client).stats.restores == 0 and parking(client).stats.restore_failures == 0
     assert outside.read_bytes() == b"\0" * 5000
+
+
+async def test_a_symlink_under_a_session_name_beside_its_sidecar_is_never_followed(auto_client, tmp_path, caplog):
+    """The worst case: a conversation's own file moved outside the directory and a symlink
+    left under its name, the sidecar beside it describing the target exactly (size and
+    sampled digest). The link is never followed: not restored (the conversation is read
+    anew), not listed, not pruned; the target keeps its bytes and time, also when the
+    conversation is saved again under its name (the link is replaced, not written through)."""
+    from strata_auto_sessions.store import sample_digest
+
+    caplog.set_level(logging.INFO, logger="strata_auto_sessions")
+    client = await auto_client()
+    service = client.app[SERVICE]
+    slots = service.engine.info.slot_save_path
+    store = parking(client).store
+    a, b = conversation("linked-a"), conversation("linked-b")
+    await ask(client, a)
+    await ask(client, b)  # A parked: its file and sidecar
+    key = service.conversation_key(_req(a))
+    name = f"auto-{key}.bin"
+    outside = tmp_path / "outside" / name
+    outside.parent.mkdir()
+    shutil.move(slots / name, outside)
+    (slots / name).symlink_to(outside)
+    sidecar = store.sidecar(key)
+    assert sidecar is not None and sidecar.bytes == outside.stat().st_size
+    assert sample_digest(outside) == sidecar.digest, "the sidecar fits the target"
+    kept = outside.read_bytes(), outside.stat().st_mtime_ns
+
+    again = a + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "back"}]
+    status, answer = await ask(client, again)
+    assert status == 200 and answer["timings"]["cache_n"] < 40, "read anew, never restored through the link"
+    stats = parking(client).stats
+    assert stats.restores == 0 and stats.restore_failures == 0, stats
+    assert any(f"not restoring {name}: it is a symlink" in r.getMessage() for r in caplog.records), caplog.text
+    assert key not in dict(store.sessions()) and store.usage()[0] == 1, "only B's file is listed"
+    store.prune(keep=0, max_bytes=0, protect=frozenset())
+    assert (slots / name).is_symlink(), "a link is never pruned"
+    await ask(client, b)  # A leaves the slot: saved under its name
+    assert not (slots / name).is_symlink() and (slots / name).is_file()
+    assert (outside.read_bytes(), outside.stat().st_mtime_ns) == kept, "the target was touched"
 
 
 # -- a normal stop in the middle of an answer ----------------------------------------

@@ -4,7 +4,9 @@ A hypothesis state machine drives a real server (real engine, auto-sessions on) 
 conversations read to the end or abandoned at any point, requests without a key,
 slot actions by hand and engine crashes; after every step the picture must agree
 with the engine's own ``GET /slots``, and a file the picture calls current must hold
-what the slot holds.
+what the slot holds. The engine counts tokens and cannot name conversations: the
+conversations are of lengths far enough apart that its count says whose state the
+slot holds, so a picture naming the wrong one fails too.
 """
 
 from __future__ import annotations
@@ -26,12 +28,29 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 
 import strata_auto_sessions
 from strata_serve.api import SERVICE, create_app
+from strata_serve.hook_types import StrataRequest
 from strata_serve.plugins import get_plugin_manager
 from strata_serve.slot_state import engine_tokens
-from strata_serve.testing import conversation
 
-CONVERSATIONS = ("pa", "pb", "pc")
+#: Each conversation's opening, in items of about 18 tokens (the demo model reads a
+#: character as a token): about 400, 1,000 and 1,600 tokens. A turn adds about 40 tokens,
+#: and an example has at most ``STEPS`` turns: the counts of two conversations never meet.
+CONVERSATIONS = {"pa": 20, "pb": 52, "pc": 84}
 HOW = ("read_all", "after_last_event", "mid_stream", "before_first_byte")
+STEPS = 10
+#: Tokens a conversation may hold past its first turn's prompt, at most: the turns of one
+#: example and the answer of the last (6 tokens).
+GROWTH = 50 * STEPS
+
+
+def conversation(name: str, turns: int = 1) -> list[dict]:
+    """Like :func:`strata_serve.testing.conversation`, with an opening of this name's length."""
+    opening = f"Conversation {name}: " + " ".join(f"{name}{n} ship sea wind" for n in range(CONVERSATIONS[name]))
+    messages = [{"role": "user", "content": opening}]
+    for n in range(1, turns):
+        messages += [{"role": "assistant", "content": f"reply {n}"},
+                     {"role": "user", "content": f"and then {name} {n}?"}]
+    return messages
 
 
 class ServerThread:
@@ -51,6 +70,14 @@ class ServerThread:
     @property
     def service(self):
         return self.app[SERVICE]
+
+    def prompt_tokens(self, messages: list[dict]) -> int:
+        """Tokens the engine reads for these messages (the chat template applied)."""
+        reply = requests.post(self.url + "/apply-template", json={"messages": messages}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        reply = requests.post(self.url + "/tokenize", json={"content": reply.json()["prompt"]}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        return len(reply.json()["tokens"])
 
     def call(self, coro, timeout: float = 60) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -101,6 +128,8 @@ def chat(url: str, messages: list[dict], how: str) -> None:
 
 class PictureMatchesTheEngine(RuleBasedStateMachine):
     server: ServerThread
+    #: Per conversation key: its name, and the tokens a slot holding it may hold.
+    counts: dict[str, tuple[str, range]]
 
     def __init__(self) -> None:
         super().__init__()
@@ -126,7 +155,7 @@ class PictureMatchesTheEngine(RuleBasedStateMachine):
             assert time.monotonic() < deadline, "the server never settled"
             time.sleep(0.02)
 
-    @rule(name=st.sampled_from(CONVERSATIONS), how=st.sampled_from(HOW))
+    @rule(name=st.sampled_from(sorted(CONVERSATIONS)), how=st.sampled_from(HOW))
     def turn(self, name: str, how: str) -> None:
         self.turns[name] += 1
         messages = conversation(name, turns=self.turns[name])
@@ -183,6 +212,10 @@ class PictureMatchesTheEngine(RuleBasedStateMachine):
             assert held.tokens == engine_held, (held, engine_slots[0])
         if engine_held == 0:
             assert held.key is None or held.tokens is None, held
+        if held.key is not None and engine_held:
+            name, possible = self.counts[held.key]
+            assert engine_held in possible, (f"the picture names {name}, whose state is {possible.start:,} to "
+                                             f"{possible.stop - 1:,} tokens; the slot holds {engine_held:,}", held)
         if held.file_current and held.key is not None:
             parking = service.state["auto_sessions"]
             sidecar = parking.store.sidecar(held.key)
@@ -191,9 +224,18 @@ class PictureMatchesTheEngine(RuleBasedStateMachine):
 
 def test_the_picture_matches_the_engine_after_every_step(server):
     PictureMatchesTheEngine.server = server
+    counts = {}
+    for name in CONVERSATIONS:
+        messages = conversation(name)
+        key = server.service.conversation_key(StrataRequest(route="chat", body={"messages": messages}))
+        first = server.prompt_tokens(messages)
+        counts[key] = (name, range(first - 8, first + GROWTH))  # (the engine's own BOS, or not)
+    spans = sorted((possible for _, possible in counts.values()), key=lambda span: span.start)
+    assert all(one.stop < two.start for one, two in zip(spans, spans[1:])), f"the counts could meet: {spans}"
+    PictureMatchesTheEngine.counts = counts
     run_state_machine_as_test(
         PictureMatchesTheEngine,
-        settings=settings(max_examples=6, stateful_step_count=10, deadline=None,
+        settings=settings(max_examples=6, stateful_step_count=STEPS, deadline=None,
                           suppress_health_check=list(HealthCheck)),
     )
     assert server.service.slots.corrections == 0

@@ -1,14 +1,19 @@
 """Every way the picture of the slot went wrong before, each against the real engine.
 
 Each test here failed on the version that inferred the slot's holder inside
-auto-sessions and left conversations to the engine's RAM cache on a guess.
+auto-sessions and left conversations to the engine's RAM cache on a guess. Each runs
+twice: with auto-sessions (and the test's own plugins) alone, and with every plugin a
+default install loads (prefix restore, the quirk plugins, the session header, ...).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 
 import pytest
+
+import strata_auto_sessions
 
 import strata_quirks_llama_cpp
 import strata_serve
@@ -16,10 +21,38 @@ from strata_serve.api import SERVICE
 from strata_serve.hook_types import StrataRequest, Verdict
 from strata_serve.testing import ask, conversation
 
+from .conftest import MIN_TOKENS
 from .test_auto_sessions import key_of, log_lines, parking, slot_dir
 
 #: A return found its own state when it reused at least this much of its ~750-token opening.
 OWN_STATE = 600
+
+
+#: Installed for the tests as a stranger's plugins would be; a user's install has neither.
+EXAMPLE_PLUGINS = ["prefix_key", "quirks_strata_metal"]
+
+
+@pytest.fixture(params=["alone", "default-install"])
+def auto_client(request, strata_client_factory, strata_settings_factory):
+    """``await auto_client(*more_plugins, engine={...}, **plugin_config)``: auto-sessions
+    alone, or every installed plugin (entry points) but the examples."""
+    installed = request.param == "default-install"
+
+    async def make(*plugins, engine=None, **plugin_config):
+        settings = strata_settings_factory(plugins={"auto_sessions": {"min_tokens": MIN_TOKENS, **plugin_config}},
+                                           engine=engine or {},
+                                           disable_plugins=EXAMPLE_PLUGINS if installed else [])
+        if not installed:
+            return await strata_client_factory(strata_auto_sessions, *plugins, settings=settings)
+        loaded = {entry.load() for entry in importlib.metadata.entry_points(group="strata_serve")}
+        client = await strata_client_factory(*(p for p in plugins if p not in loaded), settings=settings,
+                                             entrypoints=True)
+        names = {name for name, plugin in client.app[SERVICE].pm.list_name_plugin() if plugin is not None}
+        assert {"auto_sessions", "prefix_restore", "quirks_llama_cpp", "session_header"} <= names, names
+        assert not names & set(EXAMPLE_PLUGINS), names
+        return client
+
+    return make
 
 
 @pytest.fixture(autouse=True)
@@ -204,17 +237,16 @@ def _request(messages):
 
 
 async def test_a_model_replaced_in_place_before_a_restart_gets_no_file_of_the_old_one(
-        auto_settings, strata_client_factory, tmp_path, caplog):
+        auto_client, tmp_path, caplog):
     import asyncio
     import os
     import shutil
     import signal
-    import strata_auto_sessions
     from strata_serve.demo_model import write_demo_model
 
     model = tmp_path / "model.gguf"
     write_demo_model(model, size="tiny")
-    client = await strata_client_factory(strata_auto_sessions, settings=auto_settings({"model": str(model)}))
+    client = await auto_client(engine={"model": str(model)})
     a, b = conversation("swap-a"), conversation("swap-b")
     await ask(client, a)
     await ask(client, b)  # A's file: made by the first model

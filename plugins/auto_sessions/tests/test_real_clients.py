@@ -12,18 +12,17 @@ import asyncio
 import itertools
 import json
 import socket
-import time
 from pathlib import Path
 
 import anthropic
 import pytest
 import requests
 
-import strata_serve
 from strata_serve.api import SERVICE
 from strata_serve.testing import conversation
 
 from tests.parked_state import settle
+from tests.slot_reads import ENGINE_ARGS, SlotReads
 
 #: How each request's client behaves.
 PATTERNS = (
@@ -94,69 +93,17 @@ async def read_all(url: str, messages: list[dict]) -> dict:
     return await asyncio.to_thread(call)
 
 
-class EngineReads:
-    """Test plugin: how many prompt tokens the engine read for each chat request, by its own
-    count (``/metrics``), whatever the client saw: a request whose client left after its
-    prompt was read counts too. The count is the engine's, not a slot's: a request that
-    ran beside another (two slots) is measured only when the two together read less than
-    an opening, else left unmeasured (None)."""
-
-    strata_name = "engine_reads"
-
-    def __init__(self) -> None:
-        #: (conversation key, prompt tokens the engine read meanwhile or None), per request.
-        self.reads: list[tuple[str, float | None]] = []
-        self._open: dict[int, list] = {}
-
-    @staticmethod
-    async def read_so_far(service) -> float:
-        status, text = await service.engine.request("GET", "/metrics")
-        assert status == 200, text
-        for line in text.splitlines():
-            if line.startswith("llamacpp:prompt_tokens_total "):
-                return float(line.split()[1])
-        raise AssertionError(f"no prompt_tokens_total in the engine's metrics: {text[:300]}")
-
-    @strata_serve.hookimpl
-    async def pre_request(self, request, service):
-        if request.route == "chat" and request.conversation_key is not None:
-            for window in self._open.values():
-                window[1] = True  # overlapped
-            # Opened before the count is read: a request arriving meanwhile sees this one.
-            window = self._open[request.id] = [None, bool(self._open)]
-            window[0] = await self.read_so_far(service)
-
-    @strata_serve.hookimpl
-    async def post_request(self, request, service):
-        window = self._open.pop(request.id, None)
-        if window is not None:
-            # A request whose client left may still be in the engine: its read counts here.
-            deadline = time.monotonic() + 10
-            while next(s for s in await service.engine.slots() if s["id"] == request.slot)["is_processing"]:
-                assert time.monotonic() < deadline, "the engine never let go of the slot"
-                await asyncio.sleep(0.01)
-            read = await self.read_so_far(service) - window[0]
-            self.reads.append((request.conversation_key, None if window[1] and read >= OWN_STATE else read))
-
-    def rereads(self) -> dict[str, int]:
-        """Per conversation, its reads of a whole opening after the first."""
-        whole: dict[str, int] = {}
-        for key, read in self.reads:
-            if read is not None and read >= OWN_STATE:
-                whole[key] = whole.get(key, 0) + 1
-        return {key: n - 1 for key, n in whole.items() if n > 1}
-
-
 @pytest.mark.parametrize("cache_ram_mib,parallel", [(0, 1), (1, 1), (None, 1), (0, 2), (None, 2)],
                          ids=["ram-off", "ram-below-working-set", "ram-default", "ram-off-2-slots",
                               "ram-default-2-slots"])
-async def test_concurrent_impatient_clients_never_lose_a_conversation(auto_client, cache_ram_mib, parallel):
+async def test_concurrent_impatient_clients_never_lose_a_conversation(auto_client, caplog, cache_ram_mib, parallel):
     """Every turn after a conversation's first, impatient or not, finds its state: checked
-    on the engine's own count of what each request read, so a conversation lost in one
-    round and rebuilt by its next (cut) turn cannot pass."""
-    engine_reads = EngineReads()
-    client = await auto_client(engine_reads, engine={"cache_ram_mib": cache_ram_mib, "parallel": parallel,
-                                                     "ctx_size": 4096 * parallel, "extra_args": ["--metrics"]},
+    on the engine's own count of what each request read in its slot, so a conversation
+    lost in one round and rebuilt by its next (cut) turn cannot pass, nor one that ran
+    beside another."""
+    slot_reads = SlotReads(caplog)
+    client = await auto_client(slot_reads, engine={"cache_ram_mib": cache_ram_mib, "parallel": parallel,
+                                                   "ctx_size": 4096 * parallel, "extra_args": ENGINE_ARGS},
                                idle_save_s=0)
     url = str(client.make_url("")).rstrip("/")
     names = ["main-a", "main-b", "main-c"]
@@ -173,7 +120,14 @@ async def test_concurrent_impatient_clients_never_lose_a_conversation(auto_clien
         await settle(client)
         # Checked after each round: a conversation lost here and rebuilt by its next turn,
         # cut or not, has read its opening twice.
-        assert not engine_reads.rereads(), (round_, used, engine_reads.reads, parking_numbers(client))
+        assert not slot_reads.rereads(OWN_STATE), (round_, used, slot_reads.reads, parking_numbers(client))
+    # The count sees reads: each conversation's opening was read, once; no request went uncounted.
+    assert len({read.key for read in slot_reads.reads if (read.tokens or 0) >= OWN_STATE}) == len(names), (
+        slot_reads.reads)
+    unsaid = [read for read in slot_reads.reads if read.tokens is None]
+    assert len(unsaid) <= len(slot_reads.reads) // 10, ("most tasks are accounted for", unsaid)
+    assert not [r for r in caplog.records if "slot_reads failed" in r.getMessage()], [
+        r.exc_text or r.getMessage() for r in caplog.records if "slot_reads failed" in r.getMessage()]
     # Every conversation returns, read to the end, one at a time and all switches.
     for name in names + names:
         reply = await read_all(url, chats[name])

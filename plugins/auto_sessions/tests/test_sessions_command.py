@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -14,14 +17,20 @@ import pytest
 from click.testing import CliRunner
 
 import strata_auto_sessions
-from strata_auto_sessions.store import SessionStore, Sidecar
+from strata_auto_sessions.store import SessionStore, Sidecar, file_key
 from strata_serve.api import SERVICE
 from strata_serve.cli import cli
 from strata_serve.testing import ask, conversation
 
+from tests.parked_state import settle
+
 from .test_auto_sessions import key_of, log_lines, parking, slot_dir
 
 KEYS = {"api_keys": {"alice": "alice-key", "bob": "bob-key"}}
+
+
+def more(messages: list[dict], text: str) -> list[dict]:
+    return messages + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": text}]
 
 
 def sessions(directory, *args) -> tuple[int, str]:
@@ -382,3 +391,111 @@ def test_a_removal_drops_the_saves_of_a_state_begun_before_it_only(tmp_path):
     assert not store.bin_path("k").exists() and "k" in store.removed_by_hand()
     assert save(removed_at + 1) is True, "a state begun after the rm"
     assert store.bin_path("k").exists() and "k" not in store.removed_by_hand()
+
+
+#: ``strata-serve sessions rm`` in a process of its own, its interpreter started ahead so a
+#: removal can be timed to the millisecond. For each JSON line read (``key``, ``delay_s``,
+#: ``watch``: the name prefix of the save's temporaries) it waits until the save's
+#: temporary state file appears (the engine is writing it), then ``delay_s``, runs the
+#: command line's own code (a new store, lock and all, each time), and writes one
+#: ``RESULT`` line: when the temporary was seen, and when the command began and ended.
+RM_PROCESS = r"""
+import json, os, sys, time
+from strata_serve.cli import cli
+
+directory = sys.argv[1]
+
+def run(*args):
+    try:
+        cli.main(["sessions", "--slot-dir", directory, *args], prog_name="strata-serve", standalone_mode=False)
+        return 0
+    except SystemExit as exc:
+        return exc.code
+    except Exception as exc:
+        print(f"{type(exc).__name__}: {exc}", flush=True)
+        return getattr(exc, "exit_code", 1)
+
+run("ls", "--json")  # the plugins' commands are found once, before any timing matters
+print("READY", flush=True)
+for line in sys.stdin:
+    command = json.loads(line)
+    seen, deadline = None, time.monotonic() + 30
+    while seen is None and time.monotonic() < deadline:
+        if any(name.startswith(command["watch"]) and name.endswith(".bin") for name in os.listdir(directory)):
+            seen = time.monotonic()
+        time.sleep(0.0002)
+    time.sleep(command["delay_s"])
+    began = time.monotonic()
+    code = run("rm", command["key"])
+    print("RESULT " + json.dumps({"seen": seen, "began": began, "ended": time.monotonic(), "code": code}),
+          flush=True)
+"""
+
+
+def rm_result(process: subprocess.Popen, marker: str = "RESULT ") -> tuple[dict, str]:
+    """The next ``RESULT`` of :data:`RM_PROCESS` (or ``READY``), and what the command printed before it."""
+    printed = []
+    for line in process.stdout:
+        if line.startswith(marker):
+            return json.loads(line[len(marker):].strip() or "{}"), "".join(printed)
+        printed.append(line)
+    raise AssertionError(f"the rm process ended: {''.join(printed)}")
+
+
+#: Rounds of the race; in most of them the removal runs while the switch's save is under way.
+RACES = 8
+
+
+def short_conversation(name: str) -> list[dict]:
+    """A conversation of about 250 tokens: worth a file, quick to read."""
+    return [{"role": "user", "content": f"Race {name}: " + " ".join(f"{name}{n} sea" for n in range(30))}]
+
+
+async def test_rm_racing_the_running_servers_saves_never_brings_a_conversation_back(auto_client):
+    """``strata-serve sessions rm`` of a conversation the slot holds, in its own process,
+    at the moment the running server saves that conversation for a switch (its temporary
+    written, its commit under way), over and over at shifting offsets: whichever ends
+    first, the conversation's file is gone afterwards and it is never restored again."""
+    client = await auto_client(idle_save_s=0)
+    directory = slot_dir(client)
+    other = short_conversation("other")
+    await ask(client, other)
+    process = subprocess.Popen([sys.executable, "-c", RM_PROCESS, str(directory)], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rng = random.Random(7)
+    removed, during = [], 0
+    try:
+        await asyncio.wait_for(asyncio.to_thread(rm_result, process, "READY"), 60)
+        for n in range(RACES):
+            a = short_conversation(f"r{n}")
+            await ask(client, a)
+            await ask(client, more(other, f"between {n}"))  # A is parked: it has a file
+            a = more(a, "on")
+            await ask(client, a)  # A restored and continued: its newest turn is in the slot only
+            key = key_of(client, a)
+            assert (directory / f"auto-{key}.bin").exists()
+            # The switch saves A; rm starts as the engine writes it, and its work (tens of
+            # milliseconds) falls across the commit's.
+            process.stdin.write(json.dumps({"key": key, "delay_s": rng.uniform(0, 0.01),
+                                            "watch": f"tmp-auto-{file_key(key)}-"}) + "\n")
+            process.stdin.flush()
+            await ask(client, more(other, f"after {n}"))
+            answered = time.monotonic()
+            result, printed = await asyncio.wait_for(asyncio.to_thread(rm_result, process), 60)
+            assert result["code"] == 0 and f"removed {key}" in printed, (result, printed)
+            await settle(client)
+            # rm began once the save's temporary was there, before the switch was answered.
+            during += result["seen"] is not None and result["began"] < answered
+            assert not (directory / f"auto-{key}.bin").exists(), f"round {n}: the removed {key} came back"
+            assert not (directory / f"auto-{key}.json").exists(), f"round {n}: {key}'s sidecar came back"
+            assert key not in listed(directory)
+            removed.append(a)
+    finally:
+        process.stdin.close()
+        process.wait(10)
+        process.stdout.close()
+    assert during >= RACES // 3, f"rm ran during the save in {during} of {RACES} rounds only"
+    for a in removed:  # never restored: each is read anew
+        again = await ask(client, more(a, "back"))
+        assert again["timings"]["cache_n"] < 30, "a removed conversation was restored"
+    assert not list(directory.glob("tmp-*")), "no temporary left behind"
