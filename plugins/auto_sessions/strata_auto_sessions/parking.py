@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from strata_serve import ConfigError, EngineError, Outcome, StrataRequest, Verdict, counter, gauge, in_tenant
+from strata_serve import ConfigError, EngineError, make_private_dir, Outcome, StrataRequest, Verdict, counter, gauge, in_tenant
 from strata_serve import EngineUnavailable
 
 from strata_serve import first_result
@@ -191,6 +191,7 @@ class AutoSessions:
             or SessionStore(Path(directory))
         try:
             try:
+                make_private_dir(Path(directory))  # the lock is taken on the directory itself
                 async with store.lock_without_blocking(config.lock_wait_s):
                     removed = store.prepare()
             except LockTimeout as exc:

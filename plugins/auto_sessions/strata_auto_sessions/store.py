@@ -1077,10 +1077,14 @@ def last_use(*stamps: float, now: float) -> float | None:
 def _write_private_json(target: Path, data: Any) -> None:
     temp = target.with_name(f"{TEMP_PREFIX}{uuid.uuid4().hex[:8]}.json")
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
-    os.fchmod(fd, PRIVATE_FILE_MODE)
-    with os.fdopen(fd, "w") as handle:
-        json.dump(data, handle)
-    os.replace(temp, target)
+    try:
+        os.fchmod(fd, PRIVATE_FILE_MODE)
+        with os.fdopen(fd, "w") as handle:
+            json.dump(data, handle)
+        os.replace(temp, target)
+    except BaseException:
+        temp.unlink(missing_ok=True)  # a full disk must not leave one temporary per write
+        raise
 
 
 def _fsync(path: Path) -> None:

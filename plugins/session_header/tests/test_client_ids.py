@@ -294,6 +294,7 @@ async def test_two_sessions_that_open_alike_each_restore_their_own_state(parked,
 
     # The control: without the ids the two sessions share one key, and each return finds
     # the other's state (only the common opening is reused). The test above would see that.
+    await client.close()  # one server per slot directory
     client, reuse = await parked()
     keys, returns = await alternate(client, reuse, turns, request, with_ids=False)
     assert len(keys) == 1, keys
