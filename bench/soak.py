@@ -332,7 +332,10 @@ def send(url: str, api: str, body: dict[str, Any], pattern: str, record: Record)
     except (requests.exceptions.ConnectionError, ConnectionRefusedError, ConnectionResetError) as exc:
         # A refused connection (nothing listening), or one cut under a stream: which of
         # the two, and whether the restart explains it, is for :func:`judge`.
-        refused = "refused" in str(exc).lower() or isinstance(exc, ConnectionRefusedError)
+        # A connection closed before any byte of an answer (a stop's listener dropping what it
+        # had not accepted yet) reached no handler either: unanswered, like a refusal.
+        refused = "refused" in str(exc).lower() or isinstance(exc, ConnectionRefusedError) \
+            or "without response" in str(exc).lower()
         record.outcome = "unreachable" if refused else "violation"
         record.detail = f"{'connection refused' if refused else 'connection cut'}: {exc}"[:300]
     except (ValueError, OSError, requests.RequestException) as exc:
