@@ -271,38 +271,10 @@ def report(label: str, run: Run, turn: list[Seen]) -> str:
     return f"{label}: {run.seconds:.1f} s, {len(turn)} request(s): " + "; ".join(parts)
 
 
-async def test_claude_code_two_sessions_resumed_in_turn_each_restore_their_own_state(cli_server, workspace):
-    client, log, url = await cli_server(CTX_SIZE)
-    env, cwd = claude_env(workspace["home"], url), workspace["project"]
-    ids: dict[str, str] = {}
-    keys: dict[str, set[str | None]] = {"a": set(), "b": set()}
-    lines: list[str] = []
-    resumed: list[tuple[str, list[Seen]]] = []
-    for label, session in SESSIONS:
-        since = len(log.seen)
-        resume = ["--resume", ids[session]] if session in ids else []
-        run = await run_cli(claude_argv(*resume, "And what else?" if resume else PROMPT), cwd=cwd, env=env)
-        result = claude_result(run)
-        turn = log.seen[since:]
-        lines.append(report(label, run, turn))
-        assert turn and all(s.http_status == 200 and s.status == "ok" for s in turn), turn
-        assert {s.route for s in turn} == {"messages"}, turn
-        if resume:
-            resumed.append((label, turn))
-        ids.setdefault(session, result["session_id"])
-        assert result["session_id"] == ids[session], "a resumed session keeps its id"
-        assert {s.client_id for s in turn} == {ids[session]}, turn
-        keys[session] |= {s.key for s in turn}
-    print("\n".join(lines))
-    assert_keyed_by_id(ids, keys)
-    for label, turn in resumed:
-        assert_resumed(turn, label)
-
-
-async def test_codex_two_sessions_resumed_in_turn_each_restore_their_own_state(cli_server, workspace):
-    client, log, url = await cli_server(CTX_SIZE)
-    (workspace["codex_home"] / "config.toml").write_text(codex_config(url, CTX_SIZE))
-    env, cwd = codex_env(workspace["home"], workspace["codex_home"]), workspace["project"]
+async def alternate_sessions(log, route: str, turn_of) -> None:
+    """Sessions a, b, a resumed, b resumed (:data:`SESSIONS`): ``await turn_of(session, id)``
+    runs one CLI turn (``id`` None for a new session) and returns ``(run, the client's id)``.
+    Every answer 200 on ``route``, each session keyed by its own id, each resume restored."""
     ids: dict[str, str] = {}
     keys: dict[str, set[str | None]] = {"a": set(), "b": set()}
     lines: list[str] = []
@@ -310,23 +282,46 @@ async def test_codex_two_sessions_resumed_in_turn_each_restore_their_own_state(c
     for label, session in SESSIONS:
         since = len(log.seen)
         resume = session in ids
-        argv = codex_argv("resume", ids[session], "And what else?") if resume else codex_argv(PROMPT)
-        run = await run_cli(argv, cwd=cwd, env=env)
-        thread = codex_thread(run)
+        run, client_id = await turn_of(session, ids.get(session))
         turn = log.seen[since:]
         lines.append(report(label, run, turn))
         assert turn and all(s.http_status == 200 and s.status == "ok" for s in turn), turn
-        assert {s.route for s in turn} == {"responses"}, turn
+        assert {s.route for s in turn} == {route}, turn
         if resume:
             resumed.append((label, turn))
-        ids.setdefault(session, thread)
-        assert thread == ids[session], "a resumed session keeps its id"
+        ids.setdefault(session, client_id)
+        assert client_id == ids[session], "a resumed session keeps its id"
         assert {s.client_id for s in turn} == {ids[session]}, turn
         keys[session] |= {s.key for s in turn}
     print("\n".join(lines))
     assert_keyed_by_id(ids, keys)
     for label, turn in resumed:
         assert_resumed(turn, label)
+
+
+async def test_claude_code_two_sessions_resumed_in_turn_each_restore_their_own_state(cli_server, workspace):
+    client, log, url = await cli_server(CTX_SIZE)
+    env, cwd = claude_env(workspace["home"], url), workspace["project"]
+
+    async def turn_of(session: str, session_id: str | None):
+        resume = ["--resume", session_id] if session_id else []
+        run = await run_cli(claude_argv(*resume, "And what else?" if resume else PROMPT), cwd=cwd, env=env)
+        return run, claude_result(run)["session_id"]
+
+    await alternate_sessions(log, "messages", turn_of)
+
+
+async def test_codex_two_sessions_resumed_in_turn_each_restore_their_own_state(cli_server, workspace):
+    client, log, url = await cli_server(CTX_SIZE)
+    (workspace["codex_home"] / "config.toml").write_text(codex_config(url, CTX_SIZE))
+    env, cwd = codex_env(workspace["home"], workspace["codex_home"]), workspace["project"]
+
+    async def turn_of(session: str, thread_id: str | None):
+        argv = codex_argv("resume", thread_id, "And what else?") if thread_id else codex_argv(PROMPT)
+        run = await run_cli(argv, cwd=cwd, env=env)
+        return run, codex_thread(run)
+
+    await alternate_sessions(log, "responses", turn_of)
 
 
 # A context too small for an agent: what the user sees.
