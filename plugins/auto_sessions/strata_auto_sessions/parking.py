@@ -424,7 +424,7 @@ class AutoSessions:
             # Its file went since it was made (`strata-serve sessions prune`, or by hand):
             # the slot holds the only copy, so it is saved like any other.
             log.info("[strata] auto sessions: %s's file is gone since it was saved: saving it again", key)
-            held.file_current = False
+            service.slots.file_gone(slot)
         if self.unsaveable is not None:
             self.stats.save_skips_swa += 1  # said once, at start: no file would be of use
             return None
@@ -483,8 +483,7 @@ class AutoSessions:
         ms = (time.monotonic() - began) * 1000
         if kept is False:
             return await self._removed_by_hand(key, slot, service)
-        if service.slots[slot].key == key:
-            service.slots[slot].file_current = True
+        service.slots.file_written(slot, key)
         self.bytes_per_token = n_written / n_saved
         self.stats.saves += 1
         self.stats.saved_tokens += n_saved
