@@ -115,8 +115,7 @@ async def _save(parking: AutoSessions, service: Any, slot: int, key: str, in_slo
     """Have the engine save the slot to a temporary file (once more after a failure its
     quirks call passing), then commit it as ``key``'s file with its sidecar."""
     assert parking.store is not None
-    sidecar = parking.store.sidecar(key)
-    prompt = parking.prompts.get(key)
+    sidecar, prompt = parking.store.sidecar(key), parking.prompts.get(key)
     for attempt in range(2):
         temp = parking.store.temp_name(key)
         began = time.monotonic()
@@ -131,22 +130,13 @@ async def _save(parking: AutoSessions, service: Any, slot: int, key: str, in_slo
                 log.info("[strata] auto sessions: not keeping %s: the engine's slot was empty", key)
                 service.slots.emptied(slot)
                 return Parked.NOTHING_TO_KEEP
-            now = time.time()
-            try:
-                async with parking.store.lock_without_blocking(parking.config.lock_wait_s):
-                    kept = parking.store.commit(temp, key, Sidecar(
-                        key=key, fingerprint=parking.fingerprint, tokens=n_saved, bytes=n_written,
-                        # A file's state began with its first file; a state with none, when the
-                        # slot began holding it: a removal by hand since then drops the save.
-                        created=sidecar.created if sidecar else (in_slot.since or now), last_used=now,
-                        digest="", prompt=prompt, tenant=in_slot.tenant, version=SIDECAR_VERSION,
-                    ))
-            except LockTimeout as exc:
-                _discard(parking, temp)
-                parking.stats.save_failures += 1
-                log.warning("[strata] auto sessions: saving %s given up: %s; it stays in the slot", key, exc)
-                return Parked.ONLY_IN_SLOT
+            kept = await _commit(parking, temp, key, in_slot, sidecar, prompt, n_saved, n_written)
             break
+        except LockTimeout as exc:  # the commit's: the engine's calls take no lock
+            _discard(parking, temp)
+            parking.stats.save_failures += 1
+            log.warning("[strata] auto sessions: saving %s given up: %s; it stays in the slot", key, exc)
+            return Parked.ONLY_IN_SLOT
         except (EngineError, EngineUnavailable, OSError) as exc:
             _discard(parking, temp)
             verdict = failure_verdict("save", exc, service, in_slot.tokens)
@@ -159,6 +149,22 @@ async def _save(parking: AutoSessions, service: Any, slot: int, key: str, in_slo
         await _removed_by_hand(parking, key, slot, service)
         return Parked.NOTHING_TO_KEEP
     return _Saved(n_saved, n_written, ms)
+
+
+async def _commit(parking: AutoSessions, temp: str, key: str, in_slot: SlotState, sidecar: Sidecar | None,
+                  prompt: dict[str, Any] | None, n_saved: int, n_written: int) -> bool | None:
+    """Put the saved ``temp`` in place as ``key``'s file, beside its new sidecar (under the
+    directory's lock): False when ``key`` was removed by hand since its state began."""
+    assert parking.store is not None
+    now = time.time()
+    async with parking.store.lock_without_blocking(parking.config.lock_wait_s):
+        return parking.store.commit(temp, key, Sidecar(
+            key=key, fingerprint=parking.fingerprint, tokens=n_saved, bytes=n_written,
+            # A file's state began with its first file; a state with none, when the
+            # slot began holding it: a removal by hand since then drops the save.
+            created=sidecar.created if sidecar else (in_slot.since or now), last_used=now,
+            digest="", prompt=prompt, tenant=in_slot.tenant, version=SIDECAR_VERSION,
+        ))
 
 
 def _file_kept(parking: AutoSessions, key: str) -> bool:
