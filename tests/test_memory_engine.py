@@ -84,7 +84,7 @@ async def test_parking_is_off_on_a_backend_without_slot_files(strata_memory_clie
     monkeypatch.setattr(MemoryEngine, "capabilities", frozenset({"slots"}))
     settings = strata_settings_factory(plugins={"auto_sessions": {"min_tokens": 100}})
     client = await strata_memory_client_factory(strata_auto_sessions, settings=settings)
-    assert not client.app[SERVICE].state["auto_sessions"].active
+    assert not client.app[SERVICE].state["auto_sessions"].mode.parks
     assert any("cannot save and restore slots" in r.getMessage() for r in caplog.records)
 
 

@@ -137,7 +137,7 @@ def test_symlinks_are_never_listed_or_restorable(tmp_path):
 
 
 def test_a_continuation_is_recognised_in_every_format():
-    from strata_auto_sessions.parking import continues, prompt_signature
+    from strata_auto_sessions.prompts import continues, prompt_signature
 
     cases = [
         ({"messages": [{"role": "user", "content": "a"}]},
