@@ -1,9 +1,10 @@
-"""What each API the engine speaks says about its work, and how it ends a stream.
+"""What each API the engine speaks says about its work, how it ends a stream, how it tells an error.
 
 The relay is the same for every API; what differs is where the engine's numbers are
 (``timings`` on OpenAI chat and the engine's own routes; ``usage`` alone on Anthropic's
 Messages and on the Responses API's plain answers), which event ends a stream, and how
-an error is told inside a stream whose headers are already gone. The core needs three
+an error is told (inside a stream whose headers are already gone, and as a whole
+answer: :attr:`ApiFormat.errors`). The core needs three
 numbers from every answer that ran in a slot (:class:`~strata_serve.Timings`): prompt
 tokens reused, prompt tokens read anew and tokens generated. The engine's own numbers
 (llama-server's ``timings`` object) are found here and read by the engine backend
@@ -17,7 +18,7 @@ import functools
 import json
 from typing import Any
 
-from strata_serve.api.errors import ErrorShape
+from strata_serve.api.errors import ANTHROPIC_ERRORS, OPENAI_ERRORS, ErrorShape
 from strata_serve.hook_types import Timings, token_count
 
 
@@ -25,7 +26,8 @@ class ApiFormat:
     """OpenAI chat and completions (and embeddings): the engine's ``timings``, else ``usage``."""
 
     name = "openai"
-    error_shape: ErrorShape = "openai"
+    #: How an error is told on the API's paths (:class:`~strata_serve.api.errors.ErrorShape`).
+    errors: ErrorShape = OPENAI_ERRORS
     #: Bytes that mark an SSE event worth parsing; a plain token event is passed by unparsed.
     markers: tuple[bytes, ...] = (b'"timings"', b'"usage"', b'"error"', b'"finish_reason":"',
                                   b'"finish_reason": "')
@@ -103,7 +105,7 @@ class AnthropicFormat(ApiFormat):
     """
 
     name = "anthropic"
-    error_shape: ErrorShape = "anthropic"
+    errors = ANTHROPIC_ERRORS
     markers = (b'"usage"', b'"timings"', b'"message_stop"', b'"error"')
 
     def timings_from_usage(self, usage: Any) -> Timings | None:

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from strata_serve import ConfigError, EngineError, make_private_dir, Outcome, StrataRequest, Verdict, counter, gauge, in_tenant
 from strata_serve import EngineUnavailable
 
-from strata_serve import first_result
+from strata_serve import first_result, prompt_units
 
 from strata_auto_sessions.prefix import ParkedConversation, message_chain
 from strata_auto_sessions.store import (
@@ -309,7 +309,7 @@ class AutoSessions:
         key = request.conversation_key
         if key is not None:
             self.prompts.pop(key, None)
-            self.prompts[key] = prompt_signature(request.body)
+            self.prompts[key] = prompt_signature(request)
             while len(self.prompts) > 64:  # only the held conversation's is needed; keep a few
                 self.prompts.pop(next(iter(self.prompts)))
         if request.restored_tokens:
@@ -634,7 +634,7 @@ class AutoSessions:
         if source != key:
             self._prefix_restored(key, source, request, service, n_restored, ms)
             return True
-        request.state[NAME] = {"restore_ms": ms, "continues": continues(sidecar.prompt, request.body)}
+        request.state[NAME] = {"restore_ms": ms, "continues": continues(sidecar.prompt, request)}
         try:
             self.store.touch(key)
         except OSError as exc:
@@ -662,7 +662,7 @@ class AutoSessions:
         tenant, a file this engine can use, not the one the slot holds (the engine reuses
         that from the slot). None when there is none."""
         assert self.store is not None
-        units = prompt_units(request.body)
+        units = prompt_units(request)
         if isinstance(units, str) or not units:
             return None
         chain = message_chain(request.body, units)
@@ -800,36 +800,23 @@ def _threshold(config: AutoSessionsConfig) -> str:
     return " and ".join(parts) or "any length"
 
 
-def prompt_units(body: dict[str, Any]) -> list[Any] | str:
-    """What a request's prompt is made of, in order: its instructions or system prompt
-    (Responses, Anthropic) and its messages or input items; or a completion's prompt text."""
-    units: list[Any] = [{field: body[field]} for field in ("instructions", "system") if field in body]
-    for field in ("messages", "input"):
-        value = body.get(field)
-        if isinstance(value, list):
-            return units + value
-        if isinstance(value, str):
-            return units + [value]
-    prompt = body.get("prompt")
-    return prompt if isinstance(prompt, str) and not units else units
-
-
 def _digest(units: list[Any] | str) -> str:
     data = units if isinstance(units, str) else json.dumps(units, sort_keys=True, ensure_ascii=False)
     return hashlib.blake2b(data.encode("utf-8", "replace"), digest_size=16).hexdigest()
 
 
-def prompt_signature(body: dict[str, Any]) -> dict[str, Any]:
-    """How many units (messages, or characters of a prompt) a request had, and their digest;
-    for messages, their chain too (:func:`strata_auto_sessions.prefix.message_chain`)."""
-    units = prompt_units(body)
+def prompt_signature(request: StrataRequest) -> dict[str, Any]:
+    """How many units (messages, or characters of a prompt) a request had, as its API
+    declares them (:func:`strata_serve.prompt_units`), and their digest; for messages,
+    their chain too (:func:`strata_auto_sessions.prefix.message_chain`)."""
+    units = prompt_units(request)
     signature: dict[str, Any] = {"units": len(units), "digest": _digest(units)}
     if isinstance(units, list):
-        signature.update(message_chain(body, units))
+        signature.update(message_chain(request.body, units))
     return signature
 
 
-def continues(saved: dict[str, Any] | None, body: dict[str, Any]) -> bool:
+def continues(saved: dict[str, Any] | None, request: StrataRequest) -> bool:
     """Whether a request's prompt starts with what the saved state was made from.
 
     Only then is a restore that goes unused evidence about the engine; otherwise the
@@ -837,5 +824,5 @@ def continues(saved: dict[str, Any] | None, body: dict[str, Any]) -> bool:
     """
     if not saved or not isinstance(saved.get("units"), int):
         return False
-    units = prompt_units(body)
+    units = prompt_units(request)
     return len(units) >= saved["units"] and _digest(units[: saved["units"]]) == saved.get("digest")

@@ -1,6 +1,9 @@
 """Anthropic's Messages API: ``/v1/messages`` and ``/v1/messages/count_tokens``.
 
-Errors on these paths are answered in Anthropic's shape (see :mod:`strata_serve.api.errors`).
+Errors on these paths, and beneath them, are answered in Anthropic's shape (its format's
+:data:`~strata_serve.api.errors.ANTHROPIC_ERRORS`). The top-level ``system`` is the
+system prompt; counting tokens renders the prompt and touches no slot, so it is
+answered outside the FIFO.
 
 Claude Code opens its system prompt with a billing line for Anthropic's servers
 (``x-anthropic-billing-header: cc_version=2.1.197.0df; cc_entrypoint=cli;``) whose
@@ -15,26 +18,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from aiohttp import web
-
+from strata_serve.api.checks import ENGINE_MEDIA
+from strata_serve.api.conversation import Opening, message_text, opening_of, system_first
 from strata_serve.api.formats import ANTHROPIC
-from strata_serve.api.relay import direct, read_json, relay
+from strata_serve.api.registry import Api
 from strata_serve.api.schemas import AnthropicCountTokensRequest, AnthropicMessagesRequest
 
-routes = web.RouteTableDef()
+
+def messages_opening(body: dict[str, Any]) -> Opening:
+    system = body.get("system")
+    return opening_of(body.get("messages") or [], [message_text(system)] if system else [])
 
 
-@routes.post("/v1/messages")
-async def messages(request: web.Request) -> web.StreamResponse:
-    body = without_billing_lines(await read_json(request, AnthropicMessagesRequest))
-    return await relay(request, "messages", "/v1/messages", body, api=ANTHROPIC)
-
-
-@routes.post("/v1/messages/count_tokens")
-async def count_tokens(request: web.Request) -> web.Response:
-    # The engine renders the prompt and counts it, touching no slot: outside the FIFO.
-    body = without_billing_lines(await read_json(request, AnthropicCountTokensRequest))
-    return await direct(request, "POST", "/v1/messages/count_tokens", body)
+def messages_units(body: dict[str, Any]) -> list[Any]:
+    messages = body.get("messages")
+    return system_first(body, ("system",)) + (list(messages) if isinstance(messages, list) else [])
 
 
 #: How Claude Code's billing line begins.
@@ -66,3 +64,13 @@ def without_billing_lines(body: dict[str, Any]) -> dict[str, Any]:
         else:
             del body["system"]
     return body
+
+
+MESSAGES = Api("/v1/messages", "Anthropic Messages API (stream with SSE or not)", schema=AnthropicMessagesRequest,
+               route="messages", format=ANTHROPIC, opening=messages_opening, prompt_units=messages_units,
+               media=ENGINE_MEDIA, prepare=without_billing_lines)
+COUNT_TOKENS = Api("/v1/messages/count_tokens", "Anthropic token count (touches no slot)",
+                   schema=AnthropicCountTokensRequest, format=ANTHROPIC, media=ENGINE_MEDIA,
+                   prepare=without_billing_lines)
+
+APIS = (MESSAGES, COUNT_TOKENS)
