@@ -130,3 +130,16 @@ def test_a_request_names_a_route_some_api_has():
         strata_serve.StrataRequest(route="story", body={})
     with pytest.raises(ValueError, match="is not the route of /story/continue"):
         strata_serve.StrataRequest(route="chat", body={}, api=STORY)
+
+
+async def test_a_plugins_api_is_relayed_to_the_real_engine_and_parked(strata_client_factory, strata_settings_factory):
+    settings = strata_settings_factory(plugins={"auto_sessions": {"min_tokens": 100, "idle_save_s": 0}})
+    client = await strata_client_factory(strata_auto_sessions, story_api, settings=settings)
+    states = []
+    for title in ("A lighthouse", "A harbour", "A lighthouse"):
+        resp = await client.post("/story/continue", json=story(title, temperature=0))
+        assert resp.status == 200, await resp.text()
+        assert (await resp.json())["timings"]["prompt_n"] > 0, "llama-server's own answer"
+        states.append(resp.headers["X-Strata-State"])
+    assert states == ["none", "none", "disk"], states
+    assert client.app[SERVICE].state["auto_sessions"].stats.restores == 1
