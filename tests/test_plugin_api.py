@@ -143,3 +143,32 @@ async def test_a_plugins_api_is_relayed_to_the_real_engine_and_parked(strata_cli
         states.append(resp.headers["X-Strata-State"])
     assert states == ["none", "none", "disk"], states
     assert client.app[SERVICE].state["auto_sessions"].stats.restores == 1
+
+
+class Placed:
+    """Writes down whether each request ran in the slot the service chose."""
+
+    strata_name = "placed"
+
+    def __init__(self) -> None:
+        self.pinned: dict[str, bool] = {}
+
+    @strata_serve.hookimpl
+    def pre_request(self, request):
+        self.pinned[request.route] = request.pinned
+
+
+async def test_a_plugins_api_is_placed_in_a_slot_by_the_engine_path_it_is_relayed_to(strata_client_factory,
+                                                                                   strata_settings_factory):
+    # llama-server honours the slot chosen on /v1/completions: so it does for the story API,
+    # which no list of the backend names; on /v1/messages it does not, and that holds every slot.
+    placed = Placed()
+    settings = strata_settings_factory(engine={"parallel": 2, "ctx_size": 4096})
+    client = await strata_client_factory(story_api, placed, settings=settings)
+    resp = await client.post("/story/continue", json=story("A lighthouse", stream=True))
+    assert resp.status == 200 and "X-Strata-Slot" in resp.headers, "a stream names its slot when it is pinned"
+    await resp.read()
+    resp = await client.post("/v1/messages", json={"model": "m", "max_tokens": 2,
+                                                   "messages": [{"role": "user", "content": "hi"}]})
+    assert resp.status == 200, await resp.text()
+    assert placed.pinned == {"story": True, "messages": False}
