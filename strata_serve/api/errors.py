@@ -1,9 +1,9 @@
 """Every error leaves the server in the shape of the API its route speaks.
 
 Each API's format names its :class:`ErrorShape`: OpenAI's
-(``{"error": {"message", "type", "param", "code"}}``) for most, Anthropic's
-(``{"type": "error", "error": {"type", "message"}}``) on ``/v1/messages`` and beneath it,
-since Anthropic's clients read that one, a plugin's own on its API's paths. Handlers and
+(``{"error": {"message", "type", "param", "code"}}``, :data:`OPENAI_ERRORS`) for most,
+Anthropic's on ``/v1/messages`` and beneath it, since Anthropic's clients read that one
+(:mod:`strata_serve.api.anthropic`), a plugin's own on its API's paths. Handlers and
 middlewares raise :class:`APIError`; the error middleware, the outermost, renders it in
 the shape of the request's path (the app's registry of APIs says which), so a refusal
 made before any handler ran (a missing key, a web page's origin, a body that is not
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
@@ -38,16 +38,6 @@ _TYPES = {
     502: "engine_error",
     503: "service_unavailable",
 }
-#: Anthropic's error types (its SDK picks the exception class by status; the type names it).
-_ANTHROPIC_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-}
 
 
 class ErrorDetail(BaseModel):
@@ -61,18 +51,6 @@ class ErrorResponse(BaseModel):
     """The OpenAI error shape every failure is answered in."""
 
     error: ErrorDetail
-
-
-class AnthropicErrorDetail(BaseModel):
-    type: str
-    message: str
-
-
-class AnthropicErrorResponse(BaseModel):
-    """Anthropic's error shape, in which every failure under ``/v1/messages`` is answered."""
-
-    type: Literal["error"]
-    error: AnthropicErrorDetail
 
 
 @dataclass(frozen=True)
@@ -98,13 +76,7 @@ def _openai_body(error: APIError) -> dict[str, Any]:
                       "code": error.code}}
 
 
-def _anthropic_body(error: APIError) -> dict[str, Any]:
-    kind = _ANTHROPIC_TYPES.get(error.status, "api_error" if error.status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": error.message}}
-
-
 OPENAI_ERRORS = ErrorShape("openai", _openai_body, ErrorResponse)
-ANTHROPIC_ERRORS = ErrorShape("anthropic", _anthropic_body, AnthropicErrorResponse)
 
 
 def shape_of(path: str) -> str:

@@ -18,13 +18,28 @@ from aiohttp import web
 
 from strata_serve.api.checks import ENGINE_MEDIA
 from strata_serve.api.errors import APIError
-from strata_serve.api.formats import LLAMA
+from strata_serve.api.formats import ApiFormat, StreamSeen
 from strata_serve.api.openai import prompt_text
 from strata_serve.api.registry import Api
 from strata_serve.api.schemas import ApplyTemplateRequest, DetokenizeRequest, InfillRequest, TokenizeRequest
 
 #: The key every ``/infill`` request gets from the built-in keying.
 INFILL_KEY = "infill"
+
+
+class LlamaFormat(ApiFormat):
+    """The engine's own completion routes (``/infill``): the last event says ``"stop": true``."""
+
+    name = "llama"
+    markers = (b'"timings"', b'"error"', b'"stop":true', b'"stop": true')
+
+    def read_event(self, event: dict[str, Any], seen: StreamSeen) -> None:
+        super().read_event(event, seen)
+        if event.get("stop") is True:
+            seen.finished = True
+
+
+LLAMA = LlamaFormat()
 
 
 async def known_tokens(request: web.Request, body: dict[str, Any]) -> None:

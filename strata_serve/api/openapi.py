@@ -9,7 +9,8 @@ from pydantic import BaseModel
 
 from strata_serve import __version__
 from strata_serve.api.app_state import APIS, SERVICE
-from strata_serve.api.errors import AnthropicErrorResponse, ErrorResponse, OPENAI_ERRORS
+from strata_serve.api.anthropic import AnthropicErrorResponse
+from strata_serve.api.errors import OPENAI_ERRORS, ErrorResponse
 from strata_serve.api.registry import Apis, builtin
 from strata_serve.api.schemas import SlotFile
 

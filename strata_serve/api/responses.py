@@ -8,13 +8,59 @@ which requests share a prompt: the built-in keying names the conversation by it.
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Any
 
 from strata_serve.api.checks import ENGINE_MEDIA
 from strata_serve.api.conversation import Opening, opening_of, system_first
-from strata_serve.api.formats import RESPONSES
+from strata_serve.api.formats import ApiFormat, StreamSeen
 from strata_serve.api.registry import Api
 from strata_serve.api.schemas import ResponsesRequest
+from strata_serve.hook_types import Timings, token_count
+
+
+class ResponsesFormat(ApiFormat):
+    """OpenAI's Responses API.
+
+    A plain answer has only ``usage`` (``input_tokens`` counts the reused ones too, as
+    ``input_tokens_details.cached_tokens``); a stream's ``response.completed`` event
+    carries the engine's ``timings`` besides.
+    """
+
+    name = "responses"
+    markers = (b'"response.completed"', b'"response.incomplete"', b'"response.failed"', b'"error"',
+               b'"timings"')
+
+    def timings_from_usage(self, usage: Any) -> Timings | None:
+        if not isinstance(usage, dict) or token_count(usage.get("input_tokens")) is None:
+            return None
+        details = usage.get("input_tokens_details")
+        reused = token_count(details.get("cached_tokens")) if isinstance(details, dict) else None
+        reused = min(reused or 0, usage["input_tokens"])
+        return Timings(reused=reused, prefilled=usage["input_tokens"] - reused,
+                       generated=token_count(usage.get("output_tokens")) or 0)
+
+    def read_event(self, event: dict[str, Any], seen: StreamSeen) -> None:
+        kind = event.get("type")
+        if isinstance(event.get("timings"), dict):
+            seen.timings = event["timings"]
+        response = event.get("response")
+        if isinstance(response, dict) and isinstance(response.get("usage"), dict):
+            seen.usage = response["usage"]
+        if kind in ("response.completed", "response.incomplete"):
+            seen.finished = True
+        elif kind in ("response.failed", "error"):
+            seen.error = str(event.get("error") or event.get("message") or event)
+
+    def done(self, data: bytes, seen: StreamSeen) -> bool:
+        return data == b"[DONE]"
+
+    def stream_error(self, message: str, kind: str) -> bytes:
+        event = {"type": "error", "code": kind, "message": message, "param": None}
+        return b"event: error\ndata: " + json.dumps(event).encode() + b"\n\n"
+
+
+RESPONSES = ResponsesFormat()
 
 
 def responses_opening(body: dict[str, Any]) -> Opening:
