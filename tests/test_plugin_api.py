@@ -81,9 +81,12 @@ async def test_a_plugins_api_answers_errors_in_its_own_shape(strata_memory_clien
         await client.post("/story/continue", data="title", headers={"Content-Type": "text/plain"}),  # before it
         await client.post("/story/continue/nothing-here", json=story("A lighthouse")),  # beneath its path
         await client.post("/story/embedding", json=story("A lighthouse")),  # its engine lacks the route
+        await client.post("/story/continue", json=story("A lighthouse", illustrations=[  # its media parts
+            {"type": "picture", "url": "http://169.254.169.254/latest/meta-data"}])),
     ]
     bodies = [await resp.json() for resp in refused]
-    assert [resp.status for resp in refused] == [400, 415, 404, 404], bodies
+    assert [resp.status for resp in refused] == [400, 415, 404, 404, 400], bodies
+    assert "server.fetch_media_urls" in bodies[4]["story_error"]["says"]
     for resp, body in zip(refused, bodies):
         assert StoryError.model_validate(body).story_error.status == resp.status
     assert "title" in bodies[0]["story_error"]["says"] and "not supported" in bodies[3]["story_error"]["says"]

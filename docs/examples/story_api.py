@@ -5,6 +5,8 @@ plugin's: the core keys it, parks it, shapes its errors and describes it in
 ``/openapi.json`` with no edit of its own.
 """
 
+from typing import Any, ClassVar
+
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
 import strata_serve
@@ -12,9 +14,12 @@ import strata_serve
 
 class StoryRequest(BaseModel):
     model_config = ConfigDict(extra="allow")  # the rest goes to the engine as it is
+    #: Where its parts are: counted, and searched for media.
+    message_fields: ClassVar[tuple[str, ...]] = ("illustrations",)
 
     title: StrictStr = Field(min_length=1)
     prompt: StrictStr
+    illustrations: list[dict[str, Any]] | None = None
     max_tokens: int | None = Field(None, ge=1)
     stream: StrictBool = False
 
@@ -41,6 +46,7 @@ STORY = strata_serve.Api(
     engine_path="/v1/completions",
     opening=lambda body: strata_serve.Opening(user=body["title"]),  # a story is named by its title
     prompt_units=lambda body: [{"title": body["title"]}, body["prompt"]],
+    media={"picture": lambda part: ("vision", part.get("url"))},  # checked as the built-in APIs' are
 )
 
 
