@@ -7,11 +7,10 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from strata_serve import StrataRequest, first_result, in_tenant
+from strata_serve import StrataRequest, first_result, in_tenant, prompt_units
 
 from strata_auto_sessions.config import NAME
 from strata_auto_sessions.prefix import ParkedConversation, message_chain
-from strata_auto_sessions.prompts import prompt_units
 from strata_auto_sessions.store import incompatibility, last_use
 
 if TYPE_CHECKING:
@@ -25,7 +24,7 @@ def choose(parking: AutoSessions, request: StrataRequest, service: Any) -> str |
     tenant, a file this engine can use, not the one the slot holds (the engine reuses
     that from the slot). None when there is none."""
     assert parking.store is not None
-    units = prompt_units(request.body)
+    units = prompt_units(request)
     if isinstance(units, str) or not units:
         return None
     chain = message_chain(request.body, units)

@@ -170,7 +170,7 @@ class AutoSessions:
         key = request.conversation_key
         if key is not None:
             self.prompts.pop(key, None)
-            self.prompts[key] = prompt_signature(request.body)
+            self.prompts[key] = prompt_signature(request)
             while len(self.prompts) > 64:  # only the held conversation's is needed; keep a few
                 self.prompts.pop(next(iter(self.prompts)))
         if request.restored_tokens:

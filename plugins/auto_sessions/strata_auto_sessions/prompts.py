@@ -6,21 +6,9 @@ import hashlib
 import json
 from typing import Any
 
+from strata_serve import StrataRequest, prompt_units
+
 from strata_auto_sessions.prefix import message_chain
-
-
-def prompt_units(body: dict[str, Any]) -> list[Any] | str:
-    """What a request's prompt is made of, in order: its instructions or system prompt
-    (Responses, Anthropic) and its messages or input items; or a completion's prompt text."""
-    units: list[Any] = [{field: body[field]} for field in ("instructions", "system") if field in body]
-    for field in ("messages", "input"):
-        value = body.get(field)
-        if isinstance(value, list):
-            return units + value
-        if isinstance(value, str):
-            return units + [value]
-    prompt = body.get("prompt")
-    return prompt if isinstance(prompt, str) and not units else units
 
 
 def _digest(units: list[Any] | str) -> str:
@@ -28,17 +16,18 @@ def _digest(units: list[Any] | str) -> str:
     return hashlib.blake2b(data.encode("utf-8", "replace"), digest_size=16).hexdigest()
 
 
-def prompt_signature(body: dict[str, Any]) -> dict[str, Any]:
-    """How many units (messages, or characters of a prompt) a request had, and their digest;
-    for messages, their chain too (:func:`strata_auto_sessions.prefix.message_chain`)."""
-    units = prompt_units(body)
+def prompt_signature(request: StrataRequest) -> dict[str, Any]:
+    """How many units (messages, or characters of a prompt) a request had, as its API
+    declares them (:func:`strata_serve.prompt_units`), and their digest; for messages,
+    their chain too (:func:`strata_auto_sessions.prefix.message_chain`)."""
+    units = prompt_units(request)
     signature: dict[str, Any] = {"units": len(units), "digest": _digest(units)}
     if isinstance(units, list):
-        signature.update(message_chain(body, units))
+        signature.update(message_chain(request.body, units))
     return signature
 
 
-def continues(saved: dict[str, Any] | None, body: dict[str, Any]) -> bool:
+def continues(saved: dict[str, Any] | None, request: StrataRequest) -> bool:
     """Whether a request's prompt starts with what the saved state was made from.
 
     Only then is a restore that goes unused evidence about the engine; otherwise the
@@ -46,5 +35,5 @@ def continues(saved: dict[str, Any] | None, body: dict[str, Any]) -> bool:
     """
     if not saved or not isinstance(saved.get("units"), int):
         return False
-    units = prompt_units(body)
+    units = prompt_units(request)
     return len(units) >= saved["units"] and _digest(units[: saved["units"]]) == saved.get("digest")

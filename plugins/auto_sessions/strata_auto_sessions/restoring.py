@@ -88,7 +88,7 @@ async def _restore_locked(parking: AutoSessions, key: str, request: StrataReques
     if source != key:
         fallback.restored_from(parking, key, source, request, n_restored, ms)
         return True
-    request.state[NAME] = {"restore_ms": ms, "continues": continues(sidecar.prompt, request.body)}
+    request.state[NAME] = {"restore_ms": ms, "continues": continues(sidecar.prompt, request)}
     try:
         parking.store.touch(key)  # type: ignore[union-attr]
     except OSError as exc:
