@@ -54,11 +54,11 @@ def session_name(key: str, ext: str) -> str:
     return f"{PREFIX}{file_key(key)}.{ext}"
 
 
-def temp_name(key: str, suffix: str) -> str:
+def fresh_temp_name(key: str, suffix: str) -> str:
     """A fresh temporary's name for the conversation's ``.bin`` or ``.json`` (``suffix``)."""
     return f"{TEMP_PREFIX}{file_key(key)}-{uuid.uuid4().hex[:8]}{suffix}"
 
 
-def private_temp_name() -> str:
+def fresh_json_temp_name() -> str:
     """A fresh temporary's name for one of the store's own JSON files."""
     return f"{TEMP_PREFIX}{uuid.uuid4().hex[:8]}.json"

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from strata_serve import PRIVATE_FILE_MODE
 
-from strata_auto_sessions.naming import temp_name
+from strata_auto_sessions.naming import fresh_temp_name
 
 #: The format :class:`Sidecar` writes.
 SIDECAR_VERSION = 2
@@ -79,7 +79,7 @@ class Sidecar:
     def write(self, path: Path) -> None:
         """Write it at ``path``, private to this user, whole or not at all: through a
         temporary beside it, synced, then renamed over the old one."""
-        temp = path.with_name(temp_name(self.key, ".json"))
+        temp = path.with_name(fresh_temp_name(self.key, ".json"))
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
         try:
             os.fchmod(fd, PRIVATE_FILE_MODE)  # the mode given to open passes through the umask

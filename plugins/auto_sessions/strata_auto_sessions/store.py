@@ -30,11 +30,12 @@ from strata_auto_sessions.fingerprint import (
 from strata_auto_sessions.locks import DirectoryInUse, DirectoryLock, LockTimeout, ServerClaim
 from strata_auto_sessions.naming import (
     ENGINE_NAME, HELD_NAME, PREFIX, REMOVED_NAME, SERVER_LOCK_NAME, SESSION_NAME, TEMP_NAME, TEMP_PREFIX,
-    file_key, key_of_file, private_temp_name, session_name, temp_name,
+    file_key, fresh_json_temp_name, fresh_temp_name, key_of_file, session_name,
 )
 from strata_auto_sessions.sidecar import SIDECAR_VERSION, DamagedSidecar, Sidecar
 
-#: This module's names before the modules above were split from it: importable from here still.
+#: What this module exports: its own names and those of the modules the store is made of
+#: that plugins and tests import from here.
 __all__ = [
     "BUILD_RANGE", "CLOCK_SLACK_S", "DIGEST_BLOCKS", "DIGEST_BLOCK_BYTES", "ENGINE_NAME", "FINGERPRINT_BYTES",
     "HELD_NAME", "PREFIX", "REFUSAL_REASONS", "REMOVED_NAME", "SERVER_LOCK_NAME", "SESSION_NAME",
@@ -173,7 +174,7 @@ class SessionStore:
         return self.directory / session_name(key, "json")
 
     def temp_name(self, key: str) -> str:
-        return temp_name(key, ".bin")
+        return fresh_temp_name(key, ".bin")
 
     def prepare(self) -> int:
         """Create the directory, claim it for this server (:meth:`claim`), and remove
@@ -420,7 +421,7 @@ class SessionStore:
 
 
 def _write_private_json(target: Path, data: Any) -> None:
-    temp = target.with_name(private_temp_name())
+    temp = target.with_name(fresh_json_temp_name())
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
     try:
         os.fchmod(fd, PRIVATE_FILE_MODE)
