@@ -113,42 +113,15 @@ def _parse_tensor_layout(head: bytes) -> tuple[int, list[int]] | None:
         return None
     n_tensors, n_kv = struct.unpack_from("<QQ", head, 8)
     pos, alignment = 24, 32
-    u64 = _U64.unpack_from
-
-    def string(at: int) -> tuple[bytes, int]:
-        (length,) = u64(head, at)
-        if at + 8 + length > len(head):
-            raise IndexError("past the chunk read")
-        return head[at + 8:at + 8 + length], at + 8 + length
-
-    def skip(kind: int, at: int) -> int:
-        if kind == _GGUF_STRING:
-            return string(at)[1]
-        if kind == _GGUF_ARRAY:
-            item, count = struct.unpack_from("<IQ", head, at)
-            at += 12
-            if count > len(head):  # more items than bytes: not a GGUF's metadata
-                raise IndexError("past the chunk read")
-            if item in _GGUF_SCALAR_BYTES:
-                return at + count * _GGUF_SCALAR_BYTES[item]
-            if item == _GGUF_STRING:  # a tokenizer's vocabulary: hundreds of thousands
-                for _ in range(count):
-                    at += 8 + u64(head, at)[0]
-                return at
-            for _ in range(count):
-                at = skip(item, at)
-            return at
-        return at + _GGUF_SCALAR_BYTES[kind]
-
     for _ in range(n_kv):
-        name, pos = string(pos)
+        name, pos = _gguf_string(head, pos)
         (kind,) = struct.unpack_from("<I", head, pos)
         if name == b"general.alignment" and kind == 4:
             alignment = struct.unpack_from("<I", head, pos + 4)[0] or 32
-        pos = skip(kind, pos + 4)
+        pos = _skip_gguf_value(head, kind, pos + 4)
     offsets = []
     for _ in range(n_tensors):
-        _name, pos = string(pos)
+        _name, pos = _gguf_string(head, pos)
         (n_dims,) = struct.unpack_from("<I", head, pos)
         pos += 4 + 8 * n_dims + 4
         offsets.append(struct.unpack_from("<Q", head, pos)[0])
@@ -156,6 +129,36 @@ def _parse_tensor_layout(head: bytes) -> tuple[int, list[int]] | None:
     if pos > len(head):
         raise IndexError("past the chunk read")
     return -(-pos // alignment) * alignment, offsets
+
+
+def _gguf_string(head: bytes, at: int) -> tuple[bytes, int]:
+    """The GGUF string at ``at`` and where what follows it starts."""
+    (length,) = _U64.unpack_from(head, at)
+    if at + 8 + length > len(head):
+        raise IndexError("past the chunk read")
+    return head[at + 8:at + 8 + length], at + 8 + length
+
+
+def _skip_gguf_value(head: bytes, kind: int, at: int) -> int:
+    """Where what follows the GGUF metadata value of type ``kind`` at ``at`` starts."""
+    if kind == _GGUF_STRING:
+        return _gguf_string(head, at)[1]
+    if kind == _GGUF_ARRAY:
+        item, count = struct.unpack_from("<IQ", head, at)
+        at += 12
+        if count > len(head):  # more items than bytes: not a GGUF's metadata
+            raise IndexError("past the chunk read")
+        if item in _GGUF_SCALAR_BYTES:
+            return at + count * _GGUF_SCALAR_BYTES[item]
+        if item == _GGUF_STRING:  # a tokenizer's vocabulary: hundreds of thousands
+            u64 = _U64.unpack_from
+            for _ in range(count):
+                at += 8 + u64(head, at)[0]
+            return at
+        for _ in range(count):
+            at = _skip_gguf_value(head, item, at)
+        return at
+    return at + _GGUF_SCALAR_BYTES[kind]
 
 
 #: Architectures whose loader takes a sliding window when the file names none
