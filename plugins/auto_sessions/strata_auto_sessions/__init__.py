@@ -25,9 +25,11 @@ from strata_serve import ConfigError
 
 from strata_auto_sessions import hookspecs
 from strata_auto_sessions.parking import NAME, AutoSessions, AutoSessionsConfig, AutoSessionsStats
+from strata_auto_sessions.prefix import ParkedConversation, message_chain
 from strata_auto_sessions.store import ParkingStore, SessionStore
 
-__all__ = ["AutoSessions", "AutoSessionsConfig", "AutoSessionsStats", "ParkingStore", "SessionStore"]
+__all__ = ["AutoSessions", "AutoSessionsConfig", "AutoSessionsStats", "ParkedConversation", "ParkingStore",
+           "SessionStore", "message_chain"]
 
 #: The plugin's name when registered by hand (tests); the entry point gives the same.
 strata_name = NAME
