@@ -27,12 +27,13 @@ from strata_auto_sessions import hookspecs
 from strata_auto_sessions.config import NAME, AutoSessionsConfig
 from strata_auto_sessions.mode import ParkingMode
 from strata_auto_sessions.parking import AutoSessions
+from strata_auto_sessions.prefix import ParkedConversation, message_chain
 from strata_auto_sessions.saving import Parked
 from strata_auto_sessions.stats import AutoSessionsStats
 from strata_auto_sessions.store import ParkingStore, SessionStore
 
-__all__ = ["AutoSessions", "AutoSessionsConfig", "AutoSessionsStats", "Parked", "ParkingMode", "ParkingStore",
-           "SessionStore"]
+__all__ = ["AutoSessions", "AutoSessionsConfig", "AutoSessionsStats", "Parked", "ParkedConversation", "ParkingMode",
+           "ParkingStore", "SessionStore", "message_chain"]
 
 #: The plugin's name when registered by hand (tests); the entry point gives the same.
 strata_name = NAME

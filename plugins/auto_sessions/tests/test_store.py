@@ -247,7 +247,7 @@ def test_the_weights_digest_reads_no_gguf_it_cannot_parse(tmp_path):
     """Counts that no file could hold (a damaged header) end the parse, they never run it."""
     import struct
 
-    from strata_auto_sessions.store import _tensor_layout, weights_digest
+    from strata_auto_sessions.fingerprint import _tensor_layout, weights_digest
 
     odd = tmp_path / "odd.gguf"
     header = b"GGUF" + struct.pack("<IQQ", 3, 1, 1) + struct.pack("<Q", 3) + b"key"
