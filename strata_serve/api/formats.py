@@ -1,12 +1,13 @@
 """What each API the engine speaks says about its work, and how it ends a stream.
 
 The relay is the same for every API; what differs is where the engine's numbers are
-(``timings`` on OpenAI chat and the engine's own routes; ``usage`` alone on Anthropic's
-Messages and on the Responses API's plain answers), which event ends a stream, and how
+(under the engine's own key, ``Engine.numbers_key``, on OpenAI chat and the engine's own
+routes; ``usage`` alone on Anthropic's Messages and on the Responses API's plain
+answers), which event ends a stream, and how
 an error is told inside a stream whose headers are already gone. The core needs three
 numbers from every answer that ran in a slot (:class:`~strata_serve.Timings`): prompt
 tokens reused, prompt tokens read anew and tokens generated. The engine's own numbers
-(llama-server's ``timings`` object) are found here and read by the engine backend
+are found here, under its key, and read by the engine backend
 (``Engine.read_timings``); where there are none, the API's ``usage`` says as much as it
 can (:meth:`ApiFormat.timings_from_usage`).
 """
@@ -22,24 +23,19 @@ from strata_serve.hook_types import Timings, token_count
 
 
 class ApiFormat:
-    """OpenAI chat and completions (and embeddings): the engine's ``timings``, else ``usage``."""
+    """OpenAI chat and completions (and embeddings): the engine's own numbers, else ``usage``."""
 
     name = "openai"
     error_shape: ErrorShape = "openai"
     #: Bytes that mark an SSE event worth parsing; a plain token event is passed by unparsed.
-    markers: tuple[bytes, ...] = (b'"timings"', b'"usage"', b'"error"', b'"finish_reason":"',
-                                  b'"finish_reason": "')
+    #: (An event with the engine's own numbers is worth parsing too: see :class:`StreamSeen`.)
+    markers: tuple[bytes, ...] = (b'"usage"', b'"error"', b'"finish_reason":"', b'"finish_reason": "')
     #: Bytes without which a ``data:`` line cannot end the stream (see :meth:`done`).
     done_markers: tuple[bytes, ...] = (b"[DONE]",)
 
-    @functools.cached_property
-    def worth_reading(self) -> tuple[bytes, ...]:
-        """Found in a chunk that holds an event worth reading (a marker, or an end)."""
-        return self.markers + self.done_markers
-
-    def engine_numbers(self, answer: Any) -> Any:
-        """The engine's own numbers in a whole (non-streamed) answer (its ``timings``)."""
-        return answer.get("timings") if isinstance(answer, dict) else None
+    def engine_numbers(self, answer: Any, key: str | None) -> Any:
+        """The engine's own numbers in a whole (non-streamed) answer (under its ``key``)."""
+        return answer.get(key) if key is not None and isinstance(answer, dict) else None
 
     def usage(self, answer: Any) -> Any:
         """The ``usage`` of a whole (non-streamed) answer."""
@@ -61,8 +57,7 @@ class ApiFormat:
 
     def read_event(self, event: dict[str, Any], seen: StreamSeen) -> None:
         """Learn what one parsed SSE event says."""
-        if isinstance(event.get("timings"), dict):
-            seen.timings = event["timings"]
+        seen.read_numbers(event)
         if isinstance(event.get("usage"), dict):
             seen.usage = event["usage"]
         if "error" in event:
@@ -85,7 +80,7 @@ class LlamaFormat(ApiFormat):
     """The engine's own completion routes (``/infill``): the last event says ``"stop": true``."""
 
     name = "llama"
-    markers = (b'"timings"', b'"error"', b'"stop":true', b'"stop": true')
+    markers = (b'"error"', b'"stop":true', b'"stop": true')
 
     def read_event(self, event: dict[str, Any], seen: StreamSeen) -> None:
         super().read_event(event, seen)
@@ -96,7 +91,7 @@ class LlamaFormat(ApiFormat):
 class AnthropicFormat(ApiFormat):
     """Anthropic's Messages API.
 
-    The engine sends no ``timings`` here, only ``usage``: ``input_tokens`` (read anew),
+    The engine sends no numbers of its own here, only ``usage``: ``input_tokens`` (read anew),
     ``cache_read_input_tokens`` (reused) and ``output_tokens``. A stream gives the first
     two in ``message_start`` and the last in ``message_delta``, and ends with
     ``message_stop``.
@@ -104,7 +99,7 @@ class AnthropicFormat(ApiFormat):
 
     name = "anthropic"
     error_shape: ErrorShape = "anthropic"
-    markers = (b'"usage"', b'"timings"', b'"message_stop"', b'"error"')
+    markers = (b'"usage"', b'"message_stop"', b'"error"')
 
     def timings_from_usage(self, usage: Any) -> Timings | None:
         """None until ``output_tokens`` is known: a stream cut after ``message_start``
@@ -119,8 +114,7 @@ class AnthropicFormat(ApiFormat):
 
     def read_event(self, event: dict[str, Any], seen: StreamSeen) -> None:
         kind = event.get("type")
-        if isinstance(event.get("timings"), dict):
-            seen.timings = event["timings"]
+        seen.read_numbers(event)
         usage = event.get("usage")
         if kind == "message_start" and isinstance(event.get("message"), dict):
             usage = event["message"].get("usage")
@@ -149,12 +143,11 @@ class ResponsesFormat(ApiFormat):
 
     A plain answer has only ``usage`` (``input_tokens`` counts the reused ones too, as
     ``input_tokens_details.cached_tokens``); a stream's ``response.completed`` event
-    carries the engine's ``timings`` besides.
+    carries the engine's own numbers besides.
     """
 
     name = "responses"
-    markers = (b'"response.completed"', b'"response.incomplete"', b'"response.failed"', b'"error"',
-               b'"timings"')
+    markers = (b'"response.completed"', b'"response.incomplete"', b'"response.failed"', b'"error"')
 
     def timings_from_usage(self, usage: Any) -> Timings | None:
         if not isinstance(usage, dict) or token_count(usage.get("input_tokens")) is None:
@@ -167,8 +160,7 @@ class ResponsesFormat(ApiFormat):
 
     def read_event(self, event: dict[str, Any], seen: StreamSeen) -> None:
         kind = event.get("type")
-        if isinstance(event.get("timings"), dict):
-            seen.timings = event["timings"]
+        seen.read_numbers(event)
         response = event.get("response")
         if isinstance(response, dict) and isinstance(response.get("usage"), dict):
             seen.usage = response["usage"]
@@ -185,13 +177,26 @@ class ResponsesFormat(ApiFormat):
         return b"event: error\ndata: " + json.dumps(event).encode() + b"\n\n"
 
 
-class StreamSeen:
-    """What the relay learnt from a stream's events as they passed."""
+@functools.lru_cache(maxsize=None)
+def _markers(api: ApiFormat, numbers_key: str | None) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+    """An API's markers with the engine's key for its numbers, and those with the ends."""
+    markers = api.markers if numbers_key is None else (*api.markers, json.dumps(numbers_key).encode())
+    return markers, markers + api.done_markers
 
-    def __init__(self, api: ApiFormat) -> None:
+
+class StreamSeen:
+    """What the relay learnt from a stream's events as they passed.
+
+    ``numbers_key``: where the engine puts its own numbers in an event (``Engine.numbers_key``).
+    """
+
+    def __init__(self, api: ApiFormat, numbers_key: str | None) -> None:
         self.api = api
+        self.numbers_key = numbers_key
+        #: Bytes that mark an event worth parsing; with the ends, a chunk worth reading.
+        self.markers, self.worth_reading = _markers(api, numbers_key)
         self._buffer = b""
-        #: The engine's own numbers (its ``timings``), for the backend to read.
+        #: The engine's own numbers (under its key), for the backend to read.
         self.timings: dict[str, Any] | None = None
         self.usage: dict[str, Any] | None = None
         self.finished = False
@@ -199,7 +204,7 @@ class StreamSeen:
 
     def feed(self, chunk: bytes) -> None:
         if not self._buffer and chunk.endswith(b"\n"):
-            for marker in self.api.worth_reading:
+            for marker in self.worth_reading:
                 if marker in chunk:
                     break
             else:
@@ -214,7 +219,7 @@ class StreamSeen:
             if self.api.done(data, self):
                 self.finished = True
                 continue
-            if not any(marker in data for marker in self.api.markers):
+            if not any(marker in data for marker in self.markers):
                 continue  # a plain token: nothing to learn, and parsing each one costs speed
             try:
                 event = json.loads(data)
@@ -222,6 +227,11 @@ class StreamSeen:
                 continue
             if isinstance(event, dict):
                 self.api.read_event(event, self)
+
+    def read_numbers(self, event: dict[str, Any]) -> None:
+        """Keep the engine's own numbers when ``event`` carries them."""
+        if self.numbers_key is not None and isinstance(event.get(self.numbers_key), dict):
+            self.timings = event[self.numbers_key]
 
 
 OPENAI = ApiFormat()

@@ -448,8 +448,7 @@ class AutoSessions:
             began = time.monotonic()
             try:
                 answer = await service.save_slot(temp, slot=slot)
-                n_saved = int(answer.get("n_saved", 0))
-                n_written = int(answer.get("n_written", 0))
+                n_saved, n_written = answer.tokens, answer.bytes
                 if n_saved == 0:
                     # The slot was empty after all: such a file is worthless, and
                     # restoring one has crashed the engine.
@@ -622,8 +621,7 @@ class AutoSessions:
                     continue
                 return self._restore_failed(key, exc, verdict)
         ms = (time.monotonic() - began) * 1000
-        n_restored = int(answer.get("n_restored", 0))
-        n_read = int(answer.get("n_read", 0))
+        n_restored, n_read = answer.tokens, answer.bytes
         self.stats.restores += 1
         self.stats.restored_tokens += n_restored
         self.stats.restored_bytes += n_read

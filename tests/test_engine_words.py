@@ -1,0 +1,68 @@
+"""llama-server's field names are read in its backend alone.
+
+The core and the plugins read what an engine says through strata-serve's own types
+(:class:`~strata_serve.SlotReport`, :class:`~strata_serve.SlotSaved`,
+:class:`~strata_serve.SlotRestored`, :class:`~strata_serve.SlotErased`,
+:class:`~strata_serve.Timings`), which each backend fills from its own answers: a second
+engine never has to imitate llama-server's JSON.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BACKEND = ROOT / "strata_serve" / "engine" / "llama_server"
+#: The fields of llama-server's answers that an engine's results are made of: ``GET /slots``,
+#: the slot calls, the ``timings`` of an answer, ``GET /props``.
+LLAMA_FIELDS = frozenset({
+    "n_prompt_tokens", "is_processing", "id_task",
+    "n_saved", "n_written", "n_restored", "n_read", "n_erased",
+    "timings", "cache_n", "prompt_n", "predicted_n", "prompt_ms", "predicted_ms",
+    "default_generation_settings", "total_slots", "build_info",
+})
+#: The core's code and every bundled plugin's (their tests talk to the engine on purpose).
+SOURCES = sorted(
+    path for pattern in ("strata_serve/**/*.py", "plugins/*/strata_*/**/*.py")
+    for path in ROOT.glob(pattern) if BACKEND not in path.parents
+)
+
+
+def llama_fields_in(source: str) -> list[tuple[int, str]]:
+    """``(line, field)`` for every string constant that names a llama-server field: the
+    name itself (a key read or written) or, in bytes, the name in quotes (a marker looked
+    for in the engine's raw answer). Prose (docstrings, help texts) is never equal to one."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Constant):
+            continue
+        if isinstance(node.value, str) and node.value in LLAMA_FIELDS:
+            found.append((node.lineno, node.value))
+        elif isinstance(node.value, bytes):
+            found += [(node.lineno, name) for name in LLAMA_FIELDS if f'"{name}"'.encode() in node.value]
+    return found
+
+
+def test_the_scan_finds_a_field_read_and_a_marker_and_leaves_prose_alone():
+    source = ('"""The engine counts ``n_prompt_tokens``."""\n'
+              'tokens = entry.get("n_prompt_tokens")\n'
+              "markers = (b'\"timings\"', b'\"usage\"')\n")
+    assert llama_fields_in(source) == [(2, "n_prompt_tokens"), (3, "timings")]
+
+
+def test_the_scan_covers_the_core_and_the_plugins_but_not_the_backend():
+    names = {path.relative_to(ROOT).as_posix() for path in SOURCES}
+    assert {"strata_serve/service.py", "strata_serve/slot_state.py", "strata_serve/api/formats.py",
+            "strata_serve/memory_engine.py", "plugins/auto_sessions/strata_auto_sessions/parking.py"} <= names
+    assert not any(name.startswith("strata_serve/engine/llama_server/") for name in names)
+    backend = (BACKEND / "answers.py").read_text()
+    assert {field for _, field in llama_fields_in(backend)} >= {"n_prompt_tokens", "n_saved", "cache_n"}, \
+        "the backend is where they are read"
+
+
+def test_llama_server_field_names_stay_inside_its_backend():
+    found = [f"{path.relative_to(ROOT)}:{line}: {field!r}"
+             for path in SOURCES for line, field in llama_fields_in(path.read_text())]
+    assert not found, ("llama-server's field names outside its backend (read the engine's results "
+                       "through strata-serve's types instead):\n" + "\n".join(found))
