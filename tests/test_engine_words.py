@@ -41,7 +41,7 @@ def llama_fields_in(source: str) -> list[tuple[int, str]]:
             found.append((node.lineno, node.value))
         elif isinstance(node.value, bytes):
             found += [(node.lineno, name) for name in LLAMA_FIELDS if f'"{name}"'.encode() in node.value]
-    return found
+    return sorted(found)
 
 
 def test_the_scan_finds_a_field_read_and_a_marker_and_leaves_prose_alone():
