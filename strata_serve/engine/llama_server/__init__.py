@@ -13,11 +13,11 @@ from strata_serve.engine.llama_server.binary import (
     BINARY_NAME, ENGINE_DISTRIBUTION, library_dirs, packaged_binary, packaged_build, resolve_binary)
 from strata_serve.engine.llama_server.client import StreamReply
 from strata_serve.engine.llama_server.command import build_command, clears_idle_slots, free_port, state_layout
-from strata_serve.engine.llama_server.output import read_line_batches, read_lines
+from strata_serve.engine.llama_server.output import read_line_batches
 from strata_serve.engine.llama_server.server import LlamaServer
 
 __all__ = [
     "BINARY_NAME", "ENGINE_DISTRIBUTION", "LlamaServer", "StreamReply", "build_command", "clears_idle_slots",
-    "free_port", "library_dirs", "packaged_binary", "packaged_build", "read_line_batches", "read_lines",
+    "free_port", "library_dirs", "packaged_binary", "packaged_build", "read_line_batches",
     "read_llama_timings", "resolve_binary", "state_layout",
 ]

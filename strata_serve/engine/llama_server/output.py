@@ -15,16 +15,10 @@ LOG_LINE_MAX_BYTES = 8192
 READ_CHUNK_BYTES = 64 * 1024
 
 
-async def read_lines(stream: asyncio.StreamReader, max_bytes: int = LOG_LINE_MAX_BYTES) -> AsyncIterator[str]:
-    """The lines of ``stream`` until its end, each cut to ``max_bytes`` (what is cut is counted)."""
-    async for lines in read_line_batches(stream, max_bytes):
-        for line in lines:
-            yield line
-
-
 async def read_line_batches(stream: asyncio.StreamReader,
                             max_bytes: int = LOG_LINE_MAX_BYTES) -> AsyncIterator[list[str]]:
-    """The lines of ``stream``, as many at a time as each read completes (see :func:`read_lines`).
+    """The lines of ``stream`` until its end, as many at a time as each read completes,
+    each cut to ``max_bytes`` (what is cut is counted).
 
     Reads chunks and splits them here: ``StreamReader.readline`` fails on a line longer
     than the reader's limit (64 KiB), and a reader that stops leaves the writer blocked
