@@ -66,3 +66,22 @@ def test_llama_server_field_names_stay_inside_its_backend():
              for path in SOURCES for line, field in llama_fields_in(path.read_text())]
     assert not found, ("llama-server's field names outside its backend (read the engine's results "
                        "through strata-serve's types instead):\n" + "\n".join(found))
+
+
+def test_the_backend_reads_its_answers_into_the_cores_types():
+    from strata_serve import ContextOverflow, SlotErased, SlotReport, SlotRestored, SlotSaved
+    from strata_serve.engine.llama_server.answers import (read_overflow, slot_erased, slot_reports, slot_restored,
+                                                          slot_saved)
+
+    busy = {"id": 0, "id_task": 7, "n_prompt_tokens": 12, "is_processing": True, "n_ctx": 4096}
+    assert slot_reports([busy, {"id": 1, "id_task": -1}, "junk", {"id": True}]) == [
+        SlotReport(id=0, processing=True, task=7, tokens=12, raw=busy),
+        SlotReport(id=1, task=-1, raw={"id": 1, "id_task": -1})], "a slot that never ran a task says no count"
+    saved = {"id_slot": 0, "filename": "a.bin", "n_saved": 5, "n_written": 640}
+    assert slot_saved(saved) == SlotSaved(tokens=5, bytes=640, raw=saved)
+    assert slot_restored({"n_restored": 5, "n_read": 640}).bytes == 640
+    assert isinstance(slot_restored({}), SlotRestored) and slot_erased({"n_erased": 5}) == SlotErased(5, {"n_erased": 5})
+    overflow = {"type": "exceed_context_size_error", "n_prompt_tokens": 20000, "n_ctx": 4096}
+    assert read_overflow(overflow) == ContextOverflow(prompt_tokens=20000, context_tokens=4096)
+    assert read_overflow({**overflow, "n_ctx": 0}) == ContextOverflow(prompt_tokens=20000), "no size: none told"
+    assert read_overflow({"type": "invalid_request_error"}) is None

@@ -297,7 +297,8 @@ async def _relay_json(service: Service, path: str, body: dict[str, Any], outcome
     outcome.http_status = status
     if isinstance(answer, dict) and 200 <= status < 300:
         usage = api.usage(answer)
-        outcome.timings = answer_timings(service.engine, api, api.engine_numbers(answer, service.engine.numbers_key), usage)
+        numbers = api.engine_numbers(answer, service.engine.numbers_key)
+        outcome.timings = answer_timings(service.engine, api, numbers, usage)
         outcome.usage = usage if isinstance(usage, dict) else None
     if 200 <= status < 300:
         outcome.status = "ok"
