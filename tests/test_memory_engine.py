@@ -146,3 +146,14 @@ def test_the_engine_routes_are_every_route_relayed_to_the_engine():
     paths = {route.path for table in (openai_routes.routes, anthropic_routes.routes, llama_routes.routes)
              for route in table if isinstance(route, web.RouteDef)}
     assert paths == ENGINE_ROUTES and MemoryEngine.routes < ENGINE_ROUTES
+
+
+def test_both_backends_have_every_member_of_the_engine_protocol():
+    from strata_serve import Engine, LlamaServer
+    from strata_serve.config import EngineSettings
+
+    members = {name for name in (*Engine.__annotations__, *vars(Engine)) if not name.startswith("_")}
+    assert {"slots", "save", "read_timings", "read_overflow", "numbers_key", "info"} <= members
+    for engine in (MemoryEngine(), LlamaServer(EngineSettings(url="http://127.0.0.1:1"))):
+        missing = sorted(name for name in members if not hasattr(engine, name))
+        assert not missing, f"{type(engine).__name__} lacks {missing}"
