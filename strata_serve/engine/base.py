@@ -164,6 +164,14 @@ ENGINE_ROUTES = frozenset({
 
 
 class Engine(Protocol):
+    """What the core asks of an engine backend.
+
+    Whatever the engine says comes back in strata-serve's own types (:class:`SlotReport`,
+    :class:`SlotSaved`, :class:`SlotRestored`, :class:`SlotErased`, :class:`Timings`,
+    :class:`ContextOverflow`): a backend translates its engine's words, and no other
+    part of the server reads them.
+    """
+
     info: EngineInfo
     #: What this backend can do (a subset of :data:`CAPABILITIES`); plugins check these.
     capabilities: frozenset[str]
@@ -207,7 +215,12 @@ class Engine(Protocol):
     async def request(
         self, method: str, path: str, json: Any = None, *, op: str = "request", resend: bool = True
     ) -> tuple[int, Any]:
-        """``(status, body)``: JSON as Python (an object may be a :class:`JSONAnswer`), else text."""
+        """``(status, body)``: JSON as Python (an object may be a :class:`JSONAnswer`), else text.
+
+        ``op`` names the call (``completion``, ``props``...) for errors and for wrappers
+        of a backend; with ``resend=False`` the call never goes to an engine that came
+        back after a crash (it holds nothing of what the call was about).
+        """
         ...
 
     def stream(self, path: str, json: Any) -> AbstractAsyncContextManager[Any]:
