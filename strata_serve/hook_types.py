@@ -9,7 +9,10 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Mapping
+
+if TYPE_CHECKING:
+    from strata_serve.api.registry import Api
 
 _ids = itertools.count(1)
 
@@ -18,16 +21,19 @@ _ids = itertools.count(1)
 class StrataRequest:
     """One client request as the hooks see it.
 
-    ``route`` names the API: ``chat`` (``/v1/chat/completions``), ``completion``
-    (``/v1/completions``), ``messages`` (Anthropic's ``/v1/messages``), ``responses``
-    (OpenAI's ``/v1/responses``), ``embeddings`` (``/v1/embeddings``, never keyed),
-    ``infill`` (the engine's ``/infill``) or ``slots`` (a slot action by hand).
+    ``route`` names the API (:class:`strata_serve.Api`) it came through: ``chat``
+    (``/v1/chat/completions``), ``completion`` (``/v1/completions``), ``messages``
+    (Anthropic's ``/v1/messages``), ``responses`` (OpenAI's ``/v1/responses``),
+    ``embeddings`` (``/v1/embeddings``, never keyed), ``infill`` (the engine's ``/infill``),
+    a plugin's API's own name, or ``slots`` (a slot action by hand). ``api`` is that API's
+    declaration (None for ``slots``); built without one, a request takes the built-in API
+    its ``route`` names, and an unknown name is refused.
     ``body`` is the validated JSON body exactly as it will be sent to the engine;
     ``state`` is a scratch dict for plugins to pass data from ``pre_request`` to
     ``post_request`` (key it by your plugin's name).
     """
 
-    route: Literal["chat", "completion", "messages", "responses", "embeddings", "infill", "slots"]
+    route: str
     body: dict[str, Any]
     headers: Mapping[str, str] = field(default_factory=dict)
     stream: bool = False
@@ -49,6 +55,22 @@ class StrataRequest:
     restored_tokens: int = 0
     #: True when the slot already held this request's conversation as it was sent.
     found_in_slot: bool = False
+    #: The API the request came through: how its conversation opens, its prompt's units.
+    api: Api | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.api is not None:
+            if self.api.route != self.route:
+                raise ValueError(f"route {self.route!r} is not the route of {self.api.path} ({self.api.route!r})")
+            return
+        from strata_serve.api.registry import SLOTS_ROUTE, builtin
+
+        if self.route != SLOTS_ROUTE:
+            api = builtin().by_route.get(self.route)
+            if api is None:
+                raise ValueError(f"no API has the route {self.route!r} (the built-in ones: "
+                                 f"{', '.join(sorted(builtin().routes))}); give a plugin's API as api=")
+            self.api = api
 
 
 def token_count(value: Any) -> int | None:

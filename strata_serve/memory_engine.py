@@ -43,8 +43,8 @@ class MemoryEngine:
     capabilities = frozenset({"slots", "slot_files"})
     #: What it answers; every other route of the API is ``not_supported`` (404).
     routes = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
-    #: One slot: every route runs in it.
-    pinned_routes = frozenset({"chat", "completion", "messages", "responses", "embeddings", "infill"})
+    #: One slot: every request runs in it.
+    pinned_routes = routes
     #: Where its own numbers travel in an answer: no other engine's key.
     numbers_key = "memory_engine"
 

@@ -386,7 +386,8 @@ class Service:
             multi = len(self.slots) > 1
             if request.route == "slots":
                 claim = Claim(slot=request.slot)
-            elif multi and request.route not in getattr(self.engine, "pinned_routes", frozenset()):
+            elif multi and (request.api is None
+                            or request.api.engine_path not in getattr(self.engine, "pinned_routes", frozenset())):
                 request.pinned = False
                 claim = Claim(exclusive=True)
             else:

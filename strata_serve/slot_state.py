@@ -134,8 +134,8 @@ class SlotPicture:
 
     def saved(self, slot: int, tokens: int, written: int = 0) -> None:
         """The slot was saved: the engine counted what it holds, and the bytes it wrote.
-        (The plugin whose file it was sets ``file_current`` once the file is in place
-        under its name.)"""
+        (The plugin whose file it was records it with :meth:`file_written` once the file
+        is in place under its name.)"""
         self.slots[slot].tokens = tokens
         if tokens and written:
             self.saved_tokens += tokens
@@ -175,6 +175,20 @@ class SlotPicture:
         state.file_current = False
         if not nameable:
             state.key = state.tenant = state.since = None
+
+    # -- what the plugin whose files they are records ------------------------------------
+
+    def file_written(self, slot: int, key: str) -> None:
+        """``key``'s own file now holds what the slot holds (a save of it is in place under
+        its name): current, while the slot still holds that conversation."""
+        state = self.slots[slot]
+        if state.key == key:
+            state.file_current = True
+
+    def file_gone(self, slot: int) -> None:
+        """The file that was current for the slot's conversation is gone (removed since):
+        the slot holds the only copy."""
+        self.slots[slot].file_current = False
 
     # -- the engine's word -------------------------------------------------------------
 

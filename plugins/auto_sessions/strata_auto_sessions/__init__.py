@@ -24,10 +24,15 @@ import strata_serve
 from strata_serve import ConfigError
 
 from strata_auto_sessions import hookspecs
-from strata_auto_sessions.parking import NAME, AutoSessions, AutoSessionsConfig, AutoSessionsStats
+from strata_auto_sessions.config import NAME, AutoSessionsConfig
+from strata_auto_sessions.mode import ParkingMode
+from strata_auto_sessions.parking import AutoSessions
+from strata_auto_sessions.saving import Parked
+from strata_auto_sessions.stats import AutoSessionsStats
 from strata_auto_sessions.store import ParkingStore, SessionStore
 
-__all__ = ["AutoSessions", "AutoSessionsConfig", "AutoSessionsStats", "ParkingStore", "SessionStore"]
+__all__ = ["AutoSessions", "AutoSessionsConfig", "AutoSessionsStats", "Parked", "ParkingMode", "ParkingStore",
+           "SessionStore"]
 
 #: The plugin's name when registered by hand (tests); the entry point gives the same.
 strata_name = NAME
@@ -75,19 +80,19 @@ def on_engine_start(service, restarted):
 @strata_serve.hookimpl
 async def pre_request(request, service):
     parking = _parking(service)
-    if parking is not None and parking.active:
+    if parking is not None and parking.mode.parks:
         await parking.before(request, service)
 
 
 @strata_serve.hookimpl
 async def post_request(request, outcome, service):
     parking = _parking(service)
-    if parking is not None and parking.active:
+    if parking is not None and parking.mode.parks:
         parking.after(request, outcome, service)
         if request.route != "slots":
-            await parking.save_if_emptied_when_idle(service, request.slot)
-        parking.schedule_idle_save(service, request.slot)
-        parking.record_held(service)
+            await parking.idle_saves.save_if_emptied_when_idle(service, request.slot)
+        parking.idle_saves.schedule(service, request.slot)
+        parking.record_in_use(service)
 
 
 @strata_serve.hookimpl
@@ -95,9 +100,9 @@ async def on_shutdown(service):
     parking = _parking(service)
     if parking is not None:
         # An idle save not started was cancelled by the stop; one that ran is done.
-        if parking.active:
+        if parking.mode.parks:
             for slot in range(len(service.slots)):
-                await parking.park_held(service, slot, reason="shutdown")
+                await parking.park_slot(service, slot, reason="shutdown")
         parking.stop()
 
 

@@ -427,7 +427,7 @@ class Sidecar:
     #: :func:`sample_digest` of the state file when it was saved.
     digest: str
     #: What the saved state was made from: ``{"units": n, "digest": ...}`` of the last
-    #: request's prompt (see :func:`strata_auto_sessions.parking.prompt_signature`), with
+    #: request's prompt (see :func:`strata_auto_sessions.prompts.prompt_signature`), with
     #: its ``chain`` of digests, one per message boundary, where recorded.
     prompt: dict[str, Any] | None = None
     #: The tenant whose conversation it is (None: no tenants, or saved before this was recorded).
