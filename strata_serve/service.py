@@ -15,7 +15,7 @@ import pluggy
 from pydantic import BaseModel
 
 from strata_serve.config import ConfigError, Settings
-from strata_serve.engine.base import Engine, EngineUnavailable
+from strata_serve.engine.base import Engine, EngineUnavailable, SlotErased, SlotReport, SlotRestored, SlotSaved
 from strata_serve.hook_types import EngineError, KeyRefused, Outcome, StrataRequest, Verdict
 from strata_serve.plugins import broadcast, first_result
 from strata_serve.slot_state import SlotPicture, SlotState, tokens_after
@@ -542,7 +542,7 @@ class Service:
             self.slots.finished(request.slot, None)  # cut off: ask the engine when it matters
 
     async def _slot_tasks(self) -> dict[int, int] | None:
-        """Each slot's last task (``id_task``), as the engine says; None if it cannot."""
+        """Each slot's last task, as the engine says; None if it cannot."""
         try:
             answer = await self.engine.slots()
         except (EngineError, EngineUnavailable) as exc:
@@ -553,7 +553,7 @@ class Service:
     async def _find_slot(self, request: StrataRequest, tasks_before: dict[int, int] | None) -> None:
         """Which slots the engine used for a request it was not told where to run.
 
-        The slot whose last task is the newest (``id_task``) ran it; the picture moves
+        The slot whose last task is the newest (``SlotReport.task``) ran it; the picture moves
         the request's record there. The slot chosen beforehand keeps its tokens with no
         name: a conversation is never recorded in two slots. A request the engine split
         into several tasks (embeddings of several inputs) ran in several slots: every
@@ -599,14 +599,14 @@ class Service:
         self.sync_generation()
         self.slots.check(answer)
 
-    async def save_slot(self, filename: str, *, slot: int = 0) -> dict[str, Any]:
+    async def save_slot(self, filename: str, *, slot: int = 0) -> SlotSaved:
         """Save a slot to ``filename`` in the slot directory, and record it."""
         answer = await self.engine.save(filename, slot)
-        self.slots.saved(slot, int(answer.get("n_saved", 0)), int(answer.get("n_written", 0)))
+        self.slots.saved(slot, answer.tokens, answer.bytes)
         return answer
 
     async def restore_slot(self, filename: str, *, slot: int = 0, key: str | None = None,
-                           tenant: str | None = None, request: StrataRequest | None = None) -> dict[str, Any]:
+                           tenant: str | None = None, request: StrataRequest | None = None) -> SlotRestored:
         """Load ``filename`` into a slot; it then holds ``key`` (None: a file by hand).
 
         ``request``, when given, is the request the restore is made for.
@@ -617,13 +617,12 @@ class Service:
             # A failed restore may have cleared the slot, or not: nothing nameable is held.
             self.slots.unknown(slot, nameable=False)
             raise
-        n_restored = int(answer.get("n_restored", 0))
-        self.slots.restored(slot, key, tenant, n_restored, from_own_file=key is not None)
+        self.slots.restored(slot, key, tenant, answer.tokens, from_own_file=key is not None)
         if request is not None:
-            request.restored_tokens = n_restored
+            request.restored_tokens = answer.tokens
         return answer
 
-    async def erase_slot(self, slot: int = 0) -> dict[str, Any]:
+    async def erase_slot(self, slot: int = 0) -> SlotErased:
         try:
             answer = await self.engine.erase(slot)
         except BaseException:
@@ -748,9 +747,6 @@ async def _to_the_end(step: Awaitable[Any]) -> Any:
     return result
 
 
-def _tasks(engine_slots: Any, count: int) -> dict[int, int]:
-    """slot -> its last task's id, from the engine's ``GET /slots``."""
-    if not isinstance(engine_slots, list):
-        return {}
-    return {e["id"]: e["id_task"] for e in engine_slots if isinstance(e, dict)
-            and isinstance(e.get("id_task"), int) and isinstance(e.get("id"), int) and 0 <= e["id"] < count}
+def _tasks(reports: list[SlotReport], count: int) -> dict[int, int]:
+    """slot -> its last task's number, from the engine's slot reports."""
+    return {r.id: r.task for r in reports if r.task is not None and 0 <= r.id < count}

@@ -7,7 +7,7 @@ recorded too. Plugins read this picture and never keep a model of the engine's s
 of their own.
 
 Where the picture is not sure (a request that was cut off, an error), it says so
-(``tokens is None``) and the service asks the engine (``GET /slots``) the next time
+(``tokens is None``) and the service asks the engine (``Engine.slots``) the next time
 the answer matters.
 """
 
@@ -16,9 +16,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from strata_serve.hook_types import Timings
+
+if TYPE_CHECKING:
+    from strata_serve.engine.base import SlotReport
 
 log = logging.getLogger("strata_serve.slots")
 
@@ -129,25 +132,25 @@ class SlotPicture:
         """The engine refused the request before touching the slot (a 4xx): as it was."""
         self.slots[slot] = before
 
-    def saved(self, slot: int, n_saved: int, n_written: int = 0) -> None:
+    def saved(self, slot: int, tokens: int, written: int = 0) -> None:
         """The slot was saved: the engine counted what it holds, and the bytes it wrote.
         (The plugin whose file it was records it with :meth:`file_written` once the file
         is in place under its name.)"""
-        self.slots[slot].tokens = n_saved
-        if n_saved and n_written:
-            self.saved_tokens += n_saved
-            self.saved_bytes += n_written
+        self.slots[slot].tokens = tokens
+        if tokens and written:
+            self.saved_tokens += tokens
+            self.saved_bytes += written
 
     @property
     def bytes_per_token(self) -> float | None:
         """Bytes per token of the engine's state, measured from slot saves (None before one)."""
         return self.saved_bytes / self.saved_tokens if self.saved_tokens else None
 
-    def restored(self, slot: int, key: str | None, tenant: str | None, n_restored: int,
+    def restored(self, slot: int, key: str | None, tenant: str | None, tokens: int,
                  *, from_own_file: bool) -> None:
         """A file was loaded into the slot: it now holds ``key`` (None: a file by hand)."""
         state = self.slots[slot]
-        state.key, state.tenant, state.tokens = key, tenant, n_restored
+        state.key, state.tenant, state.tokens = key, tenant, tokens
         state.file_current = from_own_file and key is not None
         state.since = time.time() if key is not None else None
 
@@ -189,26 +192,24 @@ class SlotPicture:
 
     # -- the engine's word -------------------------------------------------------------
 
-    def check(self, engine_slots: list[dict[str, Any]]) -> None:
-        """Compare with the engine's ``GET /slots`` and take its token counts.
+    def check(self, reports: list[SlotReport]) -> None:
+        """Compare with what the engine says of its slots and take its token counts.
 
         The engine cannot name conversations, only count tokens: a count that differs
         from ours (or ours unknown) is replaced by the engine's, and a slot the engine
         reports empty is empty whatever we thought. A slot the engine is still working
         in has no final count: it is marked unknown.
         """
-        for entry in engine_slots:
-            if not isinstance(entry, dict) or not isinstance(entry.get("id"), int):
+        for report in reports:
+            if not 0 <= report.id < len(self.slots):
                 continue
-            if not 0 <= entry["id"] < len(self.slots):
-                continue
-            state = self.slots[entry["id"]]
-            if entry.get("is_processing") is True:
+            state = self.slots[report.id]
+            if report.processing:
                 # Still at work (on a request whose client left, the engine goes on until
                 # it notices): its count is not final. Asked again when it matters.
                 state.tokens = None
                 continue
-            tokens = engine_tokens(entry)
+            tokens = report.tokens
             if tokens is None:
                 continue
             if state.tokens is not None and state.tokens != tokens:
@@ -218,18 +219,6 @@ class SlotPicture:
             state.tokens = tokens
             if tokens == 0:
                 state.key, state.tenant, state.file_current, state.since = None, None, False, None
-
-
-def engine_tokens(entry: dict[str, Any]) -> int | None:
-    """Tokens a slot holds, from one entry of llama-server's ``GET /slots``.
-
-    ``n_prompt_tokens`` is the slot's cached tokens: the last task's prompt and what it
-    generated (0 after an erase, the file's count after a restore), as a save would write.
-    A slot that never ran a task has no such field, even after a restore: None (the
-    engine does not say).
-    """
-    tokens = entry.get("n_prompt_tokens")
-    return tokens if isinstance(tokens, int) and tokens >= 0 else None
 
 
 def tokens_after(timings: Timings) -> int:

@@ -13,7 +13,7 @@ installed gets them:
 - ``llama_server_factory``: ``await make(**engine_settings)`` -> a started bare
   :class:`~strata_serve.engine.LlamaServer`, for comparing against the engine alone.
 - ``strata_memory_client_factory``: like ``strata_client_factory``, on the in-memory
-  engine double (:class:`~strata_serve.testing_engine.MemoryEngine`, chosen through the
+  engine double (:class:`~strata_serve.memory_engine.MemoryEngine`, chosen through the
   ``engine_backend`` hook by the :class:`MemoryBackend` plugin): a keying or quirk
   plugin's unit tests run in milliseconds. The real engine stays the judge of what the
   engine does.
@@ -89,7 +89,7 @@ class MemoryBackend:
 
     @hookimpl(tryfirst=True)
     def engine_backend(self, settings: Settings) -> Any:
-        from strata_serve.testing_engine import MemoryEngine
+        from strata_serve.memory_engine import MemoryEngine
 
         self.engine = MemoryEngine(settings.engine.slot_save_path, settings.engine.ctx_size)
         return self.engine

@@ -151,7 +151,7 @@ async def wrong_state_answer(engine, slot_dir: Path, a: list[dict[str, Any]], b:
         saved[name] = await engine.save(f"control-{name}.bin")
     data = {name: (slot_dir / f"control-{name}.bin").read_bytes() for name in saved}
     counts = {name: STATE_HEADER.unpack_from(blob)[2] for name, blob in data.items()}
-    assert all(0 <= counts[name] - s["n_saved"] < 16 for name, s in saved.items()), (counts, saved)
+    assert all(0 <= counts[name] - s.tokens < 16 for name, s in saved.items()), (counts, saved)
     assert counts["a"] == counts["b"], f"the control needs two conversations of one length: {counts}"
     tokens_end = STATE_HEADER.size + 4 * counts["a"]
     assert data["a"][:tokens_end] != data["b"][:tokens_end]
@@ -159,7 +159,7 @@ async def wrong_state_answer(engine, slot_dir: Path, a: list[dict[str, Any]], b:
     await engine.restore("control-wrong.bin")
     answer = await engine_ask(engine, logprob_body(a2, max_tokens))
     timings = answer["timings"]
-    assert timings["cache_n"] >= 0.9 * saved["a"]["n_saved"] - 20, f"the wrong state was not reused: {timings}"
+    assert timings["cache_n"] >= 0.9 * saved["a"].tokens - 20, f"the wrong state was not reused: {timings}"
     return answer
 
 

@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 
 import strata_serve
+from strata_serve import SlotReport
 
 #: The engine's flags for its per-task lines.
 ENGINE_ARGS = ["-lv", "4"]
@@ -51,8 +52,8 @@ class Read:
     cached: int
 
 
-async def slot_entry(service: Any, slot: int) -> dict[str, Any]:
-    return next(entry for entry in await service.engine.slots() if entry["id"] == slot)
+async def slot_entry(service: Any, slot: int) -> SlotReport:
+    return next(report for report in await service.engine.slots() if report.id == slot)
 
 
 class SlotReads:
@@ -89,7 +90,7 @@ class SlotReads:
     async def pre_request(self, request, service):
         # After every other plugin's steps (auto-sessions' save and restore of this slot).
         if request.conversation_key is not None and request.route != "slots":
-            self._last_task[request.id] = (await slot_entry(service, request.slot)).get("id_task")
+            self._last_task[request.id] = (await slot_entry(service, request.slot)).task
 
     @strata_serve.hookimpl(tryfirst=True)
     async def post_request(self, request, outcome, service):
@@ -107,11 +108,11 @@ class SlotReads:
         may_start = time.monotonic() + (5 if cut else 0)
         while True:
             entry = await slot_entry(service, request.slot)
-            task = entry.get("id_task")
+            task = entry.task
             lines = self._task_lines(request.slot, task) if task is not None and task != before else {}
             if "cached" in lines or "end" in lines:
                 break
-            if not entry["is_processing"] and task == before and time.monotonic() >= may_start:
+            if not entry.processing and task == before and time.monotonic() >= may_start:
                 break
             if time.monotonic() >= deadline:
                 break  # no word from the engine on this task: unmeasured (None)

@@ -203,13 +203,13 @@ async def test_an_engine_log_line_of_any_length_wedges_nothing(strata_client_fac
 
 
 async def test_lines_are_read_whatever_their_length():
-    from strata_serve.engine.llama_server import read_lines
+    from strata_serve.engine.llama_server import read_line_batches
 
     stream = asyncio.StreamReader()  # the default 64 KiB limit, as for the engine's pipe
     stream.feed_data(b"first\n" + b"x" * 1_000_000 + b"\nsplit ")
     stream.feed_data(b"across chunks\n\nlast, no newline")
     stream.feed_eof()
-    lines = [line async for line in read_lines(stream, max_bytes=100)]
+    lines = [line async for batch in read_line_batches(stream, max_bytes=100) for line in batch]
     assert lines == ["first", "x" * 100 + " [... 999,900 more bytes not shown]", "split across chunks", "",
                      "last, no newline"]
 

@@ -90,6 +90,11 @@ async def test_a_call_on_a_kept_connection_closed_unanswered_is_sent_again():
         for _ in range(3):
             assert await engine.request("GET", "/props") == (200, {"status": "ok"})
         assert double.dropped >= 3, "the kept connection was reused, and dropped under the call"
+        # A stream follows the same policy: sent once more on a connection of its own.
+        dropped = double.dropped
+        async with engine.stream("/v1/chat/completions", chat_body(stream=True)) as reply:
+            assert reply.status == 200 and await reply.body() == {"status": "ok"}
+        assert double.dropped == dropped + 1, "the stream went out on the kept connection, dropped under it"
         # A slot call to an engine we did not start is never sent twice: another engine
         # may be there now, which holds nothing to save.
         with pytest.raises(EngineUnavailable, match="did not answer"):

@@ -16,7 +16,7 @@ import strata_serve
 from strata_serve import Timings
 from strata_serve.api import SERVICE
 from strata_serve.testing import KeyRecorder, chat_body, conversation
-from strata_serve.testing_engine import MemoryEngine
+from strata_serve.memory_engine import MemoryEngine
 
 
 def body(messages, **extra):
@@ -60,12 +60,13 @@ async def test_the_backend_reads_its_own_numbers_for_the_core(strata_memory_clie
     client = await strata_memory_client_factory(recorder)
     messages = conversation("numbers")
     first = await (await client.post("/v1/chat/completions", json=body(messages))).json()
-    assert "cache_n" not in first["timings"] and first["timings"]["read"] > 0, "not llama-server's shape"
+    numbers = first[MemoryEngine.numbers_key]
+    assert "timings" not in first and numbers["read"] > 0, "not llama-server's shape"
     again = await client.post("/v1/chat/completions", json=body(messages, stream=True))
     await again.read()
     before, after = recorder.timings
-    assert before == Timings(reused=0, prefilled=first["timings"]["read"], generated=3,
-                             prefill_ms=first["timings"]["read_us"] / 1000, generate_ms=0.03)
+    assert before == Timings(reused=0, prefilled=numbers["read"], generated=3,
+                             prefill_ms=numbers["read_us"] / 1000, generate_ms=0.03)
     assert after.reused == before.prompt_tokens - 1 and after.raw["kept"] == after.reused, "the slot was reused"
     assert client.app[SERVICE].slots[0].tokens == after.prompt_tokens + after.generated - 1
 
@@ -146,3 +147,14 @@ def test_the_engine_routes_are_every_route_relayed_to_the_engine():
         "/v1/messages", "/v1/messages/count_tokens",
         "/infill", "/tokenize", "/detokenize", "/apply-template", "/props",
     }
+
+
+def test_both_backends_have_every_member_of_the_engine_protocol():
+    from strata_serve import Engine, LlamaServer
+    from strata_serve.config import EngineSettings
+
+    members = {name for name in (*Engine.__annotations__, *vars(Engine)) if not name.startswith("_")}
+    assert {"slots", "save", "read_timings", "read_overflow", "numbers_key", "info"} <= members
+    for engine in (MemoryEngine(), LlamaServer(EngineSettings(url="http://127.0.0.1:1"))):
+        missing = sorted(name for name in members if not hasattr(engine, name))
+        assert not missing, f"{type(engine).__name__} lacks {missing}"

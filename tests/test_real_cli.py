@@ -416,15 +416,16 @@ async def test_codex_on_a_context_too_small_shows_how_to_serve_more(cli_server, 
 
 
 def test_the_refusal_names_the_slots_and_an_attached_engine():
+    from strata_serve import ContextOverflow
     from strata_serve.api.relay import context_overflow
     from strata_serve.config import EngineSettings
 
-    error = {"n_prompt_tokens": 20000, "n_ctx": 4096}
-    two_slots = context_overflow(error, EngineSettings(ctx_size=8192, parallel=2))
+    error = ContextOverflow(prompt_tokens=20000, context_tokens=4096)
+    two_slots = context_overflow(error, "", EngineSettings(ctx_size=8192, parallel=2))
     assert "(4,096 tokens per slot, 2 slots)" in two_slots and "CTX_SIZE=65536" in two_slots, two_slots
-    attached = context_overflow(error, EngineSettings(url="http://127.0.0.1:9000"))
+    attached = context_overflow(error, "", EngineSettings(url="http://127.0.0.1:9000"))
     assert "restart the engine at http://127.0.0.1:9000" in attached and "-c 32768" in attached, attached
-    capped = context_overflow(error, EngineSettings(ctx_size=65536))
+    capped = context_overflow(error, "", EngineSettings(ctx_size=65536))
     assert "--ctx-size asked for 65,536; the engine keeps to the model's own context length" in capped, capped
-    unknown = context_overflow({"message": "too long"}, None)
+    unknown = context_overflow(ContextOverflow(), "too long", None)
     assert unknown.startswith("too long: serve a model with a larger context"), unknown

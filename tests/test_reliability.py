@@ -210,15 +210,15 @@ async def test_a_save_the_engine_reports_whole_but_left_short_is_never_kept(auto
     and is logged; no file, no temporary; without the limit the next save works."""
     import resource
 
-    from strata_serve.engine import llama_server
+    from strata_serve.engine.llama_server import process
 
-    engine_preexec = llama_server._engine_preexec
+    engine_preexec = process.engine_preexec
 
     def ignoring_sigxfsz() -> None:
         engine_preexec()
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # kept through exec: a write past the limit fails
 
-    monkeypatch.setattr(llama_server, "_engine_preexec", ignoring_sigxfsz)
+    monkeypatch.setattr(process, "engine_preexec", ignoring_sigxfsz)
     caplog.set_level(logging.INFO, logger="strata_auto_sessions")
     client = await auto_client()
     service = client.app[SERVICE]
@@ -230,7 +230,7 @@ async def test_a_save_the_engine_reports_whole_but_left_short_is_never_kept(auto
     assert parking(client).stats.saves == 1
     # How long B's file is: the engine's own count for a save of the slot as it is.
     probe = await engine.save("probe.bin")
-    whole = probe["n_written"]
+    whole = probe.bytes
     (slots / "probe.bin").unlink()
     block = os.stat(slots).st_blksize
     limit = (whole - 1) // block * block  # all but the last block, the one written at close
@@ -251,7 +251,7 @@ async def test_a_save_the_engine_reports_whole_but_left_short_is_never_kept(auto
     status, answer = await ask(client, c)  # B is saved for the switch
     monkeypatch.setattr(engine, "save", real_save)
     assert status == 200 and answer["choices"]
-    assert seen["answer"]["n_written"] == whole and seen["on_disk"] == limit < whole, (
+    assert seen["answer"].bytes == whole and seen["on_disk"] == limit < whole, (
         "the engine reported every byte and wrote fewer", seen, whole)
     stats = parking(client).stats
     assert stats.save_failures == 1 and stats.saves == 1, stats

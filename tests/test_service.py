@@ -108,15 +108,15 @@ async def test_disconnect_mid_stream_cancels_and_post_request_sees_it(strata_cli
         resp = await session.post(url, json=body)
         assert resp.status == 200
         await resp.content.readany()  # the answer has started...
-        assert (await engine.slots())[0]["is_processing"], "the engine is at work on it"
+        assert (await engine.slots())[0].processing, "the engine is at work on it"
         resp.close()  # ...and the client goes away
     # Asked of the engine right away, not after some later request made it idle anyway.
     deadline = time.monotonic() + 10
-    while (slot := (await engine.slots())[0])["is_processing"]:
+    while (slot := (await engine.slots())[0]).processing:
         assert time.monotonic() < deadline, "the engine is still answering a client that left"
         await asyncio.sleep(0.05)
     # Stopped, not finished: the slot holds the prompt and far fewer tokens than were asked.
-    assert slot["n_prompt_tokens"] < asked / 2, slot["n_prompt_tokens"]
+    assert slot.tokens is not None and slot.tokens < asked / 2, slot
     deadline = time.monotonic() + 10
     while not recorder.outcomes:
         assert time.monotonic() < deadline, "post_request never ran"

@@ -30,7 +30,6 @@ import strata_auto_sessions
 from strata_serve.api import SERVICE, create_app
 from strata_serve.hook_types import StrataRequest
 from strata_serve.plugins import get_plugin_manager
-from strata_serve.slot_state import engine_tokens
 
 #: Each conversation's opening, in items of about 18 tokens (the demo model reads a
 #: character as a token): about 400, 1,000 and 1,600 tokens. A turn adds about 40 tokens,
@@ -151,7 +150,7 @@ class PictureMatchesTheEngine(RuleBasedStateMachine):
         deadline = time.monotonic() + deadline_s
         service = self.server.service
         server = self.server.runner.server
-        while not (service.fifo.idle and service.engine._ready.is_set() and not server.connections):
+        while not (service.fifo.idle and service.engine.ready and not server.connections):
             assert time.monotonic() < deadline, "the server never settled"
             time.sleep(0.02)
 
@@ -188,7 +187,7 @@ class PictureMatchesTheEngine(RuleBasedStateMachine):
         generation = engine.generation
         os.kill(engine.pid, signal.SIGKILL)
         deadline = time.monotonic() + 60
-        while engine.generation == generation or not engine._ready.is_set():
+        while engine.generation == generation or not engine.ready:
             assert time.monotonic() < deadline, "the engine did not come back"
             time.sleep(0.05)
         self.count_known = True
@@ -205,7 +204,7 @@ class PictureMatchesTheEngine(RuleBasedStateMachine):
         held, engine_slots = self.server.call(look())
         if self.count_known:
             assert held.tokens is not None, ("the picture lost count after a complete step", held)
-        engine_held = engine_tokens(engine_slots[0])
+        engine_held = engine_slots[0].tokens
         if engine_held is None:
             return  # a slot that never ran a task: the engine does not say what it holds
         if held.tokens is not None:
@@ -242,13 +241,13 @@ def test_the_picture_matches_the_engine_after_every_step(server):
 
 
 def test_a_slot_the_engine_still_works_in_has_no_final_count():
+    from strata_serve import SlotReport
     from strata_serve.slot_state import SlotPicture
 
     picture = SlotPicture.for_engine(2)
     picture[0].key, picture[0].tokens = "a", 1001
     # The client left; the engine goes on generating until it notices.
-    picture.check([{"id": 0, "n_prompt_tokens": 1010, "is_processing": True},
-                   {"id": 1, "n_prompt_tokens": 0, "is_processing": False}])
+    picture.check([SlotReport(id=0, tokens=1010, processing=True), SlotReport(id=1, tokens=0)])
     assert picture[0].tokens is None and picture[0].key == "a" and picture.corrections == 0
-    picture.check([{"id": 0, "n_prompt_tokens": 1044, "is_processing": False}])
+    picture.check([SlotReport(id=0, tokens=1044)])
     assert picture[0].tokens == 1044 and picture.corrections == 0

@@ -9,7 +9,7 @@ from strata_serve.api.anthropic import ANTHROPIC
 from strata_serve.api.formats import OPENAI, StreamSeen
 from strata_serve.api.llama import LLAMA
 from strata_serve.api.responses import RESPONSES
-from strata_serve.engine.llama_server import read_llama_timings
+from strata_serve.engine.llama_server import LlamaServer, read_llama_timings
 
 TIMINGS = {"cache_n": 40, "prompt_n": 7, "predicted_n": 3}
 #: What every stream below says it cost, in the core's terms.
@@ -59,7 +59,7 @@ STREAMS = {
 
 def learnt(api, chunks: list[bytes]) -> tuple:
     """What the relay learns, with the engine's numbers read as llama-server's backend reads them."""
-    seen = StreamSeen(api)
+    seen = StreamSeen(api, LlamaServer.numbers_key)
     for chunk in chunks:
         seen.feed(chunk)
     timings = read_llama_timings(seen.timings) or api.timings_from_usage(seen.usage)

@@ -235,12 +235,12 @@ async def test_slots_never_show_one_tenant_anothers_text(strata_client_factory, 
     client = await strata_client_factory(settings=strata_settings_factory(server=KEYS))
     await ask(client, "ka", ALICE)
     engine_view = (await client.app[SERVICE].engine.slots())[0]
-    assert ALICE in engine_view["prompt"], "the engine itself shows the text: the control"
+    assert ALICE in engine_view.raw["prompt"], "the engine itself shows the text: the control"
     for key in ("kb", "k-plain", "ka"):
         resp = await client.get("/slots", headers=as_(key))
         assert resp.status == 200
         (slot,) = await resp.json()
-        assert slot["n_prompt_tokens"] == engine_view["n_prompt_tokens"], "the figures are there"
+        assert slot["n_prompt_tokens"] == engine_view.tokens, "the figures are there"
         shown = {field for field in ("prompt", "generated") if field in slot}
         if key == "ka":
             assert ALICE in slot["prompt"] and "generated" in slot, "alice sees her own slot whole"

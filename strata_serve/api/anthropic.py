@@ -64,7 +64,7 @@ ANTHROPIC_ERRORS = ErrorShape("anthropic", _anthropic_body, AnthropicErrorRespon
 class AnthropicFormat(ApiFormat):
     """Anthropic's Messages API.
 
-    The engine sends no ``timings`` here, only ``usage``: ``input_tokens`` (read anew),
+    The engine sends no numbers of its own here, only ``usage``: ``input_tokens`` (read anew),
     ``cache_read_input_tokens`` (reused) and ``output_tokens``. A stream gives the first
     two in ``message_start`` and the last in ``message_delta``, and ends with
     ``message_stop``.
@@ -72,7 +72,7 @@ class AnthropicFormat(ApiFormat):
 
     name = "anthropic"
     errors = ANTHROPIC_ERRORS
-    markers = (b'"usage"', b'"timings"', b'"message_stop"', b'"error"')
+    markers = (b'"usage"', b'"message_stop"', b'"error"')
 
     def timings_from_usage(self, usage: Any) -> Timings | None:
         """None until ``output_tokens`` is known: a stream cut after ``message_start``
@@ -87,8 +87,7 @@ class AnthropicFormat(ApiFormat):
 
     def read_event(self, event: dict[str, Any], seen: StreamSeen) -> None:
         kind = event.get("type")
-        if isinstance(event.get("timings"), dict):
-            seen.timings = event["timings"]
+        seen.read_numbers(event)
         usage = event.get("usage")
         if kind == "message_start" and isinstance(event.get("message"), dict):
             usage = event["message"].get("usage")

@@ -3,13 +3,13 @@
 Each API declares its format in its module (:class:`ApiFormat` here is OpenAI chat's and
 completions'; Anthropic's, the Responses API's and the engine's own are beside their
 APIs). The relay is the same for every API; what differs is where the engine's numbers are
-(``timings`` on OpenAI chat and the engine's own routes; ``usage`` alone on Anthropic's
-Messages and on the Responses API's plain answers), which event ends a stream, and how
-an error is told (inside a stream whose headers are already gone, and as a whole
-answer: :attr:`ApiFormat.errors`). The core needs three
+(under the engine's own key, ``Engine.numbers_key``, on OpenAI chat and the engine's own
+routes; ``usage`` alone on Anthropic's Messages and on the Responses API's plain
+answers), which event ends a stream, and how an error is told (inside a stream whose
+headers are already gone, and as a whole answer: :attr:`ApiFormat.errors`). The core needs three
 numbers from every answer that ran in a slot (:class:`~strata_serve.Timings`): prompt
 tokens reused, prompt tokens read anew and tokens generated. The engine's own numbers
-(llama-server's ``timings`` object) are found here and read by the engine backend
+are found here, under its key, and read by the engine backend
 (``Engine.read_timings``); where there are none, the API's ``usage`` says as much as it
 can (:meth:`ApiFormat.timings_from_usage`).
 """
@@ -25,25 +25,20 @@ from strata_serve.hook_types import Timings, token_count
 
 
 class ApiFormat:
-    """OpenAI chat and completions (and embeddings): the engine's ``timings``, else ``usage``."""
+    """OpenAI chat and completions (and embeddings): the engine's own numbers, else ``usage``."""
 
     name = "openai"
     #: How an error is told on the API's paths (:class:`~strata_serve.api.errors.ErrorShape`).
     errors: ErrorShape = OPENAI_ERRORS
     #: Bytes that mark an SSE event worth parsing; a plain token event is passed by unparsed.
-    markers: tuple[bytes, ...] = (b'"timings"', b'"usage"', b'"error"', b'"finish_reason":"',
-                                  b'"finish_reason": "')
+    #: (An event with the engine's own numbers is worth parsing too: see :class:`StreamSeen`.)
+    markers: tuple[bytes, ...] = (b'"usage"', b'"error"', b'"finish_reason":"', b'"finish_reason": "')
     #: Bytes without which a ``data:`` line cannot end the stream (see :meth:`done`).
     done_markers: tuple[bytes, ...] = (b"[DONE]",)
 
-    @functools.cached_property
-    def worth_reading(self) -> tuple[bytes, ...]:
-        """Found in a chunk that holds an event worth reading (a marker, or an end)."""
-        return self.markers + self.done_markers
-
-    def engine_numbers(self, answer: Any) -> Any:
-        """The engine's own numbers in a whole (non-streamed) answer (its ``timings``)."""
-        return answer.get("timings") if isinstance(answer, dict) else None
+    def engine_numbers(self, answer: Any, key: str | None) -> Any:
+        """The engine's own numbers in a whole (non-streamed) answer (under its ``key``)."""
+        return answer.get(key) if key is not None and isinstance(answer, dict) else None
 
     def usage(self, answer: Any) -> Any:
         """The ``usage`` of a whole (non-streamed) answer."""
@@ -65,8 +60,7 @@ class ApiFormat:
 
     def read_event(self, event: dict[str, Any], seen: StreamSeen) -> None:
         """Learn what one parsed SSE event says."""
-        if isinstance(event.get("timings"), dict):
-            seen.timings = event["timings"]
+        seen.read_numbers(event)
         if isinstance(event.get("usage"), dict):
             seen.usage = event["usage"]
         if "error" in event:
@@ -85,13 +79,26 @@ class ApiFormat:
         return b"data: " + json.dumps(event).encode() + b"\n\n"
 
 
-class StreamSeen:
-    """What the relay learnt from a stream's events as they passed."""
+@functools.lru_cache(maxsize=None)
+def _markers(api: ApiFormat, numbers_key: str | None) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+    """An API's markers with the engine's key for its numbers, and those with the ends."""
+    markers = api.markers if numbers_key is None else (*api.markers, json.dumps(numbers_key).encode())
+    return markers, markers + api.done_markers
 
-    def __init__(self, api: ApiFormat) -> None:
+
+class StreamSeen:
+    """What the relay learnt from a stream's events as they passed.
+
+    ``numbers_key``: where the engine puts its own numbers in an event (``Engine.numbers_key``).
+    """
+
+    def __init__(self, api: ApiFormat, numbers_key: str | None) -> None:
         self.api = api
+        self.numbers_key = numbers_key
+        #: Bytes that mark an event worth parsing; with the ends, a chunk worth reading.
+        self.markers, self.worth_reading = _markers(api, numbers_key)
         self._buffer = b""
-        #: The engine's own numbers (its ``timings``), for the backend to read.
+        #: The engine's own numbers (under its key), for the backend to read.
         self.timings: dict[str, Any] | None = None
         self.usage: dict[str, Any] | None = None
         self.finished = False
@@ -99,7 +106,7 @@ class StreamSeen:
 
     def feed(self, chunk: bytes) -> None:
         if not self._buffer and chunk.endswith(b"\n"):
-            for marker in self.api.worth_reading:
+            for marker in self.worth_reading:
                 if marker in chunk:
                     break
             else:
@@ -114,7 +121,7 @@ class StreamSeen:
             if self.api.done(data, self):
                 self.finished = True
                 continue
-            if not any(marker in data for marker in self.api.markers):
+            if not any(marker in data for marker in self.markers):
                 continue  # a plain token: nothing to learn, and parsing each one costs speed
             try:
                 event = json.loads(data)
@@ -122,6 +129,11 @@ class StreamSeen:
                 continue
             if isinstance(event, dict):
                 self.api.read_event(event, self)
+
+    def read_numbers(self, event: dict[str, Any]) -> None:
+        """Keep the engine's own numbers when ``event`` carries them."""
+        if self.numbers_key is not None and isinstance(event.get(self.numbers_key), dict):
+            self.timings = event[self.numbers_key]
 
 
 #: OpenAI chat's and completions' format, the one an API has unless it declares another.

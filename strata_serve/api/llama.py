@@ -31,7 +31,7 @@ class LlamaFormat(ApiFormat):
     """The engine's own completion routes (``/infill``): the last event says ``"stop": true``."""
 
     name = "llama"
-    markers = (b'"timings"', b'"error"', b'"stop":true', b'"stop": true')
+    markers = (b'"error"', b'"stop":true', b'"stop": true')
 
     def read_event(self, event: dict[str, Any], seen: StreamSeen) -> None:
         super().read_event(event, seen)

@@ -26,7 +26,7 @@ from strata_serve.api.checks import check_media, check_messages, might_hold_medi
 from strata_serve.api.app_state import SERVICE, TENANT
 from strata_serve.api.registry import Api
 from strata_serve.config import EngineSettings
-from strata_serve.engine.base import Engine, EngineUnavailable, JSONAnswer
+from strata_serve.engine.base import ContextOverflow, Engine, EngineUnavailable, JSONAnswer
 from strata_serve.hook_types import KeyRefused, Outcome, StrataRequest, Timings
 from strata_serve.service import QueueFull, Service, ShuttingDown
 from strata_serve.slot_state import state_source
@@ -173,12 +173,14 @@ def service_errors(service: Service) -> Iterator[None]:
 _NOT_SUPPORTED = 501
 
 
-def engine_answer(status: int, body: Any, engine: EngineSettings | None = None) -> web.Response:
+def engine_answer(status: int, body: Any, engine: EngineSettings | None = None,
+                  read_overflow: Callable[[dict[str, Any]], ContextOverflow | None] | None = None) -> web.Response:
     """The engine's answer as ours; an error is raised as :class:`APIError` for the route's shape.
 
     The engine's own 4xx error object keeps its fields (its numeric ``code``, its type,
-    the token counts of a context overflow) in the OpenAI shape. A context overflow is
-    told in words a user can act on (:func:`context_overflow`), given the ``engine``'s settings.
+    the token counts of a context overflow) in the OpenAI shape. A context overflow (as
+    the backend's ``read_overflow`` reads it) is told in words a user can act on
+    (:func:`context_overflow`), given the ``engine``'s settings.
     """
     if status < 400:
         if isinstance(body, JSONAnswer):  # the engine's own bytes: no second encoding
@@ -193,24 +195,20 @@ def engine_answer(status: int, body: Any, engine: EngineSettings | None = None) 
     if status >= 500:
         raise APIError(502, f"the engine failed: {message}")
     extra = {k: v for k, v in error.items() if k not in ("message", "type", "param", "code")}
-    if error.get("type") == _EXCEEDS_CONTEXT:
-        message = context_overflow(error, engine)
+    overflow = read_overflow(error) if read_overflow is not None else None
+    if overflow is not None:
+        message = context_overflow(overflow, str(error.get("message") or ""), engine)
     raise APIError(status, message, param=error.get("param"), code=error.get("code"),
                    type_=error.get("type") or "invalid_request_error", extra=extra)
 
 
-#: The engine's error type for a prompt longer than a slot's context (HTTP 400, with
-#: ``n_prompt_tokens`` and ``n_ctx``); its message says "the request exceeds the available
-#: context size, try increasing it" and no more.
-_EXCEEDS_CONTEXT = "exceed_context_size_error"
-
-
-def context_overflow(error: dict[str, Any], engine: EngineSettings | None) -> str:
+def context_overflow(overflow: ContextOverflow, message: str, engine: EngineSettings | None) -> str:
     """What to tell a client whose request does not fit the context: both sizes, and how to
-    serve one that holds it (an agent's first request is 20,000-40,000 tokens)."""
-    n_prompt, n_ctx = error.get("n_prompt_tokens"), error.get("n_ctx")
-    if not isinstance(n_prompt, int) or not isinstance(n_ctx, int) or n_prompt <= 0 or n_ctx <= 0:
-        return f"{error.get('message') or 'the request exceeds the context size'}: serve a model with a larger context"
+    serve one that holds it (an agent's first request is 20,000-40,000 tokens). ``message``:
+    the engine's own."""
+    n_prompt, n_ctx = overflow.prompt_tokens, overflow.context_tokens
+    if n_prompt is None or n_ctx is None:
+        return f"{message or 'the request exceeds the context size'}: serve a model with a larger context"
     parallel = engine.parallel if engine is not None else 1
     # A power of two above the request (room left for the answer), at least 32k, per slot.
     needed = max(32768, 1 << n_prompt.bit_length()) * parallel
@@ -243,7 +241,7 @@ async def direct(request: web.Request, method: str, path: str, body: Any = None)
     with service_errors(service):
         await service.engine.wait_ready()
         status, answer = await service.engine.request(method, path, json=body, op=path.strip("/"))
-    return engine_answer(status, answer, service.settings.engine)
+    return engine_answer(status, answer, service.settings.engine, service.engine.read_overflow)
 
 
 async def relay(request: web.Request, api: Api, body: dict[str, Any]) -> web.StreamResponse:
@@ -326,7 +324,8 @@ async def _relay_json(service: Service, api: Api, body: dict[str, Any], outcome:
     outcome.http_status = status
     if isinstance(answer, dict) and 200 <= status < 300:
         usage = api_format.usage(answer)
-        outcome.timings = answer_timings(service.engine, api_format, api_format.engine_numbers(answer), usage)
+        numbers = api_format.engine_numbers(answer, service.engine.numbers_key)
+        outcome.timings = answer_timings(service.engine, api_format, numbers, usage)
         outcome.usage = usage if isinstance(usage, dict) else None
     if 200 <= status < 300:
         outcome.status = "ok"
@@ -334,7 +333,7 @@ async def _relay_json(service: Service, api: Api, body: dict[str, Any], outcome:
     else:
         outcome.status = "error"
         outcome.error = f"engine answered HTTP {status}"
-    return engine_answer(status, answer, service.settings.engine)
+    return engine_answer(status, answer, service.settings.engine, service.engine.read_overflow)
 
 
 async def _end_with_error(response: web.StreamResponse, message: str, kind: str, api_format: ApiFormat) -> None:
@@ -351,14 +350,14 @@ async def _relay_stream(
         if upstream.status != 200:
             answer = await upstream.body()
             outcome.error = f"engine answered HTTP {upstream.status}"
-            return engine_answer(upstream.status, answer, service.settings.engine)
+            return engine_answer(upstream.status, answer, service.settings.engine, service.engine.read_overflow)
         response = web.StreamResponse(
             status=200,
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                      **state_headers(strata_request, None)},
         )
         await response.prepare(request)
-        seen = StreamSeen(api_format)
+        seen = StreamSeen(api_format, service.engine.numbers_key)
         # The bytes after the event that ends the stream wait for the engine's end, to leave
         # with the stream's own end in one write: each write is a system call, as costly as
         # all the relay's Python work for a short answer.

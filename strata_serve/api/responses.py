@@ -24,12 +24,11 @@ class ResponsesFormat(ApiFormat):
 
     A plain answer has only ``usage`` (``input_tokens`` counts the reused ones too, as
     ``input_tokens_details.cached_tokens``); a stream's ``response.completed`` event
-    carries the engine's ``timings`` besides.
+    carries the engine's own numbers besides.
     """
 
     name = "responses"
-    markers = (b'"response.completed"', b'"response.incomplete"', b'"response.failed"', b'"error"',
-               b'"timings"')
+    markers = (b'"response.completed"', b'"response.incomplete"', b'"response.failed"', b'"error"')
 
     def timings_from_usage(self, usage: Any) -> Timings | None:
         if not isinstance(usage, dict) or token_count(usage.get("input_tokens")) is None:
@@ -42,8 +41,7 @@ class ResponsesFormat(ApiFormat):
 
     def read_event(self, event: dict[str, Any], seen: StreamSeen) -> None:
         kind = event.get("type")
-        if isinstance(event.get("timings"), dict):
-            seen.timings = event["timings"]
+        seen.read_numbers(event)
         response = event.get("response")
         if isinstance(response, dict) and isinstance(response.get("usage"), dict):
             seen.usage = response["usage"]

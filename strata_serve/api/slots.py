@@ -24,7 +24,7 @@ from strata_serve.api.errors import APIError
 from strata_serve.api.app_state import TENANT
 from strata_serve.api.relay import read_json, service_errors, service_of
 from strata_serve.api.schemas import SlotFile
-from strata_serve.engine.base import EngineUnavailable
+from strata_serve.engine.base import EngineUnavailable, SlotReport
 from strata_serve.hook_types import EngineError, Outcome, StrataRequest
 from strata_serve.tenants import TENANT_SEPARATOR
 
@@ -93,8 +93,8 @@ async def list_slots(request: web.Request) -> web.Response:
                        "plain server.api_key", code="strict_isolation")
     try:
         await service.engine.wait_ready()
-        answer = await service.engine.slots()
-        return web.json_response(figures_for(service, request.get(TENANT), answer))
+        reports = await service.engine.slots()
+        return web.json_response(figures_for(service, request.get(TENANT), reports))
     except EngineUnavailable as exc:
         raise APIError(exc.status, str(exc)) from None
     except EngineError as exc:
@@ -107,16 +107,17 @@ async def list_slots(request: web.Request) -> web.Response:
 SLOT_CONTENT = ("prompt", "generated", "params")
 
 
-def figures_for(service: Any, tenant: str | None, engine_slots: Any) -> Any:
-    """The engine's slots as ``tenant`` may see them: with named tenants, a slot's content
-    only to the tenant the slot's state belongs to; figures to everyone."""
-    if not service.settings.server.api_keys or not isinstance(engine_slots, list):
-        return engine_slots  # one user: everything is theirs
+def figures_for(service: Any, tenant: str | None, reports: list[SlotReport]) -> list[Any]:
+    """The engine's own account of its slots as ``tenant`` may see it: with named
+    tenants, a slot's content only to the tenant the slot's state belongs to; figures
+    to everyone."""
+    if not service.settings.server.api_keys:
+        return [report.raw for report in reports]  # one user: everything is theirs
     shown = []
-    for entry in engine_slots:
+    for report in reports:
+        entry = report.raw
         if isinstance(entry, dict):
-            slot = entry.get("id")
-            owner = service.slots[slot].tenant if isinstance(slot, int) and 0 <= slot < len(service.slots) else None
+            owner = service.slots[report.id].tenant if 0 <= report.id < len(service.slots) else None
             if owner is None or owner != tenant:
                 entry = {k: v for k, v in entry.items() if k not in SLOT_CONTENT}
         shown.append(entry)
@@ -162,7 +163,8 @@ async def slot_action(request: web.Request) -> web.Response:
             answer = await service.restore_slot(body["filename"], slot=slot, tenant=tenant)
         else:
             answer = await service.erase_slot(slot)
-        result.update(answer)
+        if isinstance(answer.raw, dict):
+            result.update(answer.raw)  # the engine's own answer, as it gave it
         outcome.status, outcome.http_status, outcome.error = "ok", 200, None
 
     try:

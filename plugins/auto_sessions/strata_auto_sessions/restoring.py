@@ -169,7 +169,7 @@ async def _load(parking: AutoSessions, key: str, source: str, path: Path, reques
             _restore_failed(parking, key, exc, verdict)
             return None
     ms = (time.monotonic() - began) * 1000
-    return int(answer.get("n_restored", 0)), int(answer.get("n_read", 0)), ms
+    return answer.tokens, answer.bytes, ms
 
 
 def _restore_failed(parking: AutoSessions, key: str, exc: Exception, verdict: Verdict | None) -> None:

@@ -121,8 +121,7 @@ async def _save(parking: AutoSessions, service: Any, slot: int, key: str, in_slo
         began = time.monotonic()
         try:
             answer = await service.save_slot(temp, slot=slot)
-            n_saved = int(answer.get("n_saved", 0))
-            n_written = int(answer.get("n_written", 0))
+            n_saved, n_written = answer.tokens, answer.bytes
             if n_saved == 0:
                 # The slot was empty after all: such a file is worthless, and
                 # restoring one has crashed the engine.

@@ -22,7 +22,6 @@ import pytest
 import strata_serve
 
 from strata_serve.api import SERVICE
-from strata_serve.slot_state import engine_tokens
 from strata_serve.testing import conversation
 
 from tests.parked_state import (
@@ -179,12 +178,12 @@ async def test_a_switch_on_one_slot_never_disturbs_another(auto_client, monkeypa
     slot_a = int(ha["X-Strata-Slot"])
     assert sorted([slot_a, *slot_of.values()]) == list(range(parallel))
     assert numbers(client)["saves"] == 1, "C was parked"
-    held = {entry["id"]: entry["n_prompt_tokens"] for entry in await engine.slots()}
+    held = {report.id: report.tokens for report in await engine.slots()}
     during: list[tuple[str, int, dict[int, dict]]] = []
 
     def watched(call, name):
         async def run(filename, slot=0):
-            during.append((name, slot, {entry["id"]: entry for entry in await engine.slots()}))
+            during.append((name, slot, {report.id: report for report in await engine.slots()}))
             return await call(filename, slot)
         return run
 
@@ -200,7 +199,7 @@ async def test_a_switch_on_one_slot_never_disturbs_another(auto_client, monkeypa
         await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 60)
         # (A slot call on a busy slot waits until that slot is free: here, for ever.)
         timings, headers = await asyncio.wait_for(stream_turn(url, more(c, "back")), 60)
-        after = {entry["id"]: entry for entry in await engine.slots()}
+        after = {report.id: report for report in await engine.slots()}
     finally:
         release.set()
     for stream in streams:
@@ -214,8 +213,8 @@ async def test_a_switch_on_one_slot_never_disturbs_another(auto_client, monkeypa
     # before the switch to after it...
     for name, _, engine_slots in during:
         for slot in slot_of.values():
-            assert engine_slots[slot]["is_processing"], (f"slot {slot} was at work during the {name}", engine_slots)
-            assert after[slot]["is_processing"] and engine_slots[slot]["id_task"] == after[slot]["id_task"], (
+            assert engine_slots[slot].processing, (f"slot {slot} was at work during the {name}", engine_slots)
+            assert after[slot].processing and engine_slots[slot].task == after[slot].task, (
                 engine_slots[slot], after[slot])
     # ...and still holds its conversation: the next turn reuses it there.
     for messages in others:
@@ -260,7 +259,7 @@ async def test_one_conversation_never_runs_in_two_slots_at_once(auto_client, cap
             await asyncio.sleep(0.01)
         # They overlap: the first is still writing its answer with the other two in.
         engine_view = await service.engine.slots()
-        assert any(entry["is_processing"] for entry in engine_view), engine_view
+        assert any(report.processing for report in engine_view), engine_view
     finally:
         release.set()
     results = await asyncio.wait_for(asyncio.gather(*streams), 120)
@@ -368,7 +367,7 @@ async def test_engine_killed_mid_save_on_one_slot_while_another_streams(auto_cli
 
     async def save_dies_writing(filename, slot=0):
         seen["slot"] = slot
-        seen["engine"] = {entry["id"]: entry for entry in await engine.slots()}  # as the save starts
+        seen["engine"] = {report.id: report for report in await engine.slots()}  # as the save starts
         resource.prlimit(engine.pid, resource.RLIMIT_CORE, (0, 0))
         resource.prlimit(engine.pid, resource.RLIMIT_FSIZE, (PARTIAL_BYTES, PARTIAL_BYTES))
         try:
@@ -393,7 +392,7 @@ async def test_engine_killed_mid_save_on_one_slot_while_another_streams(auto_cli
     monkeypatch.setattr(engine, "save", real_save)
 
     assert seen["slot"] == slot_a, seen
-    assert seen["engine"][slot_b]["is_processing"] is True, "B's slot was streaming when the save began"
+    assert seen["engine"][slot_b].processing is True, "B's slot was streaming when the save began"
     assert seen["temporary"] is not None and 0 < seen["temporary"] <= PARTIAL_BYTES, seen
     assert engine.generation == generation + 1, "the engine died once and came back"
     # The stream ends with an error event: neither a hang nor a silent cut.
@@ -413,7 +412,7 @@ async def test_engine_killed_mid_save_on_one_slot_while_another_streams(auto_cli
     only_complete_files(directory)
     assert not (directory / f"auto-{ha['X-Strata-Conversation']}.bin").exists()
     # The picture is of the new engine: C in the slot it ran in (what it holds, the engine says).
-    engine_view = {entry["id"]: engine_tokens(entry) for entry in await engine.slots()}
+    engine_view = {report.id: report.tokens for report in await engine.slots()}
     held = await service.slot(slot_a)
     assert held.key == resp.headers["X-Strata-Conversation"] and held.tokens == engine_view[slot_a] > 0, (
         list(service.slots), engine_view)
@@ -466,7 +465,7 @@ async def test_metrics_and_stats_say_which_slot_each_request_ran_in(auto_client)
                for family in text_string_to_metric_families(text) for s in family.samples}
     assert samples[("strata_slot_requests_total", slot_a)] == 2
     assert samples[("strata_slot_requests_total", str(1 - int(slot_a)))] == 1
-    engine = {entry["id"]: entry["n_prompt_tokens"] for entry in await service.engine.slots()}
+    engine = {report.id: report.tokens for report in await service.engine.slots()}
     for n in (0, 1):
         assert samples[("strata_slot_tokens", str(n))] == engine[n]
         assert samples[("strata_slot_busy", str(n))] == 0
@@ -488,7 +487,7 @@ async def test_an_engine_that_empties_idle_slots_itself_loses_no_conversation(au
     await settle(client, 60)
     assert numbers(client)["saves"] == 1, "A was saved as its answer ended"
     await stream_turn(url, b)  # A's slot is emptied as B starts
-    engine = {e["id"]: e.get("n_prompt_tokens") for e in await service.engine.slots()}
+    engine = {report.id: report.tokens for report in await service.engine.slots()}
     assert engine[int(ha["X-Strata-Slot"])] == 0, engine
     timings, headers = await stream_turn(url, more(a, "back"))
     assert service.slots.corrections >= 1, "the check before the request saw the emptied slot"
@@ -560,7 +559,7 @@ async def test_a_request_for_several_completions_never_spills_into_another_slot(
     _, ha = await stream_turn(url, a)
     _, hb = await stream_turn(url, b)
     slot_b = int(hb["X-Strata-Slot"])
-    held_b = (await service.engine.slots())[slot_b]["n_prompt_tokens"]
+    held_b = (await service.engine.slots())[slot_b].tokens
     for field in ("n_cmpl", "n"):
         body = {"messages": more(a, "two answers"), "max_tokens": 4, field: 2}
         resp = await client.post("/v1/chat/completions", json=body)
@@ -572,7 +571,7 @@ async def test_a_request_for_several_completions_never_spills_into_another_slot(
     resp = await client.post("/v1/messages", json={"model": "m", "max_tokens": 2, "n_cmpl": 2,
                                                    "messages": [{"role": "user", "content": "hi"}]})
     assert resp.status == 400 and (await resp.json())["type"] == "error", await resp.text()
-    assert (await service.engine.slots())[slot_b]["n_prompt_tokens"] == held_b, "B's slot untouched"
+    assert (await service.engine.slots())[slot_b].tokens == held_b, "B's slot untouched"
     timings, headers = await stream_turn(url, more(b, "back"))
     assert headers["X-Strata-State"] == "slot" and timings["cache_n"] >= OWN_STATE, (headers, timings)
     resp = await client.post("/v1/chat/completions", json={"messages": more(a, "one"), "max_tokens": 2, "n_cmpl": 1})
@@ -593,7 +592,7 @@ async def test_a_request_the_engine_spreads_over_slots_leaves_no_false_name(auto
     await stream_turn(url, b)
     resp = await client.post("/v1/embeddings", json={"input": ["hello there " * 20, "other words " * 30, "x " * 50]})
     assert resp.status == 200, await resp.text()
-    engine_held = [entry["n_prompt_tokens"] for entry in await service.engine.slots()]
+    engine_held = [report.tokens for report in await service.engine.slots()]
     assert all(tokens < 400 for tokens in engine_held), ("both slots ran an input", engine_held)
     assert [slot.key for slot in service.slots] == [None, None], "neither slot holds A or B any more"
     assert any("ran part of request" in r.getMessage() for r in caplog.records)

@@ -13,7 +13,6 @@ import pytest
 
 import strata_serve
 from strata_serve.api import SERVICE
-from strata_serve.slot_state import engine_tokens
 from strata_serve.testing import assert_openai_error, conversation
 
 from plugins.auto_sessions.tests.test_multi_slot import OWN_STATE, more, numbers, stream_turn, url_of
@@ -41,13 +40,13 @@ class PictureCheck:
     async def pre_request(self, request, service):
         if request.route == "slots" or len(service.fifo.busy) > 1:
             return  # a hand action, or another request at work: the engine may be changing
-        for entry in await service.engine.slots():
-            if entry["is_processing"]:
+        for report in await service.engine.slots():
+            if report.processing:
                 continue
-            recorded, actual = service.slots[entry["id"]].tokens, engine_tokens(entry) or 0
+            recorded, actual = service.slots[report.id].tokens, report.tokens or 0
             self.compared += 1
             if recorded is not None and recorded != actual:
-                self.wrong.append((entry["id"], recorded, actual))
+                self.wrong.append((report.id, recorded, actual))
 
 
 @pytest.mark.parametrize("kind", list(ENGINES))
@@ -88,7 +87,7 @@ async def test_an_attached_engine_with_two_slots_parks_and_restores_each(
     assert numbers(client)["restore_failures"] == 0 and numbers(client)["save_failures"] == 0
 
     # Slot actions by hand reach every slot the engine runs, and none past them.
-    held_1 = engine_tokens((await bare.slots())[1])
+    held_1 = (await bare.slots())[1].tokens
     saved = await client.post("/slots/1?action=save", json={"filename": "by-hand.bin"})
     assert saved.status == 200, await saved.text()
     assert (await saved.json())["n_saved"] == held_1 >= OWN_STATE

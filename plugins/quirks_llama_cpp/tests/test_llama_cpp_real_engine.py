@@ -44,7 +44,7 @@ async def test_engine_refusing_a_filename_is_a_plain_error(llama_server_factory)
                                                      service=SimpleNamespace(state={}))
     assert verdict is None
     assert await engine.health()
-    assert (await engine.save("inside.bin"))["filename"] == "inside.bin", "the engine carries on"
+    assert (await engine.save("inside.bin")).raw["filename"] == "inside.bin", "the engine carries on"
 
 
 async def test_auto_sessions_meets_a_refused_filename_and_carries_on(parked_client, monkeypatch):
@@ -213,7 +213,7 @@ async def test_an_empty_slot_is_not_saved_at_shutdown(strata_client_factory, plu
     saver = ShutdownSaver()
     client = await strata_client_factory(saver, *plugins)
     await client.close()  # right after the start: the slot holds nothing
-    saved = saver.saved["n_saved"] if saver.saved else None
+    saved = saver.saved.tokens if saver.saved else None
     assert saved == expected_saved, "without the quirk plugin the engine writes a state file of 0 tokens"
 
 
@@ -222,4 +222,4 @@ async def test_a_slot_with_tokens_is_saved_at_shutdown(strata_client_factory):
     client = await strata_client_factory(saver, strata_quirks_llama_cpp)
     await ask(client, conversation("full"))
     await client.close()
-    assert saver.saved["n_saved"] > MIN_TOKENS
+    assert saver.saved.tokens > MIN_TOKENS

@@ -1,11 +1,13 @@
-"""An in-memory engine double: a test double for plugin unit tests, never a real engine.
+"""An in-memory engine: a second backend, and a test double for plugin unit tests, never a real engine.
 
 :class:`MemoryEngine` follows :class:`strata_serve.engine.base.Engine` closely enough
 for the service, the OpenAI chat and completions routes and slot files to work, in
 milliseconds and without llama-server. A "token" is one character of the prompt as
 the double renders it; timings are synthetic but consistent (what the slot held is
-reused, the rest is "prefilled") and in a shape of the double's own, which only its
-``read_timings`` understands, as another engine's would be; answers are a fixed text. Slot files are written to
+reused, the rest is "prefilled") and in a shape of the double's own, under a key of
+its own (:attr:`MemoryEngine.numbers_key`), which only its ``read_timings`` understands,
+as another engine's would be; answers are a fixed text. Its slot reports and slot calls
+answer in the core's types directly. Slot files are written to
 ``info.slot_save_path`` when it is set (auto-sessions checks them on disk), else kept
 in memory.
 
@@ -20,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-from strata_serve.engine.base import EngineInfo
+from strata_serve.engine.base import ContextOverflow, EngineInfo, SlotErased, SlotReport, SlotRestored, SlotSaved
 from strata_serve.hook_types import Timings
 
 #: What the double answers, token by token (one token per character, like its prompts).
@@ -43,6 +45,8 @@ class MemoryEngine:
     routes = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
     #: One slot: every request runs in it.
     pinned_routes = routes
+    #: Where its own numbers travel in an answer: no other engine's key.
+    numbers_key = "memory_engine"
 
     def __init__(self, slot_save_path: Path | None = None, n_ctx: int = 4096):
         self.info = EngineInfo(url="memory://engine", model_path="memory-engine", n_ctx=n_ctx,
@@ -68,11 +72,6 @@ class MemoryEngine:
 
     def kill(self) -> None:
         self._ready = False
-
-    async def crash_and_restart(self) -> None:
-        """What a crash does to an engine: the slot is empty, the generation moves on."""
-        self._ready = False
-        await self.start()
 
     @property
     def ready(self) -> bool:
@@ -116,7 +115,7 @@ class MemoryEngine:
         else:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
         return 200, {"object": "chat.completion", "model": "memory-engine", "choices": [choice],
-                     "usage": usage, "timings": timings}
+                     "usage": usage, self.numbers_key: timings}
 
     @contextlib.asynccontextmanager
     async def stream(self, path: str, json: Any) -> AsyncIterator[MemoryStream]:
@@ -125,30 +124,30 @@ class MemoryEngine:
 
     # -- the slot ---------------------------------------------------------------------
 
-    async def save(self, filename: str, slot: int = 0) -> dict[str, Any]:
+    async def save(self, filename: str, slot: int = 0) -> SlotSaved:
         data = self.slot.encode()
         if self.info.slot_save_path is not None:
             (self.info.slot_save_path / filename).write_bytes(data)
         self.files[filename] = self.slot
-        return {"id_slot": slot, "filename": filename, "n_saved": len(self.slot), "n_written": len(data),
-                "timings": {"save_ms": 0.01}}
+        return SlotSaved(tokens=len(self.slot), bytes=len(data), raw={"slot": slot, "file": filename})
 
-    async def restore(self, filename: str, slot: int = 0) -> dict[str, Any]:
+    async def restore(self, filename: str, slot: int = 0) -> SlotRestored:
         if self.info.slot_save_path is not None:
             path = self.info.slot_save_path / filename
             self.slot = path.read_bytes().decode() if path.is_file() else ""
         else:
             self.slot = self.files.get(filename, "")
-        return {"id_slot": slot, "filename": filename, "n_restored": len(self.slot),
-                "n_read": len(self.slot.encode()), "timings": {"restore_ms": 0.01}}
+        return SlotRestored(tokens=len(self.slot), bytes=len(self.slot.encode()),
+                            raw={"slot": slot, "file": filename})
 
-    async def erase(self, slot: int = 0) -> dict[str, Any]:
+    async def erase(self, slot: int = 0) -> SlotErased:
         erased, self.slot = len(self.slot), ""
-        return {"id_slot": slot, "n_erased": erased}
+        return SlotErased(tokens=erased, raw={"slot": slot})
 
-    async def slots(self) -> list[dict[str, Any]]:
-        return [{"id": 0, "n_ctx": self.info.n_ctx, "is_processing": False, "id_task": len(self.requests),
-                 "n_prompt_tokens": len(self.slot)}]
+    async def slots(self) -> list[SlotReport]:
+        """Its one slot; a task is a request it answered (numbered from 1)."""
+        return [SlotReport(id=0, processing=False, task=len(self.requests), tokens=len(self.slot),
+                           raw={"slot": 0, "tokens": len(self.slot)})]
 
     def read_timings(self, numbers: Any) -> Timings | None:
         """The double's numbers (``kept``, ``read``, ``written``, in microseconds) in the core's terms."""
@@ -156,6 +155,11 @@ class MemoryEngine:
             return None
         return Timings(reused=numbers["kept"], prefilled=numbers["read"], generated=numbers["written"],
                        prefill_ms=numbers["read_us"] / 1000, generate_ms=numbers["written_us"] / 1000, raw=numbers)
+
+
+    def read_overflow(self, error: dict[str, Any]) -> ContextOverflow | None:
+        """Never: the double takes a prompt of any length."""
+        return None
 
 
 class MemoryStream:
@@ -174,7 +178,8 @@ class MemoryStream:
         for piece in text:
             yield _event({"choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]})
         yield _event({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
-                      "usage": self._answer["usage"], "timings": self._answer["timings"]})
+                      "usage": self._answer["usage"],
+                      MemoryEngine.numbers_key: self._answer[MemoryEngine.numbers_key]})
         yield b"data: [DONE]\n\n"
 
 

@@ -1,0 +1,80 @@
+"""The engine's process: how it is created, how its end is awaited, how it is killed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import signal
+import time
+from pathlib import Path
+
+from pydantic import SecretStr
+
+from strata_serve.engine.llama_server.binary import library_dirs
+
+#: prctl(2) option: the signal a process gets when its parent dies.
+PR_SET_PDEATHSIG = 1
+
+
+def engine_preexec() -> None:
+    """In the engine's process, before exec: its files private, and SIGTERM when strata-serve dies.
+
+    The umask is set here rather than through ``umask=``, which uvloop's subprocesses refuse.
+    """
+    os.umask(0o077)  # what it writes (slot files, their temporaries) is private, whatever our umask
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass  # not Linux: a crash of strata-serve may leave the engine behind
+
+
+def engine_env(binary: Path, api_key: SecretStr | None) -> dict[str, str]:
+    """The engine's environment: ours, its libraries found, its key (never on its command line)."""
+    env = dict(os.environ)
+    dirs = [str(d) for d in library_dirs(binary)]
+    env["LD_LIBRARY_PATH"] = os.pathsep.join([*dirs, *filter(None, [env.get("LD_LIBRARY_PATH")])])
+    # The engine's --api-key, from its environment: /proc/<pid>/environ is readable by
+    # its owner alone, its command line by everyone.
+    env.pop("LLAMA_API_KEY", None)
+    if api_key is not None:
+        env["LLAMA_API_KEY"] = api_key.get_secret_value()
+    return env
+
+
+async def launch(cmd: list[str], env: dict[str, str]) -> asyncio.subprocess.Process:
+    """Create the engine's process, its output (both streams) in one pipe."""
+    return await asyncio.create_subprocess_exec(
+        *cmd,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env=env,
+        # Its own session: a Ctrl-C meant for us must not stop the engine before
+        # we have drained and saved. But if we die unasked, it goes with us.
+        start_new_session=True,
+        preexec_fn=engine_preexec,
+    )
+
+
+async def exited(proc: asyncio.subprocess.Process, timeout: float | None = None, every: float = 0.02) -> bool:
+    """Wait until ``proc`` has exited (at most ``timeout`` seconds); True when it has.
+
+    Watches the exit code rather than ``proc.wait()``, which also waits for the
+    process's output to be closed, and a child of the engine may keep it open.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while proc.returncode is None:
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(every)
+    return True
+
+
+async def kill(proc: asyncio.subprocess.Process) -> None:
+    """SIGKILL ``proc`` and wait for its end (it cannot refuse)."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    await exited(proc)
