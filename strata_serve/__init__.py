@@ -37,7 +37,6 @@ _LAZY = {
     "first_result": "strata_serve.plugins",
     "call_each_sync": "strata_serve.plugins",
     "message_text": "strata_serve.default_plugins.opening_key",
-    "first_user_text": "strata_serve.default_plugins.opening_key",
     "opening": "strata_serve.default_plugins.opening_key",
     "text_key": "strata_serve.default_plugins.opening_key",
     "Metric": "strata_serve.metrics",

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
@@ -36,7 +35,6 @@ class StrataRequest:
     #: Name of the API-key holder that sent the request, when keys are configured.
     tenant: str | None = None
     id: int = field(default_factory=lambda: next(_ids))
-    received_at: float = field(default_factory=time.monotonic)
     state: dict[str, Any] = field(default_factory=dict)
     #: The engine slot the request runs in.
     slot: int = 0

@@ -170,10 +170,8 @@ class ServiceFIFO:
                 self._update_idle()
             raise
 
-    def release(self, slot: int | None = None) -> None:
-        """End a turn: ``slot`` as granted by :meth:`acquire` (None: the last one granted)."""
-        if slot is None:
-            slot = -1 if self.exclusive else next(reversed(self.busy))
+    def release(self, slot: int) -> None:
+        """End a turn: ``slot`` as granted by :meth:`acquire` (-1: every slot)."""
         if slot == -1:
             self.exclusive = False
         else:

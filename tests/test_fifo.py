@@ -35,11 +35,11 @@ async def test_queue_limit_refuses_past_the_bound():
     await asyncio.sleep(0)
     with pytest.raises(QueueFull):
         await fifo.acquire()
-    fifo.release()
+    fifo.release(0)
     await waiters[0]
-    fifo.release()
+    fifo.release(0)
     await waiters[1]
-    fifo.release()
+    fifo.release(0)
     assert fifo.idle
 
 
@@ -53,10 +53,10 @@ async def test_cancelled_waiter_leaves_without_taking_a_turn():
     leaver.cancel()
     await asyncio.sleep(0)
     assert fifo.waiting == 1
-    fifo.release()
+    fifo.release(0)
     await asyncio.wait_for(stayer, 1)
     assert fifo.holders == 1
-    fifo.release()
+    fifo.release(0)
     assert fifo.idle
 
 
@@ -66,7 +66,7 @@ async def test_turn_granted_while_being_cancelled_is_passed_on():
     first = asyncio.create_task(fifo.acquire())
     second = asyncio.create_task(fifo.acquire())
     await asyncio.sleep(0)
-    fifo.release()  # hands the turn to `first`...
+    fifo.release(0)  # hands the turn to `first`...
     first.cancel()  # ...which is cancelled before it runs
     with pytest.raises(asyncio.CancelledError):
         await first
@@ -82,7 +82,7 @@ async def test_capacity_above_one_admits_that_many():
     blocked = asyncio.create_task(fifo.acquire())
     await asyncio.sleep(0)
     assert not blocked.done()
-    fifo.release()
+    fifo.release(2)
     await asyncio.wait_for(blocked, 1)
 
 

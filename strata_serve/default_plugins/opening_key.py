@@ -128,11 +128,6 @@ def opening(route: str, body: dict[str, Any]) -> Opening | None:
     return None
 
 
-def first_user_text(body: dict[str, Any]) -> str | None:
-    """The first user message's text of a chat body."""
-    return _opening_of(body.get("messages") or [], []).user
-
-
 def text_key(text: str, media: list[str] = ()) -> str:
     """The key of an opening message: the sha1 of its text, framed with its media when it has some."""
     if media:

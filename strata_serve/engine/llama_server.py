@@ -473,14 +473,6 @@ class LlamaServer:
         """Started, answering, and letting requests through."""
         return self._ready.is_set()
 
-    @property
-    def restart_coming(self) -> bool:
-        """Whether the engine will be started again should it be down now."""
-        return (
-            self.managed and self.settings.restart_on_crash and not self._stopping
-            and self._monitor is not None and not self._monitor.done()
-        )
-
     # -- the engine's state, and waiting on it ------------------------------
 
     def _notify(self) -> None:
