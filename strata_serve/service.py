@@ -18,7 +18,7 @@ from strata_serve.config import ConfigError, Settings
 from strata_serve.engine.base import Engine, EngineUnavailable
 from strata_serve.hook_types import EngineError, KeyRefused, Outcome, StrataRequest, Verdict
 from strata_serve.plugins import broadcast, first_result
-from strata_serve.slot_state import SlotPicture, SlotState, tokens_after
+from strata_serve.slot_state import SlotRegistry, SlotState, tokens_after
 from strata_serve.tenants import TENANT_SEPARATOR, tenant_key
 
 log = logging.getLogger("strata_serve.service")
@@ -263,7 +263,7 @@ class Service:
         self.fifo = ServiceFIFO(settings.engine.parallel, settings.server.queue_limit, self.choose_slot)
         self.state: dict[str, Any] = {}
         #: What each engine slot holds: recorded here for every request and slot call.
-        self.slots = SlotPicture.for_engine(settings.engine.parallel)
+        self.slots = SlotRegistry.for_engine(settings.engine.parallel)
         self.closing = False
         self.started_at = time.time()
         self._tasks: set[asyncio.Task] = set()
@@ -404,13 +404,13 @@ class Service:
                 began = time.monotonic()
                 outcome = Outcome(status="error", error="not sent")
                 try:
-                    await _to_the_end(broadcast(self.pm, "pre_request", request=request, service=self))
+                    await _shielded(broadcast(self.pm, "pre_request", request=request, service=self))
                     # A request the engine places itself: what each slot last ran, to tell after
                     # which slots it used.
                     tasks_before = await self._slot_tasks() if not request.pinned else None
                 except asyncio.CancelledError:
                     outcome.status, outcome.error = "cancelled", "the client went away before the engine was asked"
-                    await _to_the_end(self._post(request, outcome, began))
+                    await _shielded(self._post(request, outcome, began))
                     raise
                 before = self._sent(request)
                 try:
@@ -426,8 +426,8 @@ class Service:
                 finally:
                     self._answered(request, outcome, before)
                     if not request.pinned and before is not None:
-                        await _to_the_end(self._find_slot(request, tasks_before))
-                    await _to_the_end(self._post(request, outcome, began))
+                        await _shielded(self._find_slot(request, tasks_before))
+                    await _shielded(self._post(request, outcome, began))
                 return outcome
         finally:
             if task is not None:
@@ -481,7 +481,7 @@ class Service:
             n = 1
         if n != len(self.slots):
             log.info("[strata] the engine runs %d slot(s); requests go to %d at a time", n, n)
-            self.slots = SlotPicture.for_engine(n)
+            self.slots = SlotRegistry.for_engine(n)
             self.fifo.resize(n)
 
     def when_idle(self, delay_s: float, work: Callable[[], Awaitable[Any]], *, name: str,
@@ -576,7 +576,7 @@ class Service:
                     log.info("[strata] slot %d ran part of request %d: it no longer holds %s",
                              slot, request.id, self.slots[slot].key)
                     self.slots.unknown(slot, nameable=False)
-        self.slots.check(answer)
+        self.slots.adopt_engine_counts(answer)
 
     async def slot(self, slot: int = 0) -> SlotState:
         """What the slot holds, asking the engine first when the picture is not sure."""
@@ -594,7 +594,7 @@ class Service:
             log.info("[strata] could not ask the engine what its slots hold: %s", exc)
             return
         self.sync_generation()
-        self.slots.check(answer)
+        self.slots.adopt_engine_counts(answer)
 
     async def save_slot(self, filename: str, *, slot: int = 0) -> dict[str, Any]:
         """Save a slot to ``filename`` in the slot directory, and record it."""
@@ -725,8 +725,8 @@ class Service:
                         state.key, state.id, tokens)
 
 
-async def _to_the_end(step: Awaitable[Any]) -> Any:
-    """Await ``step`` to its end even if the awaiting task is cancelled meanwhile.
+async def _shielded(step: Awaitable[Any]) -> Any:
+    """Await ``step`` shielded: it runs to its end even if the awaiting task is cancelled meanwhile.
 
     The cancel is re-raised once the step has finished.
     """

@@ -55,7 +55,8 @@ class SlotState:
     #: The tenant of the request that last ran in the slot (None: no tenants, or empty).
     tenant: str | None = None
     #: Tokens the slot holds (prompt plus generated); 0 when empty, None when not known
-    #: (a request was cut off): :meth:`SlotPicture.check` asks the engine.
+    #: (a request was cut off): the service asks the engine, whose count the registry
+    #: adopts (:meth:`SlotRegistry.adopt_engine_counts`).
     tokens: int | None = 0
     #: True while the conversation's own file equals what the slot holds (saved or
     #: restored since the last request changed the slot).
@@ -76,8 +77,9 @@ class SlotState:
 
 
 @dataclass
-class SlotPicture:
-    """The slots of one engine, by id."""
+class SlotRegistry:
+    """What each slot of one engine holds, by id: the core's record, written through the
+    methods below (the service is their only caller) and read by everyone."""
 
     slots: list[SlotState] = field(default_factory=lambda: [SlotState(0)])
     #: Checks against the engine that found the picture wrong (each is logged).
@@ -87,7 +89,7 @@ class SlotPicture:
     saved_bytes: int = 0
 
     @classmethod
-    def for_engine(cls, parallel: int) -> SlotPicture:
+    def for_engine(cls, parallel: int) -> SlotRegistry:
         return cls([SlotState(n) for n in range(max(1, parallel))])
 
     def __getitem__(self, slot: int) -> SlotState:
@@ -175,8 +177,8 @@ class SlotPicture:
 
     # -- the engine's word -------------------------------------------------------------
 
-    def check(self, engine_slots: list[dict[str, Any]]) -> None:
-        """Compare with the engine's ``GET /slots`` and take its token counts.
+    def adopt_engine_counts(self, engine_slots: list[dict[str, Any]]) -> None:
+        """Take the engine's token counts from its ``GET /slots``, where ours differ or are unknown.
 
         The engine cannot name conversations, only count tokens: a count that differs
         from ours (or ours unknown) is replaced by the engine's, and a slot the engine

@@ -144,11 +144,11 @@ async def test_the_chooser_places_a_claim_among_the_free_slots():
 
 
 def test_a_slot_is_chosen_by_what_displacing_it_costs():
-    from strata_serve.slot_state import SlotPicture
+    from strata_serve.slot_state import SlotRegistry
     from strata_serve.service import Service
 
     service = Service.__new__(Service)
-    picture = service.slots = SlotPicture.for_engine(4)
+    picture = service.slots = SlotRegistry.for_engine(4)
     # 0: the least recently used conversation; 1: another, more recent; 2: a file current;
     # 3: nothing nameable.
     for n, (key, last, current) in enumerate([("a", 1, False), ("b", 5, False), ("c", 3, True), (None, 9, False)]):

@@ -242,13 +242,13 @@ def test_the_picture_matches_the_engine_after_every_step(server):
 
 
 def test_a_slot_the_engine_still_works_in_has_no_final_count():
-    from strata_serve.slot_state import SlotPicture
+    from strata_serve.slot_state import SlotRegistry
 
-    picture = SlotPicture.for_engine(2)
+    picture = SlotRegistry.for_engine(2)
     picture[0].key, picture[0].tokens = "a", 1001
     # The client left; the engine goes on generating until it notices.
-    picture.check([{"id": 0, "n_prompt_tokens": 1010, "is_processing": True},
+    picture.adopt_engine_counts([{"id": 0, "n_prompt_tokens": 1010, "is_processing": True},
                    {"id": 1, "n_prompt_tokens": 0, "is_processing": False}])
     assert picture[0].tokens is None and picture[0].key == "a" and picture.corrections == 0
-    picture.check([{"id": 0, "n_prompt_tokens": 1044, "is_processing": False}])
+    picture.adopt_engine_counts([{"id": 0, "n_prompt_tokens": 1044, "is_processing": False}])
     assert picture[0].tokens == 1044 and picture.corrections == 0
