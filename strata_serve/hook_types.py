@@ -47,6 +47,11 @@ class StrataRequest:
     restored_tokens: int = 0
     #: True when the slot already held this request's conversation as it was sent.
     found_in_slot: bool = False
+    #: Where its conversation's state came from, as the core decided it
+    #: (:func:`strata_serve.state_source`): set as it is sent, and once the engine answered
+    #: (``engine`` becomes ``ram`` or ``none``); None until it is sent. ``X-Strata-State``
+    #: says it, and a stats plugin counts it.
+    state_source: str | None = None
 
 
 def token_count(value: Any) -> int | None:

@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from strata_serve.config import ConfigError, Settings
 from strata_serve.engine.base import Engine, EngineUnavailable
 from strata_serve.hook_types import EngineError, KeyRefused, Outcome, StrataRequest, Verdict
+from strata_serve.measures import EngineMeasures, state_source
 from strata_serve.plugins import broadcast, first_result
 from strata_serve.slot_state import SlotRegistry, SlotState, tokens_after
 from strata_serve.tenants import TENANT_SEPARATOR, tenant_key
@@ -264,6 +265,8 @@ class Service:
         self.state: dict[str, Any] = {}
         #: What each engine slot holds: recorded here for every request and slot call.
         self.slots = SlotRegistry.for_engine(settings.engine.parallel)
+        #: Engine facts measured once, here, for everyone: prefill speed, bytes per token.
+        self.measures = EngineMeasures()
         self.closing = False
         self.started_at = time.time()
         self._tasks: set[asyncio.Task] = set()
@@ -515,12 +518,16 @@ class Service:
         held = self.slots[request.slot]
         request.found_in_slot = (request.conversation_key is not None and held.key == request.conversation_key
                                  and held.tenant == request.tenant and not held.empty)
+        request.state_source = state_source(request, None)
         return self.slots.sent(request.slot, request)
 
     def _answered(self, request: StrataRequest, outcome: Outcome, before: SlotState | None) -> None:
         """Record what the slot holds now that the engine's answer ended, however it ended."""
         if before is None:
             return
+        if outcome.timings is not None:
+            self.measures.answered(outcome.timings)
+            request.state_source = state_source(request, outcome.timings)
         if self.engine.generation != before.generation:
             self.sync_generation()  # the engine died during the request: its slots are gone
             if outcome.timings is not None:
@@ -599,7 +606,9 @@ class Service:
     async def save_slot(self, filename: str, *, slot: int = 0) -> dict[str, Any]:
         """Save a slot to ``filename`` in the slot directory, and record it."""
         answer = await self.engine.save(filename, slot)
-        self.slots.saved(slot, int(answer.get("n_saved", 0)), int(answer.get("n_written", 0)))
+        n_saved = int(answer.get("n_saved", 0))
+        self.slots.saved(slot, n_saved)
+        self.measures.state_file(n_saved, int(answer.get("n_written", 0)))
         return answer
 
     async def restore_slot(self, filename: str, *, slot: int = 0, key: str | None = None,
@@ -616,6 +625,7 @@ class Service:
             raise
         n_restored = int(answer.get("n_restored", 0))
         self.slots.restored(slot, key, tenant, n_restored, from_own_file=key is not None)
+        self.measures.state_file(n_restored, int(answer.get("n_read", 0)))
         if request is not None:
             request.restored_tokens = n_restored
         return answer

@@ -16,32 +16,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any
 
 from strata_serve.hook_types import Timings
 
 log = logging.getLogger("strata_serve.slots")
-
-#: Where a request's conversation state came from, as the core tells the client:
-#: ``slot`` (the slot held it), ``disk`` (a plugin restored it from its file), ``ram``
-#: (neither, yet the engine reused most of the prompt: its RAM prompt cache), ``none``
-#: (the prompt was read anew), ``engine`` (left to the engine; a streamed answer's
-#: headers leave before the engine says which).
-StateSource = Literal["slot", "disk", "ram", "none", "engine"]
-#: A prompt reused at least this much without the slot or a restore came from the RAM cache.
-RAM_REUSE_SHARE = 0.5
-
-
-def state_source(request: Any, timings: Timings | None) -> StateSource:
-    """Where a request's conversation state came from (see :data:`StateSource`)."""
-    if request.restored_tokens:
-        return "disk"
-    if request.found_in_slot:
-        return "slot"
-    if timings is None:
-        return "engine"
-    prompt = timings.prompt_tokens
-    return "ram" if prompt and timings.reused >= RAM_REUSE_SHARE * prompt else "none"
 
 
 @dataclass
@@ -84,9 +63,6 @@ class SlotRegistry:
     slots: list[SlotState] = field(default_factory=lambda: [SlotState(0)])
     #: Checks against the engine that found the picture wrong (each is logged).
     corrections: int = 0
-    #: Tokens and bytes of every slot save made through the service (for :attr:`bytes_per_token`).
-    saved_tokens: int = 0
-    saved_bytes: int = 0
 
     @classmethod
     def for_engine(cls, parallel: int) -> SlotRegistry:
@@ -131,19 +107,10 @@ class SlotRegistry:
         """The engine refused the request before touching the slot (a 4xx): as it was."""
         self.slots[slot] = before
 
-    def saved(self, slot: int, n_saved: int, n_written: int = 0) -> None:
-        """The slot was saved: the engine counted what it holds, and the bytes it wrote.
-        (The plugin whose file it was sets ``file_current`` once the file is in place
-        under its name.)"""
+    def saved(self, slot: int, n_saved: int) -> None:
+        """The slot was saved: the engine counted what it holds. (The plugin whose file
+        it was sets ``file_current`` once the file is in place under its name.)"""
         self.slots[slot].tokens = n_saved
-        if n_saved and n_written:
-            self.saved_tokens += n_saved
-            self.saved_bytes += n_written
-
-    @property
-    def bytes_per_token(self) -> float | None:
-        """Bytes per token of the engine's state, measured from slot saves (None before one)."""
-        return self.saved_bytes / self.saved_tokens if self.saved_tokens else None
 
     def restored(self, slot: int, key: str | None, tenant: str | None, n_restored: int,
                  *, from_own_file: bool) -> None:

@@ -27,7 +27,6 @@ from strata_serve.config import EngineSettings
 from strata_serve.engine.base import Engine, EngineUnavailable, JSONAnswer
 from strata_serve.hook_types import KeyRefused, Outcome, StrataRequest, Timings
 from strata_serve.service import QueueFull, Service, ShuttingDown
-from strata_serve.slot_state import state_source
 
 log = logging.getLogger("strata_serve.api")
 
@@ -267,7 +266,7 @@ async def relay(request: web.Request, route: str, path: str, body: dict[str, Any
     assert answer is not None
     if not sreq.stream:
         # Once the request is done: a route the engine placed itself is located by then.
-        answer.headers.update(state_headers(sreq, outcome.timings))
+        answer.headers.update(state_headers(sreq))
     return answer
 
 
@@ -278,8 +277,9 @@ def answer_timings(engine: Engine, api: ApiFormat, numbers: Any, usage: Any) -> 
     return timings if timings is not None else api.timings_from_usage(usage)
 
 
-def state_headers(sreq: StrataRequest, timings: Timings | None) -> dict[str, str]:
-    """What strata did for this request, for the client to see without reading logs."""
+def state_headers(sreq: StrataRequest) -> dict[str, str]:
+    """What strata did for this request, for the client to see without reading logs: the
+    core's word on where its state came from (``sreq.state_source``, final once answered)."""
     # A stream's headers leave before the service learns which slot the engine chose
     # for a request it could not place itself: then no slot is named.
     slot = {"X-Strata-Slot": str(sreq.slot)} if sreq.pinned or not sreq.stream else {}
@@ -287,7 +287,7 @@ def state_headers(sreq: StrataRequest, timings: Timings | None) -> dict[str, str
         return {"X-Strata-State": "unkeyed", **slot}
     return {
         "X-Strata-Conversation": sreq.conversation_key,
-        "X-Strata-State": state_source(sreq, timings),
+        "X-Strata-State": sreq.state_source or "engine",
         "X-Strata-Restored-Tokens": str(sreq.restored_tokens),
         **slot,
     }
@@ -328,7 +328,7 @@ async def _relay_stream(
         response = web.StreamResponse(
             status=200,
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                     **state_headers(sreq, None)},
+                     **state_headers(sreq)},
         )
         await response.prepare(request)
         seen = StreamSeen(api)

@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from strata_serve import ConfigError, EngineError, make_private_dir, Outcome, StrataRequest, Verdict, counter, gauge, in_tenant
-from strata_serve import EngineUnavailable
+from strata_serve import EngineMeasures, EngineUnavailable
 
 from strata_serve import first_result
 
@@ -34,8 +34,6 @@ log = logging.getLogger("strata_auto_sessions")
 
 NAME = "auto_sessions"
 GB = 1024**3
-#: Prefill speed is measured on requests that prefilled at least this many tokens.
-SPEED_MIN_TOKENS = 64
 _SAVE_SKIPS = "Saves skipped, by reason"
 _RESTORE_SKIPS = "Restores not attempted, by reason"
 
@@ -153,7 +151,8 @@ class AutoSessionsStats:
 class AutoSessions:
     """One per service: the decisions around the slot the core describes."""
 
-    def __init__(self, config: AutoSessionsConfig, store: ParkingStore | None, fingerprint: dict[str, Any]):
+    def __init__(self, config: AutoSessionsConfig, store: ParkingStore | None, fingerprint: dict[str, Any],
+                 measures: EngineMeasures):
         self.config = config
         self.store = store
         self.fingerprint = fingerprint
@@ -162,10 +161,9 @@ class AutoSessions:
         self.usable = store is not None
         #: While parking is paused (restores went unused), the monotonic time it resumes.
         self.paused_until: float | None = None
-        #: Bytes per token of the engine's state, measured from our saves.
-        self.bytes_per_token: float | None = None
-        #: Prefill and restore speed measured on this engine (tokens, ms; bytes, ms).
-        self._prefill = [0, 0.0]
+        #: The core's measurements of the engine (prefill speed, bytes per token).
+        self.measures = measures
+        #: Restore speed measured on this engine (bytes, ms).
         self._restore_speed = [0, 0.0]
         #: The prompt signature of the last request that ran, by conversation key.
         self.prompts: dict[str, dict[str, Any]] = {}
@@ -181,12 +179,12 @@ class AutoSessions:
         info = service.engine.info
         if "slot_files" not in getattr(service.engine, "capabilities", {"slot_files"}):
             log.warning("[strata] auto sessions: off: the engine backend cannot save and restore slots")
-            return cls(config, None, {})
+            return cls(config, None, {}, service.measures)
         directory = config.slot_dir or info.slot_save_path
         if directory is None:
             log.warning("[strata] auto sessions: off: no slot directory; set engine.slot_save_path "
                         "(--slot-save-path) or plugins.auto_sessions.slot_dir")
-            return cls(config, None, {})
+            return cls(config, None, {}, service.measures)
         store = first_result(service.pm, "auto_sessions_store", directory=Path(directory), service=service) \
             or SessionStore(Path(directory))
         try:
@@ -204,11 +202,10 @@ class AutoSessions:
             raise ConfigError(f"auto sessions: {exc}") from None
         except OSError as exc:
             log.warning("[strata] auto sessions: off: slot directory %s unusable: %s", directory, exc)
-            return cls(config, None, {})
+            return cls(config, None, {}, service.measures)
         if removed:
             log.info("[strata] auto sessions: removed %d unfinished temporary file(s)", removed)
-        parking = cls(config, store, engine_fingerprint(info))
-        parking.bytes_per_token = store.bytes_per_token(parking.fingerprint)
+        parking = cls(config, store, engine_fingerprint(info), service.measures)
         parking.describe_engine()
         parking.judge_engine()
         parking.refresh_usage(report=True)
@@ -302,10 +299,6 @@ class AutoSessions:
     def after(self, request: StrataRequest, outcome: Outcome, service: Any) -> None:
         if request.route == "slots" or outcome.timings is None:
             return
-        prefilled, prefill_ms = outcome.timings.prefilled, outcome.timings.prefill_ms or 0.0
-        if prefilled >= SPEED_MIN_TOKENS and prefill_ms > 0:
-            self._prefill[0] += prefilled
-            self._prefill[1] += prefill_ms
         key = request.conversation_key
         if key is not None:
             self.prompts.pop(key, None)
@@ -321,12 +314,13 @@ class AutoSessions:
             return True, ""  # not known even after asking the engine: when in doubt, save
         if tokens < self.config.min_tokens:
             return False, f"{tokens:,} tokens is below min_tokens ({self.config.min_tokens:,})"
-        if self.config.min_prefill_s <= 0 or not self._prefill[1]:
+        prefill_s = self.measures.prefill_seconds(tokens)
+        if self.config.min_prefill_s <= 0 or prefill_s is None:
             return True, ""
-        prefill_s = tokens / (self._prefill[0] / self._prefill[1] * 1000)
         restore_s = 0.0
-        if self._restore_speed[1] and self.bytes_per_token:
-            restore_s = tokens * self.bytes_per_token / (self._restore_speed[0] / self._restore_speed[1] * 1000)
+        bytes_per_token = self.measures.bytes_per_token
+        if self._restore_speed[1] and bytes_per_token:
+            restore_s = tokens * bytes_per_token / (self._restore_speed[0] / self._restore_speed[1] * 1000)
         if prefill_s - restore_s < self.config.min_prefill_s:
             return False, (f"re-reading its {tokens:,} tokens takes about {prefill_s:.1f} s here, less than "
                            f"min_prefill_s ({self.config.min_prefill_s:g} s) more than a restore")
@@ -485,7 +479,6 @@ class AutoSessions:
             return await self._removed_by_hand(key, slot, service)
         if service.slots[slot].key == key:
             service.slots[slot].file_current = True
-        self.bytes_per_token = n_written / n_saved
         self.stats.saves += 1
         self.stats.saved_tokens += n_saved
         self.stats.saved_bytes += n_written
@@ -646,10 +639,8 @@ class AutoSessions:
     # -- a fallback for a conversation without a file ----------------------------
 
     def prefill_seconds(self, tokens: int) -> float | None:
-        """How long the engine takes to read ``tokens`` prompt tokens, as measured here (None: not yet)."""
-        if not self._prefill[1]:
-            return None
-        return tokens / (self._prefill[0] / self._prefill[1] * 1000)
+        """How long the engine takes to read ``tokens`` prompt tokens, as the core measured it (None: not yet)."""
+        return self.measures.prefill_seconds(tokens)
 
     def restore_seconds(self, size: int) -> float | None:
         """How long restoring a file of ``size`` bytes takes, as measured here (None: not yet)."""
