@@ -19,14 +19,15 @@ class StrataRequest:
 
     ``route`` names the API: ``chat`` (``/v1/chat/completions``), ``completion``
     (``/v1/completions``), ``messages`` (Anthropic's ``/v1/messages``), ``responses``
-    (OpenAI's ``/v1/responses``), ``embeddings`` (``/v1/embeddings``, never keyed),
-    ``infill`` (the engine's ``/infill``) or ``slots`` (a slot action by hand).
+    (OpenAI's ``/v1/responses``), ``embeddings`` (``/v1/embeddings``, never keyed)
+    or ``infill`` (the engine's ``/infill``). (A slot action by hand is no request: see
+    ``Service.slot_action``.)
     ``body`` is the validated JSON body exactly as it will be sent to the engine;
     ``state`` is a scratch dict for plugins to pass data from ``pre_request`` to
     ``post_request`` (key it by your plugin's name).
     """
 
-    route: Literal["chat", "completion", "messages", "responses", "embeddings", "infill", "slots"]
+    route: Literal["chat", "completion", "messages", "responses", "embeddings", "infill"]
     body: dict[str, Any]
     headers: Mapping[str, str] = field(default_factory=dict)
     stream: bool = False

@@ -84,9 +84,23 @@ async def post_request(request, outcome, service):
     parking = _parking(service)
     if parking is not None and parking.active:
         parking.after(request, outcome, service)
-        if request.route != "slots":
-            await parking.save_if_emptied_when_idle(service, request.slot)
+        await parking.save_if_emptied_when_idle(service, request.slot)
         parking.schedule_idle_save(service, request.slot)
+        parking.record_held(service)
+
+
+@strata_serve.hookimpl
+async def pre_slot_action(slot, action, service):
+    parking = _parking(service)
+    if parking is not None and parking.active:
+        await parking.before_slot_action(service, slot, action)
+
+
+@strata_serve.hookimpl
+def post_slot_action(slot, service):
+    parking = _parking(service)
+    if parking is not None and parking.active:
+        parking.schedule_idle_save(service, slot)
         parking.record_held(service)
 
 

@@ -266,11 +266,6 @@ class AutoSessions:
         self._cancel_idle_save(request.slot)
         self.record_held(service)
         held = await service.slot(request.slot)
-        if request.route == "slots":
-            if request.body.get("action") in ("restore", "erase"):
-                # A slot changed by hand: park what it holds first, like a switch.
-                await self.park_held(service, request.slot, reason="slot action")
-            return
         if not request.pinned:
             # The engine picks the slot itself and may take any: park every other one
             # first (the request holds them all meanwhile).
@@ -296,8 +291,15 @@ class AutoSessions:
             return
         await self._restore(key, request, service)
 
+    async def before_slot_action(self, service: Any, slot: int, action: str) -> None:
+        self._cancel_idle_save(slot)
+        self.record_held(service)
+        if action in ("restore", "erase"):
+            # A slot changed by hand: park what it holds first, like a switch.
+            await self.park_held(service, slot, reason="slot action")
+
     def after(self, request: StrataRequest, outcome: Outcome, service: Any) -> None:
-        if request.route == "slots" or outcome.timings is None:
+        if outcome.timings is None:
             return
         key = request.conversation_key
         if key is not None:
