@@ -8,7 +8,10 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Mapping
+
+if TYPE_CHECKING:
+    from strata_serve.api.registry import Api
 
 _ids = itertools.count(1)
 
@@ -17,17 +20,19 @@ _ids = itertools.count(1)
 class StrataRequest:
     """One client request as the hooks see it.
 
-    ``route`` names the API: ``chat`` (``/v1/chat/completions``), ``completion``
-    (``/v1/completions``), ``messages`` (Anthropic's ``/v1/messages``), ``responses``
-    (OpenAI's ``/v1/responses``), ``embeddings`` (``/v1/embeddings``, never keyed)
-    or ``infill`` (the engine's ``/infill``). (A slot action by hand is no request: see
-    ``Service.slot_action``.)
+    ``route`` names the API (:class:`strata_serve.Api`) it came through: ``chat``
+    (``/v1/chat/completions``), ``completion`` (``/v1/completions``), ``messages``
+    (Anthropic's ``/v1/messages``), ``responses`` (OpenAI's ``/v1/responses``),
+    ``embeddings`` (``/v1/embeddings``, never keyed), ``infill`` (the engine's ``/infill``)
+    or a plugin's API's own name (a slot action by hand is no request: see
+    ``Service.slot_action``). ``api`` is that API's declaration; built without one, a
+    request takes the built-in API its ``route`` names, and an unknown name is refused.
     ``body`` is the validated JSON body exactly as it will be sent to the engine;
     ``state`` is a scratch dict for plugins to pass data from ``pre_request`` to
     ``post_request`` (key it by your plugin's name).
     """
 
-    route: Literal["chat", "completion", "messages", "responses", "embeddings", "infill"]
+    route: str
     body: dict[str, Any]
     headers: Mapping[str, str] = field(default_factory=dict)
     stream: bool = False
@@ -53,6 +58,21 @@ class StrataRequest:
     #: (``engine`` becomes ``ram`` or ``none``); None until it is sent. ``X-Strata-State``
     #: says it, and a stats plugin counts it.
     state_source: str | None = None
+    #: The API the request came through: how its conversation opens, its prompt's units.
+    api: Api | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.api is not None:
+            if self.api.route != self.route:
+                raise ValueError(f"route {self.route!r} is not the route of {self.api.path} ({self.api.route!r})")
+            return
+        from strata_serve.api.registry import builtin
+
+        api = builtin().by_route.get(self.route)
+        if api is None:
+            raise ValueError(f"no API has the route {self.route!r} (the built-in ones: "
+                             f"{', '.join(sorted(builtin().routes))}); give a plugin's API as api=")
+        self.api = api
 
 
 def token_count(value: Any) -> int | None:

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     import click
     from aiohttp import web
 
+    from strata_serve.api.registry import Api
     from strata_serve.config import Settings
     from strata_serve.engine.base import Engine
     from strata_serve.hook_types import EngineError, Outcome, StrataRequest, Verdict
@@ -241,6 +242,26 @@ def register_routes(service: Service) -> Iterable[web.RouteDef] | None:
 
     :param service: The service the routes will serve.
     :returns: An iterable of ``aiohttp.web.RouteDef``, or None.
+    """
+
+
+@hookspec
+def register_apis(settings: Settings) -> Iterable[Api] | None:
+    """Add an API the server speaks, relayed to the engine like the built-in ones.
+
+    Return :class:`strata_serve.Api` declarations, one per path: its path, route name,
+    schema, format (where the engine's numbers are, how a stream ends, its
+    :class:`strata_serve.ErrorShape`), how its conversation opens, its prompt's units and
+    its media parts. The core mounts each path behind the same checks as the built-in
+    APIs; a request on it is keyed (``conversation_key`` sees ``request.route``, the
+    built-in key reads its opening), runs in a slot through the FIFO (so auto-sessions
+    parks and restores it), gets its errors in the API's shape and is described in
+    ``/openapi.json``. An API whose path is taken (the core's own or another API's), or
+    whose route name is, is refused and logged. Must be synchronous (the APIs are added
+    while the app is built).
+
+    :param settings: The complete, validated server settings.
+    :returns: An iterable of :class:`strata_serve.Api`, or None.
     """
 
 

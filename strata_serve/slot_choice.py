@@ -44,10 +44,11 @@ SlotChooser = Callable[[Claim, list[int]], "int | None"]
 def claim_for(request: StrataRequest, engine: Engine, slots: int) -> Claim:
     """How ``request`` claims the FIFO of an engine running ``slots`` slots.
 
-    Every slot, for a route the backend cannot place in a given slot (then
-    ``request.pinned`` is set False); otherwise its conversation's.
+    Every slot, for a request relayed to an engine path the backend cannot place in a
+    given slot (then ``request.pinned`` is set False); otherwise its conversation's.
     """
-    if slots > 1 and request.route not in getattr(engine, "pinned_routes", frozenset()):
+    pinned = getattr(engine, "pinned_routes", frozenset())
+    if slots > 1 and (request.api is None or request.api.engine_path not in pinned):
         request.pinned = False
         return Claim(exclusive=True)
     return Claim(key=request.conversation_key)

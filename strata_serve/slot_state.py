@@ -109,7 +109,8 @@ class SlotRegistry:
 
     def saved(self, slot: int, n_saved: int) -> None:
         """The slot was saved: the engine counted what it holds. (The plugin whose file
-        it was sets ``file_current`` once the file is in place under its name.)"""
+        it was records it with :meth:`file_written` once the file is in place under its
+        name.)"""
         self.slots[slot].tokens = n_saved
 
     def restored(self, slot: int, key: str | None, tenant: str | None, n_restored: int,
@@ -141,6 +142,20 @@ class SlotRegistry:
         state.file_current = False
         if not nameable:
             state.key = state.tenant = state.since = None
+
+    # -- what the plugin whose files they are records ------------------------------------
+
+    def file_written(self, slot: int, key: str) -> None:
+        """``key``'s own file now holds what the slot holds (a save of it is in place under
+        its name): current, while the slot still holds that conversation."""
+        state = self.slots[slot]
+        if state.key == key:
+            state.file_current = True
+
+    def file_gone(self, slot: int) -> None:
+        """The file that was current for the slot's conversation is gone (removed since):
+        the slot holds the only copy."""
+        self.slots[slot].file_current = False
 
     # -- the engine's word -------------------------------------------------------------
 

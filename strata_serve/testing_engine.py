@@ -41,8 +41,8 @@ class MemoryEngine:
     capabilities = frozenset({"slots", "slot_files"})
     #: What it answers; every other route of the API is ``not_supported`` (404).
     routes = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
-    #: One slot: every route runs in it.
-    pinned_routes = frozenset({"chat", "completion", "messages", "responses", "embeddings", "infill"})
+    #: One slot: every request runs in it.
+    pinned_routes = routes
 
     def __init__(self, slot_save_path: Path | None = None, n_ctx: int = 4096):
         self.info = EngineInfo(url="memory://engine", model_path="memory-engine", n_ctx=n_ctx,

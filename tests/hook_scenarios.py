@@ -115,6 +115,28 @@ async def other_routes_still_served(env: Env, plugin: object) -> None:
     await answered(client)
 
 
+class AlsoHere:
+    strata_name = "also_here"
+
+    @strata_serve.hookimpl
+    def register_apis(self):
+        from pydantic import BaseModel
+
+        class Echo(BaseModel):
+            prompt: str
+
+        return [strata_serve.Api("/also-here", "A completion on a path of its own", schema=Echo, route="also_here",
+                                 engine_path="/v1/completions")]
+
+
+@scenario("register_apis")
+async def other_apis_still_served(env: Env, plugin: object) -> None:
+    client = await env.client(AlsoHere(), plugin)
+    resp = await client.post("/also-here", json={"prompt": "Still here", "max_tokens": 2})
+    assert resp.status == 200 and (await resp.json())["choices"], await resp.text()
+    await answered(client)
+
+
 @scenario("collect_stats")
 async def other_stats_still_collected(env: Env, plugin: object) -> None:
     client = await env.client(plugin, env.recorder)

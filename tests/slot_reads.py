@@ -78,7 +78,10 @@ class SlotReads:
             match = _LINE.search(record.getMessage())
             if match and int(match["slot"]) == slot and int(match["task"]) == task:
                 for field in ("prompt", "cached", "end"):
-                    if match[field] is not None:
+                    # The first of each: a prompt read in several batches (the engine fills
+                    # one batch from every slot's work) gets a "cached" line per batch,
+                    # each with what the slot holds by then; the first says what it held.
+                    if match[field] is not None and field not in found:
                         found[field] = int(match[field]) if field != "end" else 1
         return found
 
@@ -89,19 +92,26 @@ class SlotReads:
             self._last_task[request.id] = (await slot_entry(service, request.slot)).get("id_task")
 
     @strata_serve.hookimpl(tryfirst=True)
-    async def post_request(self, request, service):
+    async def post_request(self, request, outcome, service):
         if request.id not in self._last_task:
             return
         before = self._last_task.pop(request.id)
         # The task's prompt lines come as its prompt is read: a task the engine still runs
         # (its client left, the engine has not noticed yet) is counted without waiting for
-        # its end. A request whose task never started leaves the slot's last task as it was.
+        # its end. A request whose task never started leaves the slot's last task as it was;
+        # one that was sent and cut before the engine began it may still start (the engine
+        # takes it from its queue after the client left): it is given a few seconds.
         deadline = time.monotonic() + 30
+        # (The core's picture says so: what the slot holds is not known.)
+        cut = outcome.status == "cancelled" and service.slots[request.slot].tokens is None
+        may_start = time.monotonic() + (5 if cut else 0)
         while True:
             entry = await slot_entry(service, request.slot)
             task = entry.get("id_task")
             lines = self._task_lines(request.slot, task) if task is not None and task != before else {}
-            if "cached" in lines or "end" in lines or (not entry["is_processing"] and task == before):
+            if "cached" in lines or "end" in lines:
+                break
+            if not entry["is_processing"] and task == before and time.monotonic() >= may_start:
                 break
             if time.monotonic() >= deadline:
                 break  # no word from the engine on this task: unmeasured (None)

@@ -84,7 +84,7 @@ async def test_parking_is_off_on_a_backend_without_slot_files(strata_memory_clie
     monkeypatch.setattr(MemoryEngine, "capabilities", frozenset({"slots"}))
     settings = strata_settings_factory(plugins={"auto_sessions": {"min_tokens": 100}})
     client = await strata_memory_client_factory(strata_auto_sessions, settings=settings)
-    assert not client.app[SERVICE].state["auto_sessions"].active
+    assert not client.app[SERVICE].state["auto_sessions"].mode.parks
     assert any("cannot save and restore slots" in r.getMessage() for r in caplog.records)
 
 
@@ -137,11 +137,12 @@ async def test_a_route_the_backend_does_not_serve_is_not_supported_in_the_apis_s
 
 
 def test_the_engine_routes_are_every_route_relayed_to_the_engine():
-    from aiohttp import web
-
     from strata_serve import ENGINE_ROUTES
-    from strata_serve.api import anthropic_routes, llama_routes, openai_routes
+    from strata_serve.api.registry import builtin
 
-    paths = {route.path for table in (openai_routes.routes, anthropic_routes.routes, llama_routes.routes)
-             for route in table if isinstance(route, web.RouteDef)}
-    assert paths == ENGINE_ROUTES and MemoryEngine.routes < ENGINE_ROUTES
+    assert {api.engine_path for api in builtin()} == ENGINE_ROUTES and MemoryEngine.routes < ENGINE_ROUTES
+    assert ENGINE_ROUTES == {
+        "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/v1/models",
+        "/v1/messages", "/v1/messages/count_tokens",
+        "/infill", "/tokenize", "/detokenize", "/apply-template", "/props",
+    }

@@ -5,7 +5,10 @@ import json
 from hypothesis import given, strategies as st
 
 from strata_serve import Timings
-from strata_serve.api.formats import ANTHROPIC, LLAMA, OPENAI, RESPONSES, StreamSeen
+from strata_serve.api.anthropic import ANTHROPIC
+from strata_serve.api.formats import OPENAI, StreamSeen
+from strata_serve.api.llama import LLAMA
+from strata_serve.api.responses import RESPONSES
 from strata_serve.engine.llama_server import read_llama_timings
 
 TIMINGS = {"cache_n": 40, "prompt_n": 7, "predicted_n": 3}

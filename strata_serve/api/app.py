@@ -13,12 +13,13 @@ from urllib.parse import urlsplit
 import pluggy
 from aiohttp import web
 
-from strata_serve.api import anthropic_routes, llama_routes, openai_routes, openapi, slots
+from strata_serve.api import openapi, slots
 from strata_serve.api.errors import APIError, error_middleware
-from strata_serve.api.app_state import SERVICE, TENANT
+from strata_serve.api.app_state import APIS, SERVICE, TENANT
+from strata_serve.api.registry import Apis, server_apis
+from strata_serve.api.relay import handler
 from strata_serve.config import ConfigError, Settings
 from strata_serve.engine import Engine
-from strata_serve.engine.base import ENGINE_ROUTES
 from strata_serve.plugins import call_each_sync, first_result
 from strata_serve.service import Service
 
@@ -45,15 +46,17 @@ def create_app(settings: Settings, pm: pluggy.PluginManager, engine: Engine | No
             raise ConfigError("no engine backend: the engine_backend hook gave none "
                               "(is the built-in llama_server plugin disabled?)")
     service = Service(settings, pm, engine)
+    apis = server_apis(pm, settings)
 
     open_routes: set[web.AbstractRoute] = set()
     app = web.Application(
-        middlewares=[error_middleware, _browser_guard(settings), _auth_middleware(settings, open_routes),
+        middlewares=[error_middleware(apis), _browser_guard(settings), _auth_middleware(settings, open_routes),
                      _bodies_budget(settings)],
         client_max_size=int(settings.server.max_body_mib * 1024 * 1024),
     )
     app[SERVICE] = service
-    _add_engine_routes(app, engine, (openai_routes.routes, anthropic_routes.routes, llama_routes.routes))
+    app[APIS] = apis
+    _add_api_routes(app, engine, apis)
     app.add_routes(slots.routes)
     # Open by route, not by path: another method on /health is never open.
     open_routes.update(app.router.add_route(method, HEALTH_PATH, health) for method in ("GET", "HEAD"))
@@ -70,16 +73,15 @@ def create_app(settings: Settings, pm: pluggy.PluginManager, engine: Engine | No
     return app
 
 
-def _add_engine_routes(app: web.Application, engine: Engine,
-                       tables: Iterable[web.RouteTableDef]) -> None:
-    """The engine API's routes, each with its handler if the backend serves it (its
-    ``routes``), else one answering 404 ``not_supported``. Mounted either way: the
-    client learns that this server's engine lacks the route, not that the path is wrong."""
-    served = getattr(engine, "routes", ENGINE_ROUTES)
-    for table in tables:
-        for route in table:
-            handler = route.handler if route.path in served else _not_served(engine, route.path)
-            app.router.add_route(route.method, route.path, handler, **route.kwargs)
+def _add_api_routes(app: web.Application, engine: Engine, apis: Apis) -> None:
+    """Every API's path, with its handler if the backend serves the engine's path it is
+    relayed to (its ``routes``), else one answering 404 ``not_supported``. Mounted either
+    way: the client learns that this server's engine lacks the route, not that the path
+    is wrong."""
+    served = getattr(engine, "routes", None)
+    for api in apis:
+        serves = served is None or api.engine_path in served
+        app.router.add_route(api.method, api.path, handler(api) if serves else _not_served(engine, api.path))
 
 
 def _not_served(engine: Engine, path: str):

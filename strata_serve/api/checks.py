@@ -25,49 +25,67 @@ has tokens can never be answered; ``server.max_messages`` bounds the rest.
 from __future__ import annotations
 
 import re
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
 from strata_serve.api.errors import APIError
-from strata_serve.config import ServerSettings
-from strata_serve.engine.base import EngineInfo
 
-#: Fields of a request body that hold its messages (chat, Anthropic) or items (Responses).
-_MESSAGE_FIELDS = ("messages", "input")
+if TYPE_CHECKING:  # the engine's package reads the APIs' declarations, which read this module
+    from strata_serve.config import ServerSettings
+    from strata_serve.engine.base import EngineInfo
 
-
-def _url_of(part: dict[str, Any]) -> tuple[str, Any] | None:
-    """The modality a media part needs and the URL (or inline data) it names."""
-    kind = part.get("type")
-    if kind == "image_url":  # OpenAI chat: {"image_url": {"url": ...}}
-        image = part.get("image_url")
-        return "vision", image.get("url") if isinstance(image, dict) else None
-    if kind == "input_image":  # Responses: {"image_url": "..."}
-        return "vision", part.get("image_url")
-    if kind == "image":  # Anthropic: {"source": {"type": "base64"|"url", ...}}
-        source = part.get("source")
-        if isinstance(source, dict) and source.get("type") == "url":
-            return "vision", source.get("url")
-        return "vision", None
-    if kind in ("input_audio", "input_video", "video_url"):
-        # The engine reads "data", else "url", from either, and fetches an http one.
-        media = part.get(kind)
-        url = (media.get("data") or media.get("url")) if isinstance(media, dict) else None
-        return ("audio" if kind == "input_audio" else "video"), url
-    return None
+#: What a media part names: the modality it needs and the URL (or inline data) it gives.
+MediaReader = Callable[[dict[str, Any]], tuple[str, Any]]
 
 
-def media_parts(body: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+def _chat_image(part: dict[str, Any]) -> tuple[str, Any]:
+    image = part.get("image_url")  # OpenAI chat: {"image_url": {"url": ...}}
+    return "vision", image.get("url") if isinstance(image, dict) else None
+
+
+def _responses_image(part: dict[str, Any]) -> tuple[str, Any]:
+    return "vision", part.get("image_url")  # Responses: {"image_url": "..."}
+
+
+def _anthropic_image(part: dict[str, Any]) -> tuple[str, Any]:
+    source = part.get("source")  # Anthropic: {"source": {"type": "base64"|"url", ...}}
+    if isinstance(source, dict) and source.get("type") == "url":
+        return "vision", source.get("url")
+    return "vision", None
+
+
+def _clip(part: dict[str, Any]) -> tuple[str, Any]:
+    # The engine reads "data", else "url", from either, and fetches an http one.
+    kind = part["type"]
+    media = part.get(kind)
+    url = (media.get("data") or media.get("url")) if isinstance(media, dict) else None
+    return ("audio" if kind == "input_audio" else "video"), url
+
+
+#: Every kind of media part llama-server reads, by its ``type``, whichever API it comes from.
+#: The engine turns each API's body into one format of its own before reading it, so
+#: the built-in APIs check every kind it reads, not only their own: none reaches it
+#: unchecked through another API's body.
+ENGINE_MEDIA: dict[str, MediaReader] = {
+    "image_url": _chat_image, "input_audio": _clip, "input_video": _clip, "video_url": _clip,
+    "input_image": _responses_image,
+    "image": _anthropic_image,
+}
+
+
+def media_parts(body: dict[str, Any], fields: Iterable[str],
+                readers: Mapping[str, MediaReader] = ENGINE_MEDIA) -> Iterator[tuple[str, Any]]:
     """Each media part of a request as (modality, URL or data), at any depth of its
-    messages or items (tool results carry images too)."""
-    stack: list[Any] = [body.get(field) for field in _MESSAGE_FIELDS]
+    messages or items (in ``fields``; tool results carry images too), read by the
+    ``readers`` of its API, by the part's ``type``."""
+    stack: list[Any] = [body.get(field) for field in fields]
     while stack:
         node = stack.pop()
         if isinstance(node, list):
             stack.extend(node)
         elif isinstance(node, dict):
-            found = _url_of(node)
-            if found is not None:
-                yield found
+            reader = readers.get(node.get("type")) if isinstance(node.get("type"), str) else None
+            if reader is not None:
+                yield reader(node)
             for value in node.values():
                 if isinstance(value, (list, dict)):
                     stack.append(value)
@@ -98,20 +116,25 @@ def check_messages(body: dict[str, Any], fields: tuple[str, ...], info: EngineIn
                            param=field, code="too_many_messages")
 
 
-#: Every media part's type names one of these (``image_url``, ``input_image``, ``image``,
-#: ``input_audio``, ``input_video``, ``video_url``).
-_MEDIA_WORD = re.compile(rb"image|audio|video")
+def media_words(readers: Iterable[str]) -> re.Pattern[bytes]:
+    """What :func:`might_hold_media` looks for: the part types of an API's readers (less
+    those another one is part of: ``image`` finds ``image_url`` too)."""
+    kinds = sorted(set(readers), key=len)
+    kept = [kind for n, kind in enumerate(kinds) if not any(shorter in kind for shorter in kinds[:n])]
+    return re.compile(b"|".join(re.escape(kind.encode()) for kind in kept) or b"(?!)")
 
 
-def might_hold_media(raw: bytes) -> bool:
-    """Whether a JSON body's bytes could hold a media part (if not, :func:`check_media`
-    has nothing to find). A letter of a JSON string is either itself or a ``\\u``
-    escape, so a type spelled with escapes is still caught."""
-    return b"\\u" in raw or _MEDIA_WORD.search(raw) is not None
+def might_hold_media(raw: bytes, words: re.Pattern[bytes]) -> bool:
+    """Whether a JSON body's bytes could hold a media part of a type in ``words`` (if
+    not, :func:`check_media` has nothing to find). A letter of a JSON string is either
+    itself or a ``\\u`` escape, so a type spelled with escapes is still caught."""
+    return b"\\u" in raw or words.search(raw) is not None
 
 
-def check_media(body: Any, info: EngineInfo, server: ServerSettings) -> None:
-    """Refuse, as the client's error, media the engine cannot take or must not fetch.
+def check_media(body: Any, fields: Iterable[str], readers: Mapping[str, MediaReader], info: EngineInfo,
+                server: ServerSettings) -> None:
+    """Refuse, as the client's error, media the engine cannot take or must not fetch: the
+    parts ``readers`` know in the body's ``fields`` (its API's).
 
     :raises APIError: 400 ``not_supported`` for a modality the model does not take (when
         the engine has said which it takes), 400 ``media_url_refused`` for a URL the
@@ -119,7 +142,7 @@ def check_media(body: Any, info: EngineInfo, server: ServerSettings) -> None:
     """
     if not isinstance(body, dict):
         return
-    for modality, url in media_parts(body):
+    for modality, url in media_parts(body, fields, readers):
         if info.modalities is not None and modality not in info.modalities:
             raise APIError(
                 400,

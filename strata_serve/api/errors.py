@@ -1,25 +1,28 @@
 """Every error leaves the server in the shape of the API its route speaks.
 
-OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``) everywhere but
-under ``/v1/messages``, which answers in Anthropic's
-(``{"type": "error", "error": {"type", "message"}}``), since Anthropic's clients read
-that one. Handlers and middlewares raise :class:`APIError`; the error middleware, the
-outermost, renders it in the shape of the request's path, so a refusal made before any
-handler ran (a missing key, a web page's origin, a body that is not JSON) is shaped the
-same way as one made by the handler.
+Each API's format names its :class:`ErrorShape`: OpenAI's
+(``{"error": {"message", "type", "param", "code"}}``, :data:`OPENAI_ERRORS`) for most,
+Anthropic's on ``/v1/messages`` and beneath it, since Anthropic's clients read that one
+(:mod:`strata_serve.api.anthropic`), a plugin's own on its API's paths. Handlers and
+middlewares raise :class:`APIError`; the error middleware, the outermost, renders it in
+the shape of the request's path (the app's registry of APIs says which), so a refusal
+made before any handler ran (a missing key, a web page's origin, a body that is not
+JSON) is shaped the same way as one made by the handler.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
 from aiohttp import web
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+
+if TYPE_CHECKING:
+    from strata_serve.api.registry import Apis
 
 log = logging.getLogger("strata_serve.api")
-
-ErrorShape = Literal["openai", "anthropic"]
 
 _TYPES = {
     400: "invalid_request_error",
@@ -35,36 +38,53 @@ _TYPES = {
     502: "engine_error",
     503: "service_unavailable",
 }
-#: Anthropic's error types (its SDK picks the exception class by status; the type names it).
-_ANTHROPIC_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-}
-#: Path prefixes whose errors take another shape than OpenAI's.
-_SHAPES: tuple[tuple[str, ErrorShape], ...] = (("/v1/messages", "anthropic"),)
 
 
-def shape_of(path: str) -> ErrorShape:
-    """The error shape of the API served at ``path`` (unknown paths under a prefix too)."""
-    for prefix, shape in _SHAPES:
-        if path == prefix or path.startswith(prefix + "/"):
-            return shape
-    return "openai"
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | int | None
 
 
-def error_body(status: int, message: str, *, param: str | None = None, code: Any = None,
-               type_: str | None = None, extra: dict[str, Any] | None = None,
-               shape: ErrorShape = "openai") -> dict[str, Any]:
-    if shape == "anthropic":
-        kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-        return {"type": "error", "error": {"type": kind, "message": message}}
-    kind = type_ or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {**(extra or {}), "message": message, "type": kind, "param": param, "code": code}}
+class ErrorResponse(BaseModel):
+    """The OpenAI error shape every failure is answered in."""
+
+    error: ErrorDetail
+
+
+@dataclass(frozen=True)
+class ErrorShape:
+    """How an API tells a client of an error: the body it answers, and that body's schema.
+
+    An API's format names its shape (``ApiFormat.errors``); every error on the API's
+    paths, and on unknown paths beneath them, is answered in it.
+    """
+
+    #: What the shape is called (``openai``, ``anthropic``, a plugin's own).
+    name: str
+    #: The JSON body telling an :class:`APIError` (its ``status``, ``message``, ``param``,
+    #: ``code``, ``type_``, ``extra``).
+    body: Callable[[APIError], dict[str, Any]]
+    #: The pydantic model of that body, for ``/openapi.json``.
+    model: type[BaseModel]
+
+
+def _openai_body(error: APIError) -> dict[str, Any]:
+    kind = error.type_ or _TYPES.get(error.status, "server_error" if error.status >= 500 else "invalid_request_error")
+    return {"error": {**(error.extra or {}), "message": error.message, "type": kind, "param": error.param,
+                      "code": error.code}}
+
+
+OPENAI_ERRORS = ErrorShape("openai", _openai_body, ErrorResponse)
+
+
+def shape_of(path: str) -> str:
+    """The name of the error shape the built-in APIs answer in at ``path`` (unknown paths
+    beneath an API's path too)."""
+    from strata_serve.api.registry import builtin
+
+    return builtin().errors_at(path).name
 
 
 def error_response(
@@ -74,10 +94,9 @@ def error_response(
     param: str | None = None,
     code: Any = None,
     headers: dict[str, str] | None = None,
-    shape: ErrorShape = "openai",
+    shape: ErrorShape = OPENAI_ERRORS,
 ) -> web.Response:
-    body = error_body(status, message, param=param, code=code, shape=shape)
-    return web.json_response(body, status=status, headers=headers)
+    return APIError(status, message, param=param, code=code, headers=headers).response(shape)
 
 
 def validation_error(exc: ValidationError) -> APIError:
@@ -90,7 +109,7 @@ def validation_error(exc: ValidationError) -> APIError:
     return APIError(400, f"invalid request: {problems}", param=param, code="invalid_value")
 
 
-def validation_error_response(exc: ValidationError, shape: ErrorShape = "openai") -> web.Response:
+def validation_error_response(exc: ValidationError, shape: ErrorShape = OPENAI_ERRORS) -> web.Response:
     return validation_error(exc).response(shape)
 
 
@@ -108,33 +127,37 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
         self.type_, self.extra = type_, extra
 
-    def body(self, shape: ErrorShape = "openai") -> dict[str, Any]:
-        return error_body(self.status, self.message, param=self.param, code=self.code, type_=self.type_,
-                          extra=self.extra, shape=shape)
+    def body(self, shape: ErrorShape = OPENAI_ERRORS) -> dict[str, Any]:
+        return shape.body(self)
 
-    def response(self, shape: ErrorShape = "openai") -> web.Response:
+    def response(self, shape: ErrorShape = OPENAI_ERRORS) -> web.Response:
         return web.json_response(self.body(shape), status=self.status, headers=self.headers)
 
 
-@web.middleware
-async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    shape = shape_of(request.path)
-    try:
-        return await handler(request)
-    except APIError as exc:
-        return exc.response(shape)
-    except ValidationError as exc:
-        return validation_error_response(exc, shape)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        message = {
-            404: f"no route {request.method} {request.path}",
-            405: f"method {request.method} is not allowed on {request.path}",
-            413: "request body too large",
-        }.get(exc.status, exc.reason)
-        headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
-        return error_response(exc.status, message, headers=headers or None, shape=shape)
-    except Exception:
-        log.exception("[strata] unexpected error answering %s %s", request.method, request.path)
-        return error_response(500, "internal error; see the server log", code="internal_error", shape=shape)
+def error_middleware(apis: Apis) -> Any:
+    """The outermost middleware: every error leaves in the shape of the API at its path."""
+
+    @web.middleware
+    async def shaped(request: web.Request, handler: Any) -> web.StreamResponse:
+        shape = apis.errors_at(request.path)
+        try:
+            return await handler(request)
+        except APIError as exc:
+            return exc.response(shape)
+        except ValidationError as exc:
+            return validation_error_response(exc, shape)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            message = {
+                404: f"no route {request.method} {request.path}",
+                405: f"method {request.method} is not allowed on {request.path}",
+                413: "request body too large",
+            }.get(exc.status, exc.reason)
+            headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
+            return error_response(exc.status, message, headers=headers or None, shape=shape)
+        except Exception:
+            log.exception("[strata] unexpected error answering %s %s", request.method, request.path)
+            return error_response(500, "internal error; see the server log", code="internal_error", shape=shape)
+
+    return shaped

@@ -1,9 +1,12 @@
-"""What each API the engine speaks says about its work, and how it ends a stream.
+"""What an API the engine speaks says about its work, how it ends a stream, how it tells an error.
 
-The relay is the same for every API; what differs is where the engine's numbers are
+Each API declares its format in its module (:class:`ApiFormat` here is OpenAI chat's and
+completions'; Anthropic's, the Responses API's and the engine's own are beside their
+APIs). The relay is the same for every API; what differs is where the engine's numbers are
 (``timings`` on OpenAI chat and the engine's own routes; ``usage`` alone on Anthropic's
 Messages and on the Responses API's plain answers), which event ends a stream, and how
-an error is told inside a stream whose headers are already gone. The core needs three
+an error is told (inside a stream whose headers are already gone, and as a whole
+answer: :attr:`ApiFormat.errors`). The core needs three
 numbers from every answer that ran in a slot (:class:`~strata_serve.Timings`): prompt
 tokens reused, prompt tokens read anew and tokens generated. The engine's own numbers
 (llama-server's ``timings`` object) are found here and read by the engine backend
@@ -17,7 +20,7 @@ import functools
 import json
 from typing import Any
 
-from strata_serve.api.errors import ErrorShape
+from strata_serve.api.errors import OPENAI_ERRORS, ErrorShape
 from strata_serve.hook_types import Timings, token_count
 
 
@@ -25,7 +28,8 @@ class ApiFormat:
     """OpenAI chat and completions (and embeddings): the engine's ``timings``, else ``usage``."""
 
     name = "openai"
-    error_shape: ErrorShape = "openai"
+    #: How an error is told on the API's paths (:class:`~strata_serve.api.errors.ErrorShape`).
+    errors: ErrorShape = OPENAI_ERRORS
     #: Bytes that mark an SSE event worth parsing; a plain token event is passed by unparsed.
     markers: tuple[bytes, ...] = (b'"timings"', b'"usage"', b'"error"', b'"finish_reason":"',
                                   b'"finish_reason": "')
@@ -81,110 +85,6 @@ class ApiFormat:
         return b"data: " + json.dumps(event).encode() + b"\n\n"
 
 
-class LlamaFormat(ApiFormat):
-    """The engine's own completion routes (``/infill``): the last event says ``"stop": true``."""
-
-    name = "llama"
-    markers = (b'"timings"', b'"error"', b'"stop":true', b'"stop": true')
-
-    def read_event(self, event: dict[str, Any], seen: StreamSeen) -> None:
-        super().read_event(event, seen)
-        if event.get("stop") is True:
-            seen.finished = True
-
-
-class AnthropicFormat(ApiFormat):
-    """Anthropic's Messages API.
-
-    The engine sends no ``timings`` here, only ``usage``: ``input_tokens`` (read anew),
-    ``cache_read_input_tokens`` (reused) and ``output_tokens``. A stream gives the first
-    two in ``message_start`` and the last in ``message_delta``, and ends with
-    ``message_stop``.
-    """
-
-    name = "anthropic"
-    error_shape: ErrorShape = "anthropic"
-    markers = (b'"usage"', b'"timings"', b'"message_stop"', b'"error"')
-
-    def timings_from_usage(self, usage: Any) -> Timings | None:
-        """None until ``output_tokens`` is known: a stream cut after ``message_start``
-        has the prompt's counts only, and the engine went on generating meanwhile."""
-        if not isinstance(usage, dict):
-            return None
-        prompt, reused = token_count(usage.get("input_tokens")), token_count(usage.get("cache_read_input_tokens"))
-        predicted = token_count(usage.get("output_tokens"))
-        if (prompt is None and reused is None) or predicted is None:
-            return None
-        return Timings(reused=reused or 0, prefilled=prompt or 0, generated=predicted)
-
-    def read_event(self, event: dict[str, Any], seen: StreamSeen) -> None:
-        kind = event.get("type")
-        if isinstance(event.get("timings"), dict):
-            seen.timings = event["timings"]
-        usage = event.get("usage")
-        if kind == "message_start" and isinstance(event.get("message"), dict):
-            usage = event["message"].get("usage")
-            if isinstance(usage, dict):  # its output count (0) is not the answer's: message_delta's is
-                usage = {name: value for name, value in usage.items() if name != "output_tokens"}
-        if isinstance(usage, dict):
-            seen.usage = {**(seen.usage or {}), **usage}  # message_delta adds output_tokens
-        if kind == "message_stop":
-            seen.finished = True
-        elif kind == "error":
-            seen.error = str(event.get("error"))
-
-    done_markers = ()
-
-    def done(self, data: bytes, seen: StreamSeen) -> bool:
-        return False
-
-    def stream_error(self, message: str, kind: str) -> bytes:
-        kind = "overloaded_error" if kind == "service_unavailable" else "api_error"
-        event = {"type": "error", "error": {"type": kind, "message": message}}
-        return b"event: error\ndata: " + json.dumps(event).encode() + b"\n\n"
-
-
-class ResponsesFormat(ApiFormat):
-    """OpenAI's Responses API.
-
-    A plain answer has only ``usage`` (``input_tokens`` counts the reused ones too, as
-    ``input_tokens_details.cached_tokens``); a stream's ``response.completed`` event
-    carries the engine's ``timings`` besides.
-    """
-
-    name = "responses"
-    markers = (b'"response.completed"', b'"response.incomplete"', b'"response.failed"', b'"error"',
-               b'"timings"')
-
-    def timings_from_usage(self, usage: Any) -> Timings | None:
-        if not isinstance(usage, dict) or token_count(usage.get("input_tokens")) is None:
-            return None
-        details = usage.get("input_tokens_details")
-        reused = token_count(details.get("cached_tokens")) if isinstance(details, dict) else None
-        reused = min(reused or 0, usage["input_tokens"])
-        return Timings(reused=reused, prefilled=usage["input_tokens"] - reused,
-                       generated=token_count(usage.get("output_tokens")) or 0)
-
-    def read_event(self, event: dict[str, Any], seen: StreamSeen) -> None:
-        kind = event.get("type")
-        if isinstance(event.get("timings"), dict):
-            seen.timings = event["timings"]
-        response = event.get("response")
-        if isinstance(response, dict) and isinstance(response.get("usage"), dict):
-            seen.usage = response["usage"]
-        if kind in ("response.completed", "response.incomplete"):
-            seen.finished = True
-        elif kind in ("response.failed", "error"):
-            seen.error = str(event.get("error") or event.get("message") or event)
-
-    def done(self, data: bytes, seen: StreamSeen) -> bool:
-        return data == b"[DONE]"
-
-    def stream_error(self, message: str, kind: str) -> bytes:
-        event = {"type": "error", "code": kind, "message": message, "param": None}
-        return b"event: error\ndata: " + json.dumps(event).encode() + b"\n\n"
-
-
 class StreamSeen:
     """What the relay learnt from a stream's events as they passed."""
 
@@ -224,7 +124,5 @@ class StreamSeen:
                 self.api.read_event(event, self)
 
 
+#: OpenAI chat's and completions' format, the one an API has unless it declares another.
 OPENAI = ApiFormat()
-LLAMA = LlamaFormat()
-ANTHROPIC = AnthropicFormat()
-RESPONSES = ResponsesFormat()

@@ -1,8 +1,9 @@
 """The path every request takes to the engine: read, checked, through the FIFO, relayed back.
 
-One relay for every API the engine speaks; what differs between them (where the
-engine's numbers are, how a stream ends, the error shape) is an
-:class:`~strata_serve.api.formats.ApiFormat`.
+One relay for every API the engine speaks (:func:`handler`); what differs between them
+is declared by each :class:`~strata_serve.api.registry.Api`: its schema, its checks, and
+its :class:`~strata_serve.api.formats.ApiFormat` (where the engine's numbers are, how a
+stream ends, the error shape).
 """
 
 from __future__ import annotations
@@ -13,16 +14,17 @@ import json
 import logging
 import math
 import re
-from typing import Any, Iterator
+from typing import Any, Awaitable, Callable, Iterator
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 from pydantic import BaseModel
 
 from strata_serve.api.errors import APIError
-from strata_serve.api.formats import OPENAI, ApiFormat, StreamSeen
+from strata_serve.api.formats import ApiFormat, StreamSeen
 from strata_serve.api.checks import check_media, check_messages, might_hold_media
 from strata_serve.api.app_state import SERVICE, TENANT
+from strata_serve.api.registry import Api
 from strata_serve.config import EngineSettings
 from strata_serve.engine.base import Engine, EngineUnavailable, JSONAnswer
 from strata_serve.hook_types import KeyRefused, Outcome, StrataRequest, Timings
@@ -38,8 +40,30 @@ def service_of(request: web.Request) -> Service:
     return request.app[SERVICE]
 
 
-async def read_json(request: web.Request, model: type[BaseModel]) -> dict[str, Any]:
-    """The body as a dict, checked against ``model`` (raises errors the middleware shapes)."""
+def handler(api: Api) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """The handler of an API's path: the body read and checked as the API declares, then
+    relayed through the FIFO (an API with a route name) or asked outside it."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        body = await read_json(request, api) if api.schema is not None else None
+        if body is not None and api.prepare is not None:
+            body = api.prepare(body)
+        if body is not None and api.check is not None:
+            await api.check(request, body)
+        if api.route is None:
+            return await direct(request, api.method, api.engine_path, body)
+        assert body is not None, f"{api.path}: an API whose requests run in a slot has a schema"
+        return await relay(request, api, body)
+
+    handle.__name__ = handle.__qualname__ = f"{api.route or api.engine_path.strip('/')}_handler"
+    return handle
+
+
+async def read_json(request: web.Request, api: Api | type[BaseModel]) -> dict[str, Any]:
+    """The body as a dict, checked as ``api`` declares (or against a model alone; raises
+    errors the middleware shapes)."""
+    model = api.schema if isinstance(api, Api) else api
+    assert model is not None
     timeout = service_of(request).settings.server.read_timeout_s
     try:
         # A deadline on this task (wait_for would run the read in a task of its own, on
@@ -64,11 +88,13 @@ async def read_json(request: web.Request, model: type[BaseModel]) -> dict[str, A
         raise APIError(400, "the request body must be a JSON object")
     service = service_of(request)
     # Counted first: validating 400,000 messages would hold the event loop for seconds.
-    check_messages(body, getattr(model, "message_fields", ()), service.engine.info, service.settings.server)
+    fields = getattr(model, "message_fields", ())
+    check_messages(body, fields, service.engine.info, service.settings.server)
     check_json_value(body)
     model.model_validate(body)
-    if might_hold_media(raw):  # most bodies are text alone: no second walk through them
-        check_media(body, service.engine.info, service.settings.server)
+    # Most bodies are text alone: no second walk through them.
+    if isinstance(api, Api) and api.media and might_hold_media(raw, api.media_words):
+        check_media(body, fields, api.media, service.engine.info, service.settings.server)
     return body
 
 
@@ -219,87 +245,88 @@ async def direct(request: web.Request, method: str, path: str, body: Any = None)
     return engine_answer(status, answer, service.settings.engine)
 
 
-async def relay(request: web.Request, route: str, path: str, body: dict[str, Any], *,
-                api: ApiFormat = OPENAI, keyed: bool = True) -> web.StreamResponse:
-    """Send one request through the FIFO to the engine and hand back its answer.
+async def relay(request: web.Request, api: Api, body: dict[str, Any]) -> web.StreamResponse:
+    """Send one request on ``api`` through the FIFO to the engine and hand back its answer.
 
-    ``keyed=False`` for requests that hold no conversation (embeddings): no keying
-    plugin is asked, so none can name one the slot will not hold afterwards.
+    An API whose requests hold no conversation (``keyed=False``: embeddings) asks no
+    keying plugin, so none can name one the slot will not hold afterwards.
     """
     service = service_of(request)
-    sreq = StrataRequest(
-        route=route,  # type: ignore[arg-type]
+    strata_request = StrataRequest(
+        route=api.route or "",
         body=body,
         headers=request.headers,
         stream=bool(body.get("stream")),
         tenant=request.get(TENANT),
+        api=api,
     )
-    if keyed:
+    if api.keyed:
         try:
-            sreq.conversation_key = service.conversation_key(sreq)
+            strata_request.conversation_key = service.conversation_key(strata_request)
         except KeyRefused as exc:
             raise APIError(400, str(exc), param=exc.param, code="invalid_conversation_key") from None
     answer: web.StreamResponse | None = None
-    sent: Outcome | None = None
+    #: The outcome the send is filling in, once it began.
+    sending: Outcome | None = None
 
     async def send(outcome: Outcome) -> None:
-        nonlocal answer, sent
-        sent = outcome
-        if sreq.stream:
-            answer = await _relay_stream(request, service, path, sreq.body, outcome, sreq, api)
+        nonlocal answer, sending
+        sending = outcome
+        if strata_request.stream:
+            answer = await _relay_stream(request, service, api, strata_request, outcome)
         else:
-            answer = await _relay_json(service, path, sreq.body, outcome, api)
+            answer = await _relay_json(service, api, strata_request.body, outcome)
 
     try:
         with service_errors(service):
-            outcome = await service.process(sreq, send)
+            outcome = await service.process(strata_request, send)
     except asyncio.CancelledError:
         # Cut by a stop before its answer began (queued, or waiting on the engine): it gets
         # the stop's answer, not a connection closed without one. A stream already answering
         # was ended with an error event in it.
-        if not service.closing or (sreq.stream and sent is not None and sent.http_status == 200):
+        if not service.closing or (strata_request.stream and sending is not None and sending.http_status == 200):
             raise
         task = asyncio.current_task()
         if task is not None:
             task.uncancel()
         raise APIError(503, "the server is shutting down", code="shutting_down") from None
     assert answer is not None
-    if not sreq.stream:
+    if not strata_request.stream:
         # Once the request is done: a route the engine placed itself is located by then.
-        answer.headers.update(state_headers(sreq))
+        answer.headers.update(state_headers(strata_request))
     return answer
 
 
-def answer_timings(engine: Engine, api: ApiFormat, numbers: Any, usage: Any) -> Timings | None:
+def answer_timings(engine: Engine, api_format: ApiFormat, numbers: Any, usage: Any) -> Timings | None:
     """What an answer cost: the backend reads the engine's own numbers; without them, the
     API's ``usage`` says what it can."""
     timings = engine.read_timings(numbers) if numbers is not None else None
-    return timings if timings is not None else api.timings_from_usage(usage)
+    return timings if timings is not None else api_format.timings_from_usage(usage)
 
 
-def state_headers(sreq: StrataRequest) -> dict[str, str]:
+def state_headers(request: StrataRequest) -> dict[str, str]:
     """What strata did for this request, for the client to see without reading logs: the
-    core's word on where its state came from (``sreq.state_source``, final once answered)."""
+    core's word on where its state came from (``request.state_source``, final once answered)."""
     # A stream's headers leave before the service learns which slot the engine chose
     # for a request it could not place itself: then no slot is named.
-    slot = {"X-Strata-Slot": str(sreq.slot)} if sreq.pinned or not sreq.stream else {}
-    if sreq.conversation_key is None:
+    slot = {"X-Strata-Slot": str(request.slot)} if request.pinned or not request.stream else {}
+    if request.conversation_key is None:
         return {"X-Strata-State": "unkeyed", **slot}
     return {
-        "X-Strata-Conversation": sreq.conversation_key,
-        "X-Strata-State": sreq.state_source or "engine",
-        "X-Strata-Restored-Tokens": str(sreq.restored_tokens),
+        "X-Strata-Conversation": request.conversation_key,
+        "X-Strata-State": request.state_source or "engine",
+        "X-Strata-Restored-Tokens": str(request.restored_tokens),
         **slot,
     }
 
 
-async def _relay_json(service: Service, path: str, body: dict[str, Any], outcome: Outcome,
-                      api: ApiFormat) -> web.StreamResponse:
-    status, answer = await service.engine.request("POST", path, json=body, op="completion")
+async def _relay_json(service: Service, api: Api, body: dict[str, Any], outcome: Outcome) -> web.StreamResponse:
+    api_format = api.format
+    status, answer = await service.engine.request("POST", api.engine_path, json=body, op="completion")
     outcome.http_status = status
     if isinstance(answer, dict) and 200 <= status < 300:
-        usage = api.usage(answer)
-        outcome.timings = answer_timings(service.engine, api, api.engine_numbers(answer), usage)
+        usage = api_format.usage(answer)
+        outcome.timings = answer_timings(service.engine, api_format, api_format.engine_numbers(answer), usage)
         outcome.usage = usage if isinstance(usage, dict) else None
     if 200 <= status < 300:
         outcome.status = "ok"
@@ -310,16 +337,16 @@ async def _relay_json(service: Service, path: str, body: dict[str, Any], outcome
     return engine_answer(status, answer, service.settings.engine)
 
 
-async def _end_with_error(response: web.StreamResponse, message: str, kind: str, api: ApiFormat) -> None:
-    await response.write(api.stream_error(message, kind))
+async def _end_with_error(response: web.StreamResponse, message: str, kind: str, api_format: ApiFormat) -> None:
+    await response.write(api_format.stream_error(message, kind))
     await response.write_eof()
 
 
 async def _relay_stream(
-    request: web.Request, service: Service, path: str, body: dict[str, Any], outcome: Outcome,
-    sreq: StrataRequest, api: ApiFormat,
+    request: web.Request, service: Service, api: Api, strata_request: StrataRequest, outcome: Outcome,
 ) -> web.StreamResponse:
-    async with service.engine.stream(path, body) as upstream:
+    api_format = api.format
+    async with service.engine.stream(api.engine_path, strata_request.body) as upstream:
         outcome.http_status = upstream.status
         if upstream.status != 200:
             answer = await upstream.body()
@@ -328,32 +355,32 @@ async def _relay_stream(
         response = web.StreamResponse(
             status=200,
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                     **state_headers(sreq)},
+                     **state_headers(strata_request)},
         )
         await response.prepare(request)
-        seen = StreamSeen(api)
+        seen = StreamSeen(api_format)
         # The bytes after the event that ends the stream wait for the engine's end, to leave
         # with the stream's own end in one write: each write is a system call, as costly as
         # all the relay's Python work for a short answer.
-        held = b""
+        tail = b""
         try:
             async for chunk in upstream.chunks():
                 seen.feed(chunk)
-                if held:
-                    await response.write(held)
-                    held = b""
+                if tail:
+                    await response.write(tail)
+                    tail = b""
                 if seen.finished:
-                    held = chunk
+                    tail = chunk
                 else:
                     await response.write(chunk)
-            await response.write_eof(held)
+            await response.write_eof(tail)
         except EngineUnavailable as exc:
             # Headers are gone already: tell the client in the stream itself.
             outcome.error = str(exc)
             with contextlib.suppress(ConnectionError):
-                if held:
-                    await response.write(held)
-                await _end_with_error(response, str(exc), "engine_error", api)
+                if tail:
+                    await response.write(tail)
+                await _end_with_error(response, str(exc), "engine_error", api_format)
             return response
         except ConnectionError:
             # The client closed its end (often right after the last event): leaving now
@@ -365,14 +392,14 @@ async def _relay_stream(
                 # Cut at the end of the shutdown grace: end the stream properly, saying why.
                 outcome.error = "cut: the server is shutting down"
                 with contextlib.suppress(ConnectionError, RuntimeError):
-                    if held:
-                        await response.write(held)
-                    await _end_with_error(response, outcome.error, "service_unavailable", api)
+                    if tail:
+                        await response.write(tail)
+                    await _end_with_error(response, outcome.error, "service_unavailable", api_format)
             raise
         finally:
             # Whatever the client did, what the engine said it did is known: the slot's
             # picture needs it (a stream closed after its last event ran to the end).
-            outcome.timings = answer_timings(service.engine, api, seen.timings, seen.usage)
+            outcome.timings = answer_timings(service.engine, api_format, seen.timings, seen.usage)
             outcome.usage = seen.usage
         if seen.finished and seen.error is None:
             outcome.status, outcome.error = "ok", None

@@ -90,26 +90,34 @@ class JSONAnswer(dict):
 #: ``restore`` and ``erase`` of a slot, into files in ``info.slot_save_path``),
 #: ``ram_cache`` (the engine keeps prompts in a RAM cache of its own).
 CAPABILITIES = frozenset({"slots", "slot_files", "ram_cache"})
-#: The paths of the core's engine API, each relayed to the engine; a backend declares
-#: in ``routes`` which of them it serves. (``/slots``, ``/health``, ``/openapi.json``
-#: and plugins' routes are the core's own, not relayed, so not listed.)
-ENGINE_ROUTES = frozenset({
-    "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/v1/models",
-    "/v1/messages", "/v1/messages/count_tokens",
-    "/infill", "/tokenize", "/detokenize", "/apply-template", "/props",
-})
+
+
+def __getattr__(name: str) -> Any:
+    # ENGINE_ROUTES: the engine's paths the built-in APIs are relayed to, each declared once
+    # by its API (strata_serve.api.registry); a backend declares in ``routes`` which of them
+    # it serves. (``/slots``, ``/health``, ``/openapi.json`` and plugins' routes are the
+    # core's own, not relayed, so not listed.) Read from the registry on first use: the
+    # APIs' modules import this one.
+    if name == "ENGINE_ROUTES":
+        from strata_serve.api.registry import builtin
+
+        routes = builtin().engine_paths
+        globals()[name] = routes
+        return routes
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class Engine(Protocol):
     info: EngineInfo
     #: What this backend can do (a subset of :data:`CAPABILITIES`); plugins check these.
     capabilities: frozenset[str]
-    #: The paths of :data:`ENGINE_ROUTES` this backend serves; the others answer 404
-    #: ``not_supported`` in the API's error shape. A backend without it serves them all.
+    #: The engine's paths this backend serves (of :data:`ENGINE_ROUTES`, and any a plugin's
+    #: API is relayed to); an API relayed to another answers 404 ``not_supported`` in its
+    #: error shape. A backend without it serves them all.
     routes: frozenset[str]
-    #: Routes (``StrataRequest.route``) whose requests the backend runs in the slot the
-    #: service chose (``id_slot`` in the body). On a multi-slot engine, a request on
-    #: another route holds every slot, since the engine picks one itself.
+    #: The engine's paths on which the backend runs a request in the slot the service
+    #: chose (``id_slot`` in the body). On a multi-slot engine, a request relayed to
+    #: another path holds every slot, since the engine picks one itself.
     pinned_routes: frozenset[str]
     #: Increases by one at every (re)start: state held by an older generation is gone.
     generation: int

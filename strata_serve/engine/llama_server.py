@@ -329,7 +329,7 @@ class LlamaServer:
     # llama-server honours ``id_slot`` on these; its /v1/messages and /v1/embeddings
     # drop it (the Anthropic conversion keeps only the fields it knows), and /infill
     # has not been seen to honour it.
-    pinned_routes = frozenset({"chat", "completion", "responses"})
+    pinned_routes = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 
     def __init__(
         self,

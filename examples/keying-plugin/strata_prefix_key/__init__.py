@@ -38,7 +38,7 @@ def on_config(settings):
 
 @strata_serve.hookimpl
 def conversation_key(request, service):
-    start = opening(request.route, request.body)
+    start = opening(request)
     if start is None or start.user is None:
         return None  # defer: another plugin, or in the end the built-in default, decides
     chars = service.plugin_config(NAME, PrefixKeyConfig).chars

@@ -24,10 +24,16 @@ import strata_serve
 from strata_serve import ConfigError
 
 from strata_auto_sessions import hookspecs
-from strata_auto_sessions.parking import NAME, AutoSessions, AutoSessionsConfig, AutoSessionsStats
+from strata_auto_sessions.config import NAME, AutoSessionsConfig
+from strata_auto_sessions.mode import ParkingMode
+from strata_auto_sessions.parking import AutoSessions
+from strata_auto_sessions.prefix import ParkedConversation, message_chain
+from strata_auto_sessions.saving import Parked
+from strata_auto_sessions.stats import AutoSessionsStats
 from strata_auto_sessions.store import ParkingStore, SessionStore
 
-__all__ = ["AutoSessions", "AutoSessionsConfig", "AutoSessionsStats", "ParkingStore", "SessionStore"]
+__all__ = ["AutoSessions", "AutoSessionsConfig", "AutoSessionsStats", "Parked", "ParkedConversation", "ParkingMode",
+           "ParkingStore", "SessionStore", "message_chain"]
 
 #: The plugin's name when registered by hand (tests); the entry point gives the same.
 strata_name = NAME
@@ -75,33 +81,33 @@ def on_engine_start(service, restarted):
 @strata_serve.hookimpl
 async def pre_request(request, service):
     parking = _parking(service)
-    if parking is not None and parking.active:
+    if parking is not None and parking.mode.parks:
         await parking.before(request, service)
 
 
 @strata_serve.hookimpl
 async def post_request(request, outcome, service):
     parking = _parking(service)
-    if parking is not None and parking.active:
+    if parking is not None and parking.mode.parks:
         parking.after(request, outcome, service)
-        await parking.save_if_emptied_when_idle(service, request.slot)
-        parking.schedule_idle_save(service, request.slot)
-        parking.record_held(service)
+        await parking.idle_saves.save_if_emptied_when_idle(service, request.slot)
+        parking.idle_saves.schedule(service, request.slot)
+        parking.record_in_use(service)
 
 
 @strata_serve.hookimpl
 async def pre_slot_action(slot, action, service):
     parking = _parking(service)
-    if parking is not None and parking.active:
+    if parking is not None and parking.mode.parks:
         await parking.before_slot_action(service, slot, action)
 
 
 @strata_serve.hookimpl
 def post_slot_action(slot, service):
     parking = _parking(service)
-    if parking is not None and parking.active:
-        parking.schedule_idle_save(service, slot)
-        parking.record_held(service)
+    if parking is not None and parking.mode.parks:
+        parking.idle_saves.schedule(service, slot)
+        parking.record_in_use(service)
 
 
 @strata_serve.hookimpl
@@ -109,9 +115,9 @@ async def on_shutdown(service):
     parking = _parking(service)
     if parking is not None:
         # An idle save not started was cancelled by the stop; one that ran is done.
-        if parking.active:
+        if parking.mode.parks:
             for slot in range(len(service.slots)):
-                await parking.park_held(service, slot, reason="shutdown")
+                await parking.park_slot(service, slot, reason="shutdown")
         parking.stop()
 
 

@@ -23,7 +23,11 @@ import strata_serve
 from strata_serve import ConfigError, load_settings
 
 from strata_auto_sessions.parking import GB, NAME, AutoSessionsConfig
-from strata_auto_sessions.store import SessionStore, Sidecar, as_of, incompatibility, sample_digest
+from strata_auto_sessions.clock import as_of
+from strata_auto_sessions.compat import incompatibility
+from strata_auto_sessions.digests import sample_digest
+from strata_auto_sessions.sidecar import Sidecar
+from strata_auto_sessions.store import SessionStore
 
 
 class Sessions:

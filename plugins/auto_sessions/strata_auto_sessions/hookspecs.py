@@ -52,10 +52,10 @@ def auto_sessions_fallback(
 
     :param request: The incoming request.
     :param chain: The incoming prompt's chain, ``{"chain": [...], "sizes": [...]}``
-        (:func:`strata_auto_sessions.prefix.message_chain`).
+        (:func:`strata_auto_sessions.message_chain`).
     :param parked: The conversations to choose from: the same tenant's only, each with a
-        file this engine can use (:class:`strata_auto_sessions.prefix.ParkedConversation`),
-        newest first.
+        file this engine can use (:class:`strata_auto_sessions.ParkedConversation`: its
+        ``shared_links(chain["chain"])`` counts the messages it shares), newest first.
     :param parking: auto-sessions itself, for its estimates
         (:meth:`~strata_auto_sessions.AutoSessions.prefill_seconds`,
         :meth:`~strata_auto_sessions.AutoSessions.restore_seconds`).

@@ -64,6 +64,11 @@ class ParkedConversation:
     chain: list[str]
     sizes: list[int]
 
+    def shared_links(self, chain: list[str]) -> int:
+        """How many message boundaries its chain shares from the start with ``chain`` (the
+        incoming prompt's ``chain["chain"]``, as the ``auto_sessions_fallback`` hook gets it)."""
+        return shared_links(self.chain, chain)
+
     def shared_tokens(self, links: int) -> int:
         """About how many of its tokens the first ``links`` messages make (by their share
         of the prompt's characters; the saved answer counts with the last message)."""

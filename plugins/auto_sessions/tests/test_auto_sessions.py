@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import strata_auto_sessions
+from strata_auto_sessions import ParkingMode
 import strata_serve
 from strata_serve.api import SERVICE
 from strata_serve.hook_types import Verdict
@@ -294,14 +295,14 @@ async def test_a_restore_of_a_changed_conversation_is_not_held_against_the_engin
     stats = parking(client).stats
     assert stats.restores >= 3 and stats.restores_diverged >= 1
     assert stats.restores_not_reused == 0 and stats.pauses == 0
-    assert parking(client).active
+    assert parking(client).mode is ParkingMode.ON
     assert any("changed since its file was saved" in l for l in log_lines(caplog))
 
 
 async def test_refused_without_a_slot_directory(strata_client_factory, auto_settings, caplog):
     client = await strata_client_factory(strata_auto_sessions, settings=auto_settings({"slot_save_path": None}))
     await ask(client, conversation("nodir"))
-    assert not parking(client).active
+    assert parking(client).mode is ParkingMode.OFF
     assert any("no slot directory" in l for l in log_lines(caplog))
 
 
@@ -312,7 +313,7 @@ async def test_temporaries_from_a_crash_are_cleaned_at_start(auto_settings, stra
     (directory / "tmp-auto-dead-0000.bin").write_bytes(b"half a file")
     client = await strata_client_factory(strata_auto_sessions, settings=settings)
     assert not (directory / "tmp-auto-dead-0000.bin").exists()
-    assert parking(client).active
+    assert parking(client).mode is ParkingMode.ON
 
 
 async def test_collect_stats_reports_the_numbers(auto_client):

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 import strata_auto_sessions
 import strata_ram_cache_stats
-from strata_auto_sessions.store import fingerprint, same_model
+from strata_auto_sessions.fingerprint import fingerprint, same_model
 from strata_serve.api import SERVICE
 from strata_serve.cli import cli
 from strata_serve.models import packaged_model_path
@@ -94,7 +94,7 @@ async def test_gpu_layers_and_a_larger_context_are_harmless(strata_client_factor
     reply = await ask(client, a)
     stats = parking(client).stats
     assert stats.restores == 1
-    assert sum(getattr(stats, f"restores_refused_{r}") for r in strata_auto_sessions.store.REFUSAL_REASONS) == 0
+    assert sum(getattr(stats, f"restores_refused_{r}") for r in strata_auto_sessions.compat.REFUSAL_REASONS) == 0
     assert reply["timings"]["cache_n"] > 600, "the restored state was reused"
 
 
@@ -175,7 +175,7 @@ async def test_an_swa_model_without_swa_full_neither_saves_nor_restores(strata_c
 def test_the_sliding_window_is_read_from_the_model_file(tmp_path, swa_model, strata_demo_model):
     import gguf
 
-    from strata_auto_sessions.store import sliding_window
+    from strata_auto_sessions.fingerprint import sliding_window
 
     assert sliding_window(str(swa_model)) == 64
     assert sliding_window(str(strata_demo_model)) == 0, "a llama model has no window"
@@ -198,17 +198,18 @@ def test_the_sliding_window_is_read_from_the_model_file(tmp_path, swa_model, str
 def test_without_the_gguf_package_the_window_is_unknown_and_nothing_is_refused(swa_model, monkeypatch):
     import sys
 
-    from strata_auto_sessions import store
+    from strata_auto_sessions import compat
+    from strata_auto_sessions import fingerprint as model_identity
 
-    store._sliding_window.cache_clear()
+    model_identity._sliding_window.cache_clear()
     monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf now raises ImportError
     try:
-        assert store.sliding_window(str(swa_model)) is None
+        assert model_identity.sliding_window(str(swa_model)) is None
     finally:
-        store._sliding_window.cache_clear()
+        model_identity._sliding_window.cache_clear()
     unknown = {"model": str(swa_model), "sliding_window": None, "layout": {"swa_full": False}}
-    assert store.swa_unusable(unknown) is None
-    assert store.swa_unusable({**unknown, "sliding_window": 64}) is not None
+    assert compat.swa_unusable(unknown) is None
+    assert compat.swa_unusable({**unknown, "sliding_window": 64}) is not None
 
 
 async def test_the_engine_rereads_a_restored_swa_state_without_swa_full(llama_server_factory, swa_model):

@@ -14,6 +14,7 @@ import logging
 import pytest
 
 import strata_auto_sessions
+from strata_auto_sessions import ParkingMode
 
 import strata_quirks_llama_cpp
 import strata_serve
@@ -116,7 +117,7 @@ async def test_two_conversations_with_the_same_opening_never_stop_parking(auto_c
         await ask(client, other)
     stats = parking(client).stats
     assert stats.restores_diverged >= 2 and stats.restores_not_reused == 0
-    assert parking(client).active, "parking goes on"
+    assert parking(client).mode is ParkingMode.ON, "parking goes on"
     back = await ask(client, more(other, "and then?"))
     assert back["timings"]["cache_n"] >= OWN_STATE
 
@@ -143,13 +144,13 @@ async def test_unreused_restores_of_continued_conversations_pause_parking_and_it
     await ask(client, b)
     stats = parking(client).stats
     assert stats.restores_not_reused == 2 and stats.pauses == 1
-    assert not parking(client).active
+    assert parking(client).mode is ParkingMode.PAUSED
     assert any("parking paused" in line for line in log_lines(caplog))
     monkeypatch.setattr(service.engine, "restore", real_restore)
     import asyncio
 
     await asyncio.sleep(0.3)
-    assert parking(client).active, "the pause ended"
+    assert parking(client).mode is ParkingMode.ON, "the pause ended"
     assert any("parking resumes" in line for line in log_lines(caplog))
 
 

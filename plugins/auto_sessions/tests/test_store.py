@@ -10,7 +10,7 @@ import pytest
 from strata_auto_sessions.store import (
     SessionStore, Sidecar, engine_fingerprint, fingerprint, incompatibility, same_model,
 )
-from strata_serve import EngineInfo, StateLayout
+from strata_serve import EngineInfo, StateLayout, StrataRequest
 
 
 def make_file(store, key, size, age):
@@ -137,24 +137,24 @@ def test_symlinks_are_never_listed_or_restorable(tmp_path):
 
 
 def test_a_continuation_is_recognised_in_every_format():
-    from strata_auto_sessions.parking import continues, prompt_signature
+    from strata_auto_sessions.prompts import continues, prompt_signature
 
     cases = [
-        ({"messages": [{"role": "user", "content": "a"}]},
+        ("chat", {"messages": [{"role": "user", "content": "a"}]},
          {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
          {"messages": [{"role": "user", "content": "edited"}]}),
-        ({"system": "s", "messages": [{"role": "user", "content": "a"}]},
+        ("messages", {"system": "s", "messages": [{"role": "user", "content": "a"}]},
          {"system": "s", "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "c"}]},
          {"system": "other", "messages": [{"role": "user", "content": "a"}]}),
-        ({"instructions": "i", "input": [{"role": "user", "content": "a"}]},
+        ("responses", {"instructions": "i", "input": [{"role": "user", "content": "a"}]},
          {"instructions": "i", "input": [{"role": "user", "content": "a"}, {"role": "user", "content": "c"}]},
          {"instructions": "i", "input": [{"role": "user", "content": "z"}]}),
-        ({"prompt": "Once upon"}, {"prompt": "Once upon a time"}, {"prompt": "Twice"}),
+        ("completion", {"prompt": "Once upon"}, {"prompt": "Once upon a time"}, {"prompt": "Twice"}),
     ]
-    for saved, continued, changed in cases:
-        signature = prompt_signature(saved)
-        assert continues(signature, continued), saved
-        assert not continues(signature, changed), changed
+    for route, saved, continued, changed in cases:
+        signature = prompt_signature(StrataRequest(route=route, body=saved))
+        assert continues(signature, StrataRequest(route=route, body=continued)), saved
+        assert not continues(signature, StrataRequest(route=route, body=changed)), changed
 
 
 def engine(model, n_ctx=4096, build="b5000-abc", **layout):
@@ -247,7 +247,7 @@ def test_the_weights_digest_reads_no_gguf_it_cannot_parse(tmp_path):
     """Counts that no file could hold (a damaged header) end the parse, they never run it."""
     import struct
 
-    from strata_auto_sessions.store import _tensor_layout, weights_digest
+    from strata_auto_sessions.fingerprint import _tensor_layout, weights_digest
 
     odd = tmp_path / "odd.gguf"
     header = b"GGUF" + struct.pack("<IQQ", 3, 1, 1) + struct.pack("<Q", 3) + b"key"

@@ -20,7 +20,6 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 import strata_serve
-from strata_auto_sessions.prefix import shared_links
 
 log = logging.getLogger("strata_prefix_restore")
 
@@ -53,7 +52,7 @@ def auto_sessions_fallback(request, chain, parked, parking, service) -> str | No
     # worth their restore; between equal openings, the cheaper restore.
     best: tuple[tuple[int, float], Any, int] | None = None
     for candidate in parked:
-        links = shared_links(chain["chain"], candidate.chain)
+        links = candidate.shared_links(chain["chain"])
         if links == 0:
             continue
         tokens = candidate.shared_tokens(links)

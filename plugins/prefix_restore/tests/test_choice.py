@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from strata_auto_sessions.prefix import ParkedConversation, message_chain
+from strata_auto_sessions import ParkedConversation, message_chain
 from strata_prefix_restore import PrefixRestoreConfig, auto_sessions_fallback
 
 SYSTEM = {"role": "system", "content": "S" * 4000}

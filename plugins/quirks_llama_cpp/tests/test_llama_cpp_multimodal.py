@@ -106,7 +106,7 @@ async def test_this_build_parks_a_multimodal_conversation_image_included(
     again = await ask(client, with_image)  # ...and restored
     parking = service.state["auto_sessions"]
     assert parking.stats.saves >= 1 and parking.stats.restores == 1 and parking.stats.save_failures == 0
-    assert parking.active, "nothing refused, nothing given up"
+    assert parking.mode.parks, "nothing refused, nothing given up"
     timings = again["timings"]
     assert timings["cache_n"] >= timings["cache_n"] + timings["prompt_n"] - 2, "the restored state is reused"
 

@@ -57,7 +57,7 @@ async def test_auto_sessions_meets_a_refused_filename_and_carries_on(parked_clie
     # A plain error: the held state is kept (not restored over), nothing is given up.
     assert parking.stats.save_failures == 1 and parking.stats.restores_withheld == 1
     assert reply["choices"][0]["message"]["content"] is not None
-    assert parking.active, "a refused name is no reason to stop parking"
+    assert parking.mode.parks, "a refused name is no reason to stop parking"
     assert (await client.get("/health")).status == 200
 
 
@@ -81,10 +81,10 @@ async def test_slot_files_the_engine_does_not_support(
         await ask(client, messages)
     said = [r.getMessage() for r in caplog.records if r.name == "strata_quirks_llama_cpp"]
     if with_quirks:
-        assert parking.stats.save_failures == 1 and not parking.active, "one failed call, then no more"
+        assert parking.stats.save_failures == 1 and not parking.mode.parks, "one failed call, then no more"
         assert len(said) == 1 and "HTTP 501" in said[0]
     else:
-        assert parking.stats.save_failures >= 2 and parking.active, "it keeps failing at switches"
+        assert parking.stats.save_failures >= 2 and parking.mode.parks, "it keeps failing at switches"
         assert not said
 
 
@@ -134,11 +134,11 @@ async def test_two_unreused_restores_pause_parking_for_the_model(parked_client, 
     await ask(client, a)
     await ask(client, b)
     await ask(client, continued(a, 0))
-    assert parking.stats.restores_not_reused == 1 and parking.active, "one case says nothing yet"
+    assert parking.stats.restores_not_reused == 1 and parking.mode.parks, "one case says nothing yet"
 
     await ask(client, continued(b, 0))
     assert parking.stats.restores_not_reused == 2
-    assert not parking.active
+    assert not parking.mode.parks
     saves, files = parking.stats.saves, sorted(parking.store.directory.iterdir())
     for messages in (continued(a, 1), continued(b, 1), continued(a, 2)):
         await ask(client, messages)
@@ -159,7 +159,7 @@ async def test_an_edited_system_prompt_never_stops_parking(parked_client, caplog
         await ask(client, behind_a_system_prompt(a, f"System prompt number {n}, brand new. "))
         await ask(client, b)
     assert parking.stats.restores_diverged >= 3 and parking.stats.restores_not_reused == 0
-    assert parking.active
+    assert parking.mode.parks
 
 
 @pytest.mark.parametrize("plugins, plugins_config", [
@@ -172,7 +172,7 @@ async def test_without_the_plugin_parking_goes_on(parked_client, forgetful_engin
     parking = client.app[SERVICE].state["auto_sessions"]
     a, b = await switch_back_unreused(client, conversation("reuse-a"), conversation("reuse-b"), times=1)
     assert parking.stats.restores_not_reused == 2
-    assert parking.active
+    assert parking.mode.parks
     saves = parking.stats.saves
     await ask(client, continued(a, 5))
     assert parking.stats.saves == saves + 1

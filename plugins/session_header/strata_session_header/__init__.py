@@ -173,7 +173,7 @@ def conversation_digest(request: StrataRequest) -> str:
     if agent:
         identity["agent"] = agent
     if not system and not tools:
-        start = opening(request.route, request.body)
+        start = opening(request)
         if start is not None:
             identity["user"] = start.user
             if start.media:
@@ -189,7 +189,7 @@ def _system_parts(request: StrataRequest) -> list[str]:
         if isinstance(system, list):
             return [message_text([block]) for block in system]
         return [system] if isinstance(system, str) else []
-    start = opening(request.route, request.body)
+    start = opening(request)
     return start.system if start is not None else []
 
 

@@ -362,7 +362,7 @@ def test_any_value_of_a_clients_id_gives_a_valid_key_or_none_never_a_refusal(val
 
 
 def test_claude_codes_billing_lines_are_left_out_of_the_system_prompt():
-    from strata_serve.api.anthropic_routes import without_billing_lines
+    from strata_serve.api.anthropic import without_billing_lines
 
     body = claude_code_body(claude_code_opening(), SESSION_A)
     assert [block["text"] for block in without_billing_lines(body)["system"]] == [IDENTITY, AGENT_PROMPT]

@@ -28,7 +28,7 @@ strata_name = NAME
 
 @strata_serve.hookimpl
 def conversation_key(request: StrataRequest) -> str | None:
-    start = opening(request.route, request.body)
+    start = opening(request)
     if start is None or (start.user is None and not start.media) or not any(start.system):
         return None
     # JSON keeps the parts apart: ("ab", "c") and ("a", "bc") must not hash alike.

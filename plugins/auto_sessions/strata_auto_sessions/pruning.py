@@ -1,0 +1,56 @@
+"""Pruning the session files (``keep``, ``max_gb``), and counting what is on disk."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from strata_auto_sessions.config import GB, AutoSessionsConfig, size_text
+from strata_auto_sessions.stats import AutoSessionsStats
+from strata_auto_sessions.store import ParkingStore
+
+log = logging.getLogger("strata_auto_sessions")
+
+
+def in_use(service: Any, *keys: str | None) -> frozenset[str]:
+    """Conversations whose files pruning must spare: ``keys``, those the slots hold, and
+    those of the requests running (one may be restoring its file right now)."""
+    held = (state.key for state in service.slots)
+    running = service.fifo.busy.values()
+    return frozenset(k for k in (*keys, *held, *running) if k is not None)
+
+
+def refresh_usage(store: ParkingStore, stats: AutoSessionsStats, report: bool = False) -> None:
+    """Count the files on disk (after a change, not at every read of the numbers);
+    ``report`` logs each file whose sidecar is damaged."""
+    try:
+        stats.files_on_disk, stats.bytes_on_disk = store.usage()
+        damaged = store.damaged()
+    except OSError as exc:
+        log.warning("[strata] auto sessions: cannot list %s: %s", store.directory, exc)
+        return
+    stats.damaged_files = len(damaged)
+    for _key, path, why in damaged if report else ():
+        log.warning("[strata] auto sessions: %s is left alone, never restored: its sidecar is damaged (%s)",
+                    path.name, why)
+
+
+async def prune(store: ParkingStore, config: AutoSessionsConfig, stats: AutoSessionsStats,
+                protect: frozenset[str] = frozenset()) -> None:
+    """Remove the oldest files beyond ``keep`` and ``max_gb``, sparing ``protect``."""
+    try:
+        async with store.lock_without_blocking(config.lock_wait_s):
+            removed = store.prune(config.keep, int(config.max_gb * GB), protect)
+    except OSError as exc:  # a lock held elsewhere too long (LockTimeout) among them
+        log.warning("[strata] auto sessions: pruning failed: %s", exc)
+        return
+    finally:
+        refresh_usage(store, stats)
+    if stats.bytes_on_disk > config.max_gb * GB:
+        log.warning("[strata] auto sessions: %s of session files kept, more than max_gb (%g): the newest "
+                    "file and the one about to be restored are never pruned", size_text(stats.bytes_on_disk),
+                    config.max_gb)
+    for key, size in removed:
+        stats.prunes += 1
+        stats.pruned_bytes += size
+        log.info("[strata] auto sessions: pruned %s%s%s (%s)", "auto-", key, ".bin", size_text(size))

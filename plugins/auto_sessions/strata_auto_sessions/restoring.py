@@ -1,0 +1,213 @@
+"""Restoring a conversation's file into the slot, and whether the next request reused it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from strata_serve import EngineError, EngineUnavailable, Outcome, StrataRequest, Verdict, first_result
+
+from strata_auto_sessions import fallback
+from strata_auto_sessions.config import NAME, from_slot
+from strata_auto_sessions.prompts import continues
+from strata_auto_sessions.store import LockTimeout, Refusal, Sidecar, incompatibility
+
+if TYPE_CHECKING:
+    from strata_auto_sessions.parking import AutoSessions
+
+log = logging.getLogger("strata_auto_sessions")
+
+
+class RestoreSpeed:
+    """How fast restores read their files on this engine, measured from earlier restores."""
+
+    def __init__(self) -> None:
+        #: Bytes read and the milliseconds it took.
+        self._read = [0, 0.0]
+
+    def restored(self, n_read: int, ms: float) -> None:
+        """A restore read ``n_read`` bytes in ``ms``."""
+        if n_read and ms > 0:
+            self._read[0] += n_read
+            self._read[1] += ms
+
+    def seconds(self, size: float) -> float | None:
+        """How long restoring a file of ``size`` bytes takes, as measured here (None: not yet)."""
+        if not self._read[1]:
+            return None
+        return size / (self._read[0] / self._read[1] * 1000)
+
+
+def failure_verdict(op: str, exc: Exception, service: Any, tokens: int | None) -> Verdict | None:
+    """What the engine's quirk plugins say about a failed save or restore."""
+    error = exc if isinstance(exc, EngineError) else EngineError(op=op, message=str(exc))
+    return service.verdict(op, error, tokens)
+
+
+async def restore(parking: AutoSessions, key: str, request: StrataRequest, service: Any) -> bool:
+    """Restore ``key``'s file (or a fallback's, when it has none) into the request's slot.
+
+    :returns: whether a file was restored.
+    """
+    assert parking.store is not None
+    # Locked from the choice of file to the engine's read: `strata-serve sessions rm`
+    # never removes a file between the checks and the restore.
+    try:
+        async with parking.store.lock_without_blocking(parking.config.lock_wait_s):
+            return await _restore_locked(parking, key, request, service)
+    except LockTimeout as exc:
+        log.warning("[strata] auto sessions: not restoring %s: %s; the request is answered by a full "
+                    "prefill", key, exc)
+        return False
+
+
+async def _restore_locked(parking: AutoSessions, key: str, request: StrataRequest, service: Any) -> bool:
+    chosen = _file_to_restore(parking, key, request, service)
+    if chosen is None:
+        return False
+    source, path = chosen  # whose file is restored: the conversation's own, or a fallback's
+    sidecar = _restorable(parking, source, path)
+    if sidecar is None:
+        return False
+    verdict = service.verdict("restore", None, service.slots[request.slot].tokens)
+    if verdict in (Verdict.SKIP, Verdict.UNSUPPORTED):
+        if verdict == Verdict.UNSUPPORTED:
+            parking.status.stop("the engine cannot restore slots")
+        return False
+    loaded = await _load(parking, key, source, path, request, service)
+    if loaded is None:
+        return False
+    n_restored, n_read, ms = loaded
+    parking.stats.restores += 1
+    parking.stats.restored_tokens += n_restored
+    parking.stats.restored_bytes += n_read
+    parking.stats.restore_ms += ms
+    parking.restore_speed.restored(n_read, ms)
+    if source != key:
+        fallback.restored_from(parking, key, source, request, n_restored, ms)
+        return True
+    request.state[NAME] = {"restore_ms": ms, "continues": continues(sidecar.prompt, request)}
+    try:
+        parking.store.touch(key)  # type: ignore[union-attr]
+    except OSError as exc:
+        log.warning("[strata] auto sessions: could not update %s's sidecar: %s", key, exc)
+    log.info("[strata] auto sessions: restored %s tokens from %s in %.0f ms%s",
+             f"{n_restored:,}", path.name, ms, from_slot(service, request.slot, "into"))
+    return True
+
+
+def _file_to_restore(parking: AutoSessions, key: str, request: StrataRequest,
+                     service: Any) -> tuple[str, Path] | None:
+    """Whose file to restore for ``key`` and where it is: its own when it has one, else
+    the one a fallback plugin chose; None when there is none."""
+    assert parking.store is not None
+    path = parking.store.bin_path(key)
+    if parking.store.stage(key):
+        return key, path
+    if path.is_symlink():
+        log.warning("[strata] auto sessions: not restoring %s: it is a symlink, never followed", path.name)
+        return None
+    source = fallback.choose(parking, request, service)
+    if source is None:
+        return None
+    return source, parking.store.bin_path(source)
+
+
+def _restorable(parking: AutoSessions, source: str, path: Path) -> Sidecar | None:
+    """The sidecar of ``source``'s file when the file may go to this engine; None when it
+    is refused (damaged, or for this engine), counted by reason and logged."""
+    assert parking.store is not None
+    sidecar = parking.store.sidecar(source)
+    problem = parking.store.sidecar_problem(source) if sidecar is None else None
+    if problem is not None:
+        parking.stats.restores_refused_damaged += 1
+        log.warning("[strata] auto sessions: not restoring %s: its sidecar is damaged (%s)", path.name, problem)
+        return None
+    refusal = incompatibility(sidecar, parking.fingerprint, build_range=parking.config.build_range)
+    if refusal is not None:
+        count_refusal(parking, path.name, refusal)
+        return None
+    assert sidecar is not None  # a missing sidecar is refused as unjudged
+    if not parking.store.intact(source, sidecar):
+        parking.stats.restores_refused_damaged += 1
+        log.warning("[strata] auto sessions: not restoring %s: it is truncated or damaged "
+                    "(size or digest differs from when it was saved)", path.name)
+        return None
+    return sidecar
+
+
+def count_refusal(parking: AutoSessions, name: str, refusal: Refusal) -> None:
+    """The file ``name`` cannot go to this engine (``refusal``): counted by reason and logged."""
+    parking.stats.count_refusal(refusal.reason)
+    log.warning("[strata] auto sessions: not restoring %s (%s): %s", name, refusal.reason, refusal.detail)
+
+
+async def _load(parking: AutoSessions, key: str, source: str, path: Path, request: StrataRequest,
+                service: Any) -> tuple[int, int, float] | None:
+    """Have the engine read the file (once more after a failure its quirks call passing):
+    the tokens restored, the bytes read and the milliseconds; None when it failed."""
+    # The slot then holds the file's conversation, the incoming one's or the fallback's,
+    # until the request changes it: one the engine refuses, or whose client leaves first,
+    # never does, and no save under the incoming key may hold the rest of another's.
+    # (Nothing nameable when another slot holds the fallback: never recorded in two.)
+    holder: str | None = source
+    if source != key and any(state.key == source for state in service.slots if state.id != request.slot):
+        holder = None
+    for attempt in range(2):
+        began = time.monotonic()
+        try:
+            answer = await service.restore_slot(path.name, slot=request.slot, key=holder,
+                                                tenant=request.tenant, request=request)
+            break
+        except (EngineError, EngineUnavailable) as exc:
+            verdict = failure_verdict("restore", exc, service, None)
+            if verdict == Verdict.RETRY and attempt == 0:
+                log.info("[strata] auto sessions: restoring %s failed (%s); trying once more", key, exc)
+                continue
+            _restore_failed(parking, key, exc, verdict)
+            return None
+    ms = (time.monotonic() - began) * 1000
+    return int(answer.get("n_restored", 0)), int(answer.get("n_read", 0)), ms
+
+
+def _restore_failed(parking: AutoSessions, key: str, exc: Exception, verdict: Verdict | None) -> None:
+    parking.stats.restore_failures += 1
+    if verdict == Verdict.UNSUPPORTED:
+        message = exc.message if isinstance(exc, EngineError) else str(exc)
+        parking.status.stop(f"the engine cannot restore slots ({message})")
+    # The file stays: it is pruned like any other, and never deleted on a guess.
+    log.warning("[strata] auto sessions: restoring %s failed: %s; the request is answered by a full "
+                "prefill", parking.store.bin_name(key), exc)  # type: ignore[union-attr]
+
+
+def check_reuse(parking: AutoSessions, request: StrataRequest, restored: int, outcome: Outcome,
+                service: Any) -> None:
+    """The request after a restore of ``restored`` tokens ended: did it reuse them? A
+    continued conversation that barely did may pause parking (``retry_after_s``)."""
+    reused = outcome.timings.reused if outcome.timings is not None else 0
+    if request.state.get(NAME, {}).get("prefix_of"):
+        fallback.reused_from(parking, request, restored, reused)
+        return
+    expected = min(restored, outcome.prompt_tokens or restored)
+    if reused >= parking.config.reuse_warn_ratio * expected:
+        return
+    if not request.state.get(NAME, {}).get("continues", False):
+        # The request does not continue what was saved: its low reuse says nothing
+        # about the engine.
+        parking.stats.restores_diverged += 1
+        log.info("[strata] auto sessions: %s changed since its file was saved (an edited message, or "
+                 "another conversation with the same opening): the restore gave %s of %s tokens",
+                 request.conversation_key, f"{reused:,}", f"{restored:,}")
+        return
+    parking.stats.restores_not_reused += 1
+    log.warning("[strata] auto sessions: restore not reused: restored %s tokens for %s, and the next "
+                "request, which continues that conversation, reused only %s",
+                f"{restored:,}", request.conversation_key, f"{reused:,}")
+    verdict = first_result(service.pm, "auto_sessions_restore_unused", restored=restored, reused=reused,
+                           prompt_tokens=outcome.prompt_tokens, engine=service.engine, service=service)
+    if verdict == Verdict.UNSUPPORTED:
+        seconds = parking.config.retry_after_s * 2 ** parking.stats.pauses
+        parking.stats.pauses += 1
+        parking.status.pause(seconds, "the engine does not reuse restored state for this model")

@@ -1,0 +1,209 @@
+"""Parking a slot: saving the conversation it holds to its file, and what came of it (:class:`Parked`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from enum import Enum
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from strata_serve import EngineError, EngineUnavailable, Verdict
+
+from strata_auto_sessions.config import from_slot, size_text
+from strata_auto_sessions.mode import ParkingMode
+from strata_auto_sessions.policy import worth_a_file
+from strata_auto_sessions.pruning import in_use, prune, refresh_usage
+from strata_auto_sessions.restoring import failure_verdict
+from strata_auto_sessions.store import SIDECAR_VERSION, LockTimeout, Sidecar
+
+if TYPE_CHECKING:
+    from strata_serve import SlotState
+
+    from strata_auto_sessions.parking import AutoSessions
+
+log = logging.getLogger("strata_auto_sessions")
+
+
+class Parked(Enum):
+    """What :func:`park_slot` did with the conversation a slot holds."""
+
+    #: Saved to its file now.
+    SAVED = "saved"
+    #: Its file already held what the slot holds.
+    ALREADY_CURRENT = "already current"
+    #: Nothing to keep: the slot is empty or holds nothing nameable, the conversation is
+    #: not worth a file (or no state of this engine is), it was removed by hand, or the
+    #: engine's quirks call what it held provisional.
+    NOTHING_TO_KEEP = "nothing to keep"
+    #: Not saved (the save failed, or the engine's quirks declined it): the state is in
+    #: the slot and nowhere else, and a restore over it would lose it.
+    ONLY_IN_SLOT = "only in slot"
+
+    @property
+    def on_file(self) -> bool:
+        """Whether the conversation's file holds what the slot holds."""
+        return self in (Parked.SAVED, Parked.ALREADY_CURRENT)
+
+
+class _Saved(NamedTuple):
+    tokens: int
+    bytes: int
+    ms: float
+
+
+async def park_slot(parking: AutoSessions, service: Any, slot: int = 0, *, reason: str,
+                    incoming: str | None = None) -> Parked:
+    """Save the conversation the slot holds to its file, if it is worth it and not current.
+
+    ``incoming`` names the conversation about to be restored: pruning spares its file.
+    """
+    assert parking.store is not None
+    in_slot = await service.slot(slot)
+    key = in_slot.key
+    if key is None or in_slot.empty:
+        return Parked.NOTHING_TO_KEEP
+    declined = _not_to_save(parking, service, key, in_slot)
+    if declined is not None:
+        return declined
+    saved = await _save(parking, service, slot, key, in_slot)
+    if isinstance(saved, Parked):
+        return saved
+    service.slots.file_written(slot, key)
+    parking.stats.saves += 1
+    parking.stats.saved_tokens += saved.tokens
+    parking.stats.saved_bytes += saved.bytes
+    parking.stats.save_ms += saved.ms
+    log.info("[strata] auto sessions: saved %s tokens (%s) to %s in %.0f ms%s%s",
+             f"{saved.tokens:,}", size_text(saved.bytes), parking.store.bin_name(key), saved.ms,
+             "" if reason == "switch" else f" ({reason})", from_slot(service, slot))
+    await prune(parking.store, parking.config, parking.stats, protect=in_use(service, key, incoming))
+    return Parked.SAVED
+
+
+def _not_to_save(parking: AutoSessions, service: Any, key: str, in_slot: SlotState) -> Parked | None:
+    """Why the conversation ``key`` the slot holds is not saved now (counted, and logged
+    where it is news), or None when it is to be saved."""
+    if in_slot.file_current:
+        if _file_kept(parking, key):
+            parking.stats.save_skips_unchanged += 1
+            return Parked.ALREADY_CURRENT
+        # Its file went since it was made (`strata-serve sessions prune`, or by hand):
+        # the slot holds the only copy, so it is saved like any other.
+        log.info("[strata] auto sessions: %s's file is gone since it was saved: saving it again", key)
+        service.slots.file_gone(in_slot.id)
+    if parking.mode is ParkingMode.NOT_SAVING:
+        parking.stats.save_skips_swa += 1  # said once, at start: no file would be of use
+        return Parked.NOTHING_TO_KEEP
+    worth, why_not = worth_a_file(in_slot.tokens, parking.config, parking.speeds, parking.restore_speed)
+    if not worth:
+        parking.stats.save_skips_below_min += 1
+        log.info("[strata] auto sessions: not saving %s: %s", key, why_not)
+        return Parked.NOTHING_TO_KEEP
+    verdict = service.verdict("save", None, in_slot.tokens)
+    if verdict in (Verdict.SKIP, Verdict.UNSUPPORTED):
+        parking.stats.save_skips_verdict += 1
+        log.info("[strata] auto sessions: not saving %s: the engine quirk check says %s", key, verdict.value)
+        if verdict == Verdict.UNSUPPORTED:
+            parking.status.stop("the engine cannot save slots")
+        # Unsaved state must not be replaced by a restore unless there is none.
+        return Parked.NOTHING_TO_KEEP if in_slot.tokens == 0 else Parked.ONLY_IN_SLOT
+    return None
+
+
+async def _save(parking: AutoSessions, service: Any, slot: int, key: str, in_slot: SlotState) -> _Saved | Parked:
+    """Have the engine save the slot to a temporary file (once more after a failure its
+    quirks call passing), then commit it as ``key``'s file with its sidecar."""
+    assert parking.store is not None
+    sidecar, prompt = parking.store.sidecar(key), parking.prompts.get(key)
+    for attempt in range(2):
+        temp = parking.store.temp_name(key)
+        began = time.monotonic()
+        try:
+            answer = await service.save_slot(temp, slot=slot)
+            n_saved = int(answer.get("n_saved", 0))
+            n_written = int(answer.get("n_written", 0))
+            if n_saved == 0:
+                # The slot was empty after all: such a file is worthless, and
+                # restoring one has crashed the engine.
+                _discard(parking, temp)
+                log.info("[strata] auto sessions: not keeping %s: the engine's slot was empty", key)
+                service.slots.emptied(slot)
+                return Parked.NOTHING_TO_KEEP
+            kept = await _commit(parking, temp, key, in_slot, sidecar, prompt, n_saved, n_written)
+            break
+        except LockTimeout as exc:  # the commit's: the engine's calls take no lock
+            _discard(parking, temp)
+            parking.stats.save_failures += 1
+            log.warning("[strata] auto sessions: saving %s given up: %s; it stays in the slot", key, exc)
+            return Parked.ONLY_IN_SLOT
+        except (EngineError, EngineUnavailable, OSError) as exc:
+            _discard(parking, temp)
+            verdict = failure_verdict("save", exc, service, in_slot.tokens)
+            if verdict == Verdict.RETRY and attempt == 0:
+                log.info("[strata] auto sessions: saving %s failed (%s); trying once more", key, exc)
+                continue
+            return _save_failed(parking, key, exc, verdict, service, slot)
+    ms = (time.monotonic() - began) * 1000
+    if kept is False:
+        await _removed_by_hand(parking, key, slot, service)
+        return Parked.NOTHING_TO_KEEP
+    return _Saved(n_saved, n_written, ms)
+
+
+async def _commit(parking: AutoSessions, temp: str, key: str, in_slot: SlotState, sidecar: Sidecar | None,
+                  prompt: dict[str, Any] | None, n_saved: int, n_written: int) -> bool | None:
+    """Put the saved ``temp`` in place as ``key``'s file, beside its new sidecar (under the
+    directory's lock): False when ``key`` was removed by hand since its state began."""
+    assert parking.store is not None
+    now = time.time()
+    async with parking.store.lock_without_blocking(parking.config.lock_wait_s):
+        return parking.store.commit(temp, key, Sidecar(
+            key=key, fingerprint=parking.fingerprint, tokens=n_saved, bytes=n_written,
+            # A file's state began with its first file; a state with none, when the
+            # slot began holding it: a removal by hand since then drops the save.
+            created=sidecar.created if sidecar else (in_slot.since or now), last_used=now,
+            digest="", prompt=prompt, tenant=in_slot.tenant, version=SIDECAR_VERSION,
+        ))
+
+
+def _file_kept(parking: AutoSessions, key: str) -> bool:
+    """Whether the store still has the conversation's file (its sidecar describes it)."""
+    try:
+        return parking.store.sidecar(key) is not None  # type: ignore[union-attr]
+    except OSError:
+        return False
+
+
+async def _removed_by_hand(parking: AutoSessions, key: str, slot: int, service: Any) -> None:
+    """The session was removed by hand (``strata-serve sessions rm``) while the slot held
+    it: its save was dropped, and the slot is erased so the engine forgets it too."""
+    parking.prompts.pop(key, None)
+    log.info("[strata] auto sessions: %s was removed by hand: its save is dropped and the slot erased", key)
+    try:
+        await service.erase_slot(slot)
+    except (EngineError, EngineUnavailable) as exc:
+        log.warning("[strata] auto sessions: erasing the slot after %s was removed failed: %s", key, exc)
+    refresh_usage(parking.store, parking.stats)  # type: ignore[arg-type]
+    parking.record_in_use(service)
+
+
+def _discard(parking: AutoSessions, temp: str) -> None:
+    try:
+        parking.store.discard(temp)  # type: ignore[union-attr]
+    except OSError as exc:  # e.g. the directory itself is gone
+        log.warning("[strata] auto sessions: could not remove %s: %s", temp, exc)
+
+
+def _save_failed(parking: AutoSessions, key: str, exc: Exception, verdict: Verdict | None, service: Any,
+                 slot: int) -> Parked:
+    parking.stats.save_failures += 1
+    message = exc.message if isinstance(exc, EngineError) else str(exc)
+    if verdict == Verdict.PROVISIONAL:
+        log.info("[strata] auto sessions: %s held only provisional state (%s); "
+                 "restoring over it is safe", key, message)
+        service.slots.emptied(slot)
+        return Parked.NOTHING_TO_KEEP
+    if verdict == Verdict.UNSUPPORTED:
+        parking.status.stop(f"the engine cannot save slots ({message})")
+    log.warning("[strata] auto sessions: saving %s failed: %s", key, exc)
+    return Parked.ONLY_IN_SLOT

@@ -1,0 +1,85 @@
+"""auto-sessions' counters: one dataclass whose fields declare their metric."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from strata_serve import counter, gauge
+
+from strata_auto_sessions.store import REFUSAL_REASONS
+
+_SAVE_SKIPS = "Saves skipped, by reason"
+_RESTORE_SKIPS = "Restores not attempted, by reason"
+
+
+@dataclass
+class AutoSessionsStats:
+    """Counters for other plugins, each declared as a metric where it is kept.
+
+    ``collect_stats`` reports them as a flat dict; ``collect_metrics`` hands over this
+    object, whose fields carry their exported name, help and unit (milliseconds are
+    exported as seconds, Prometheus' base unit).
+    """
+
+    saves: int = counter("Conversations saved to disk", summary="saves")
+    saved_tokens: int = counter("Tokens saved to disk")
+    saved_bytes: int = counter("Bytes written by saves", unit="bytes")
+    save_ms: float = counter("Time spent saving", name="save_seconds", unit="seconds", scale=1e-3)
+    save_failures: int = counter("Saves that failed")
+    save_skips_below_min: int = counter(_SAVE_SKIPS, name="save_skips", labels={"reason": "below_min_tokens"})
+    save_skips_verdict: int = counter(_SAVE_SKIPS, name="save_skips", labels={"reason": "engine_verdict"})
+    save_skips_unchanged: int = counter(_SAVE_SKIPS, name="save_skips", labels={"reason": "unchanged"})
+    #: Saves not made because the model uses a sliding window and the engine runs
+    #: without ``--swa-full`` (no restore of the file would be reused).
+    save_skips_swa: int = counter(_SAVE_SKIPS, name="save_skips", labels={"reason": "swa"})
+    idle_saves: int = counter("Saves made while the server was idle")
+    restores: int = counter("Conversations restored from disk", summary="restores")
+    restored_tokens: int = counter("Tokens restored from disk")
+    restored_bytes: int = counter("Bytes read by restores", unit="bytes")
+    restore_ms: float = counter("Time spent restoring", name="restore_seconds", unit="seconds", scale=1e-3)
+    restore_failures: int = counter("Restores that failed")
+    restores_withheld: int = counter(_RESTORE_SKIPS, name="restore_skips", labels={"reason": "save_failed"})
+    restores_refused_damaged: int = counter(_RESTORE_SKIPS, name="restore_skips", labels={"reason": "damaged"})
+    #: Files refused before the engine saw them, by reason (``store.REFUSAL_REASONS``):
+    #: another model, a context too small, another KV cache type, flash-attention
+    #: setting, ``--swa-full``, an engine build out of range, or not judged.
+    restores_refused_other_model: int = counter(_RESTORE_SKIPS, name="restore_skips",
+                                                labels={"reason": "other_model"})
+    restores_refused_context: int = counter(_RESTORE_SKIPS, name="restore_skips", labels={"reason": "context"})
+    restores_refused_cache_type: int = counter(_RESTORE_SKIPS, name="restore_skips",
+                                               labels={"reason": "cache_type"})
+    restores_refused_flash_attn: int = counter(_RESTORE_SKIPS, name="restore_skips",
+                                               labels={"reason": "flash_attn"})
+    restores_refused_swa: int = counter(_RESTORE_SKIPS, name="restore_skips", labels={"reason": "swa"})
+    restores_refused_build: int = counter(_RESTORE_SKIPS, name="restore_skips", labels={"reason": "build"})
+    restores_refused_unjudged: int = counter(_RESTORE_SKIPS, name="restore_skips", labels={"reason": "unjudged"})
+    restores_not_reused: int = counter("Restores the next request barely reused")
+    restores_diverged: int = counter(
+        "Restores whose next request did not continue the saved conversation (an edited message, "
+        "or another conversation with the same opening)")
+    pauses: int = counter("Times parking paused because restores went unused")
+    prunes: int = counter("Session files pruned")
+    pruned_bytes: int = counter("Bytes of session files pruned", unit="bytes")
+    #: Conversations without a file of their own started from another one's (a fallback
+    #: plugin chose it), the tokens restored so, and how many of those the next request reused.
+    prefix_restores: int = counter("Conversations started from another conversation's file")
+    prefix_restored_tokens: int = counter("Tokens restored from another conversation's file")
+    prefix_reused_tokens: int = counter("Tokens of another conversation's file the next request reused")
+
+    #: Session files and their bytes, as of the last save or prune.
+    files_on_disk: int = gauge("Session files on disk", summary="files")
+    bytes_on_disk: int = gauge("Bytes of session files on disk", name="on_disk_bytes", unit="bytes",
+                               summary="on disk")
+    #: Session files beside a sidecar that is refused (not JSON, a field of another type):
+    #: never restored, left alone.
+    damaged_files: int = gauge("Session files whose sidecar is damaged")
+
+    def snapshot(self) -> dict[str, float]:
+        return asdict(self)
+
+    def count_refusal(self, reason: str) -> None:
+        """One more file refused before the engine saw it, for ``reason`` (``store.REFUSAL_REASONS``)."""
+        assert reason in REFUSAL_REASONS
+        field = f"restores_refused_{reason}"
+        setattr(self, field, getattr(self, field) + 1)
+

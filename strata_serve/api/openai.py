@@ -1,0 +1,42 @@
+"""OpenAI's API: chat, completions, embeddings and the model list.
+
+Chat holds a conversation: its messages open it and make its prompt. A completion's
+prompt is its text and names no conversation; embeddings run in the slot (over what it
+held: auto-sessions parks that first) and are never keyed, since no conversation is left
+in the slot.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from strata_serve.api.checks import ENGINE_MEDIA
+from strata_serve.api.conversation import Opening, opening_of
+from strata_serve.api.registry import Api
+from strata_serve.api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingsRequest
+
+
+def chat_opening(body: dict[str, Any]) -> Opening:
+    return opening_of(body.get("messages") or [], [])
+
+
+def chat_units(body: dict[str, Any]) -> list[Any]:
+    messages = body.get("messages")
+    return list(messages) if isinstance(messages, list) else []
+
+
+def prompt_text(body: dict[str, Any]) -> list[Any] | str:
+    """A bare prompt's units: its text (a prompt of token ids or of several texts makes none)."""
+    prompt = body.get("prompt")
+    return prompt if isinstance(prompt, str) else []
+
+
+CHAT = Api("/v1/chat/completions", "Chat completion (stream with SSE or not)", schema=ChatCompletionRequest,
+           route="chat", opening=chat_opening, prompt_units=chat_units, media=ENGINE_MEDIA)
+COMPLETION = Api("/v1/completions", "Text completion", schema=CompletionRequest, route="completion",
+                 prompt_units=prompt_text)
+EMBEDDINGS = Api("/v1/embeddings", "Embeddings (the engine started with --embeddings)", schema=EmbeddingsRequest,
+                 route="embeddings", keyed=False)
+MODELS = Api("/v1/models", "The engine's models", method="GET")
+
+APIS = (CHAT, COMPLETION, EMBEDDINGS, MODELS)
