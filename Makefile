@@ -24,9 +24,9 @@ ENGINE_KEY := $(shell { echo '$(ENGINE_VERSION) $(ENGINE_CMAKE_ARGS)'; uname -m;
 ENGINE_WHEELHOUSE ?= .wheelhouse
 WHEELHOUSE := $(ENGINE_WHEELHOUSE)/engine-$(ENGINE_KEY)
 EXAMPLE_DIRS := $(sort $(dir $(wildcard examples/*/pyproject.toml)))
-# Plugins the tests load and a server must not: the examples (a stranger's plugin) and
-# quirks_strata_metal (the quirks of an engine this machine does not run).
-TEST_PLUGIN_DIRS := $(EXAMPLE_DIRS) $(dir $(wildcard plugins/quirks_strata_metal/pyproject.toml))
+# Plugins the tests load and a server must not: the examples (a stranger's keying plugin,
+# and quirks_strata_metal: the quirks of an engine no backend here drives).
+TEST_PLUGIN_DIRS := $(EXAMPLE_DIRS)
 PLUGIN_DIRS := $(filter-out $(TEST_PLUGIN_DIRS),$(sort $(dir $(wildcard plugins/*/pyproject.toml))))
 # Where the test set-up installs them: a site directory beside the venv's site-packages,
 # which conftest.py adds for the tests alone. Installed into the venv, every

@@ -3,8 +3,8 @@
 A skip here would mean the engine or a package is missing, which is a broken
 set-up to fix, not a result to report as green.
 
-The plugins only the tests load (the example plugins, and quirks_strata_metal for an
-engine this machine does not run) are installed by the test set-up (make's
+The plugins only the tests load (the example plugins in ``examples/``: a keying plugin,
+and quirks_strata_metal for an engine no backend here drives) are installed by the test set-up (make's
 ``.venv/.examples``) into a site directory of their own beside the venv's
 site-packages, not into it: a plain ``strata-serve run`` never finds them. The tests
 add that directory here, entry points included.

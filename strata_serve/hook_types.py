@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Mapping
 
@@ -24,10 +23,10 @@ class StrataRequest:
     ``route`` names the API (:class:`strata_serve.Api`) it came through: ``chat``
     (``/v1/chat/completions``), ``completion`` (``/v1/completions``), ``messages``
     (Anthropic's ``/v1/messages``), ``responses`` (OpenAI's ``/v1/responses``),
-    ``embeddings`` (``/v1/embeddings``, never keyed), ``infill`` (the engine's ``/infill``),
-    a plugin's API's own name, or ``slots`` (a slot action by hand). ``api`` is that API's
-    declaration (None for ``slots``); built without one, a request takes the built-in API
-    its ``route`` names, and an unknown name is refused.
+    ``embeddings`` (``/v1/embeddings``, never keyed), ``infill`` (the engine's ``/infill``)
+    or a plugin's API's own name (a slot action by hand is no request: see
+    ``Service.slot_action``). ``api`` is that API's declaration; built without one, a
+    request takes the built-in API its ``route`` names, and an unknown name is refused.
     ``body`` is the validated JSON body exactly as it will be sent to the engine;
     ``state`` is a scratch dict for plugins to pass data from ``pre_request`` to
     ``post_request`` (key it by your plugin's name).
@@ -42,7 +41,6 @@ class StrataRequest:
     #: Name of the API-key holder that sent the request, when keys are configured.
     tenant: str | None = None
     id: int = field(default_factory=lambda: next(_ids))
-    received_at: float = field(default_factory=time.monotonic)
     state: dict[str, Any] = field(default_factory=dict)
     #: The engine slot the request runs in.
     slot: int = 0
@@ -55,6 +53,11 @@ class StrataRequest:
     restored_tokens: int = 0
     #: True when the slot already held this request's conversation as it was sent.
     found_in_slot: bool = False
+    #: Where its conversation's state came from, as the core decided it
+    #: (:func:`strata_serve.state_source`): set as it is sent, and once the engine answered
+    #: (``engine`` becomes ``ram`` or ``none``); None until it is sent. ``X-Strata-State``
+    #: says it, and a stats plugin counts it.
+    state_source: str | None = None
     #: The API the request came through: how its conversation opens, its prompt's units.
     api: Api | None = field(default=None, repr=False, compare=False)
 
@@ -63,14 +66,13 @@ class StrataRequest:
             if self.api.route != self.route:
                 raise ValueError(f"route {self.route!r} is not the route of {self.api.path} ({self.api.route!r})")
             return
-        from strata_serve.api.registry import SLOTS_ROUTE, builtin
+        from strata_serve.api.registry import builtin
 
-        if self.route != SLOTS_ROUTE:
-            api = builtin().by_route.get(self.route)
-            if api is None:
-                raise ValueError(f"no API has the route {self.route!r} (the built-in ones: "
-                                 f"{', '.join(sorted(builtin().routes))}); give a plugin's API as api=")
-            self.api = api
+        api = builtin().by_route.get(self.route)
+        if api is None:
+            raise ValueError(f"no API has the route {self.route!r} (the built-in ones: "
+                             f"{', '.join(sorted(builtin().routes))}); give a plugin's API as api=")
+        self.api = api
 
 
 def token_count(value: Any) -> int | None:

@@ -163,6 +163,38 @@ def post_request(request: StrataRequest, outcome: Outcome, service: Service) -> 
 
 
 @hookspec
+def pre_slot_action(slot: int, action: str, tenant: str | None, service: Service) -> Any:
+    """Act before a slot action by hand (``POST /slots/{id}``), holding that slot.
+
+    A slot action is no request: ``pre_request`` and ``post_request`` never see it.
+    The slot's state is about to be saved to a file (``save``), replaced by one
+    (``restore``) or emptied (``erase``): park what must not be lost, or erase what
+    the caller must not reach. No other request or slot action reaches ``slot`` until
+    ``post_slot_action`` has finished; requests run meanwhile in the other slots.
+
+    :param slot: The slot acted on.
+    :param action: ``save``, ``restore`` or ``erase``.
+    :param tenant: The tenant asking (None: the unnamed one).
+    :param service: The running service.
+    """
+
+
+@hookspec
+def post_slot_action(slot: int, action: str, tenant: str | None, service: Service) -> Any:
+    """Act after a slot action by hand, still holding that slot; ``service.slots[slot]``
+    records what it holds now.
+
+    Always called once per action that reached ``pre_slot_action``, whether the
+    engine did it, refused it, or the client went away.
+
+    :param slot: The slot acted on.
+    :param action: ``save``, ``restore`` or ``erase``.
+    :param tenant: The tenant asking (None: the unnamed one).
+    :param service: The running service.
+    """
+
+
+@hookspec
 def on_shutdown(service: Service) -> Any:
     """The server is stopping normally: the FIFO is drained and held, the engine is still up.
 

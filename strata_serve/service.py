@@ -8,8 +8,8 @@ import contextlib
 import logging
 import re
 import time
-from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from dataclasses import replace
+from typing import Any, AsyncIterator, Awaitable, Callable, Literal, TypeVar
 
 import pluggy
 from pydantic import BaseModel
@@ -17,8 +17,10 @@ from pydantic import BaseModel
 from strata_serve.config import ConfigError, Settings
 from strata_serve.engine.base import Engine, EngineUnavailable, SlotErased, SlotReport, SlotRestored, SlotSaved
 from strata_serve.hook_types import EngineError, KeyRefused, Outcome, StrataRequest, Verdict
+from strata_serve.measures import EngineMeasures, state_source
 from strata_serve.plugins import broadcast, first_result
-from strata_serve.slot_state import SlotPicture, SlotState, tokens_after
+from strata_serve.slot_choice import Claim, SlotChooser, choose_slot, claim_for, last_tasks, locate, slot_for
+from strata_serve.slot_state import SlotRegistry, SlotState, tokens_after
 from strata_serve.tenants import TENANT_SEPARATOR, tenant_key
 
 log = logging.getLogger("strata_serve.service")
@@ -37,25 +39,6 @@ class QueueFull(Exception):
 
 class ShuttingDown(Exception):
     """The server is stopping and takes no new requests."""
-
-
-@dataclass(frozen=True)
-class Claim:
-    """What a holder of the FIFO asks for.
-
-    ``key``: the conversation (tenant-qualified) it runs; two claims of one key never
-    hold at once. ``slot``: one slot by number (a slot action by hand, a save while
-    that slot is idle). ``exclusive``: every slot (work that needs the engine to
-    itself: ``on_shutdown``, plugins' work while the service is idle).
-    """
-
-    key: str | None = None
-    slot: int | None = None
-    exclusive: bool = False
-
-
-#: Chooses the slot for a claim among the free ones (None: wait). See :meth:`Service.choose_slot`.
-SlotChooser = Callable[[Claim, list[int]], "int | None"]
 
 
 class ServiceFIFO:
@@ -170,10 +153,8 @@ class ServiceFIFO:
                 self._update_idle()
             raise
 
-    def release(self, slot: int | None = None) -> None:
-        """End a turn: ``slot`` as granted by :meth:`acquire` (None: the last one granted)."""
-        if slot is None:
-            slot = -1 if self.exclusive else next(reversed(self.busy))
+    def release(self, slot: int) -> None:
+        """End a turn: ``slot`` as granted by :meth:`acquire` (-1: every slot)."""
         if slot == -1:
             self.exclusive = False
         else:
@@ -265,7 +246,9 @@ class Service:
         self.fifo = ServiceFIFO(settings.engine.parallel, settings.server.queue_limit, self.choose_slot)
         self.state: dict[str, Any] = {}
         #: What each engine slot holds: recorded here for every request and slot call.
-        self.slots = SlotPicture.for_engine(settings.engine.parallel)
+        self.slots = SlotRegistry.for_engine(settings.engine.parallel)
+        #: Engine facts measured once, here, for everyone: prefill speed, bytes per token.
+        self.measures = EngineMeasures()
         self.closing = False
         self.started_at = time.time()
         self._tasks: set[asyncio.Task] = set()
@@ -289,31 +272,8 @@ class Service:
         return cached
 
     def choose_slot(self, claim: Claim, free: list[int]) -> int | None:
-        """The slot a request runs in, among the ``free`` ones (None: wait for another).
-
-        The slot that holds its conversation, when one does (and if it is busy, the
-        request waits for it: a conversation is never in two slots). Otherwise the free
-        slot whose state is the least valuable: an empty one, then one holding nothing
-        nameable, then one whose conversation's file is current (displacing it costs
-        nothing), then the least recently used. A plugin parks the displaced
-        conversation in ``pre_request``.
-        """
-        if claim.key is not None:
-            for state in self.slots:
-                if state.key == claim.key and not state.empty:
-                    return state.id if state.id in free else None
-
-        def cost(slot: int) -> tuple[int, int]:
-            state = self.slots[slot]
-            if state.empty:
-                return (0, 0)
-            if state.key is None:
-                return (1, 0)
-            if state.file_current:
-                return (2, state.last_request or 0)
-            return (3, state.last_request or 0)
-
-        return min(free, key=cost)
+        """The slot for ``claim`` among the ``free`` ones (None: wait): :func:`strata_serve.slot_choice.choose_slot`."""
+        return choose_slot(self.slots, claim, free)
 
     def conversation_key(self, request: StrataRequest) -> str | None:
         """Ask the ``conversation_key`` hook, then namespace the key by tenant.
@@ -384,36 +344,21 @@ class Service:
             self._tasks.add(task)
         try:
             multi = len(self.slots) > 1
-            if request.route == "slots":
-                claim = Claim(slot=request.slot)
-            elif multi and (request.api is None
-                            or request.api.engine_path not in getattr(self.engine, "pinned_routes", frozenset())):
-                request.pinned = False
-                claim = Claim(exclusive=True)
-            else:
-                claim = Claim(key=request.conversation_key)
-            async with self.fifo.hold(claim) as slot:
-                if slot == -1:
-                    # The engine will choose; the likeliest is the slot holding the conversation.
-                    slot = self.choose_slot(Claim(key=request.conversation_key), list(range(len(self.slots))))
-                    assert slot is not None
-                elif multi and request.route != "slots":
-                    request.body["id_slot"] = slot  # the engine runs it in the slot chosen here
-                request.slot = slot
-                await self.engine.wait_ready()
-                self.sync_generation()
-                if multi and self.engine.info.clears_idle_slots is not False:
-                    await self.check_slots()  # the engine may have emptied idle slots itself
+            async with self.fifo.hold(claim_for(request, self.engine, len(self.slots))) as granted:
+                request.slot = slot_for(self.slots, request, granted)
+                if multi and request.pinned:
+                    request.body["id_slot"] = request.slot  # the engine runs it in the slot chosen here
+                await self._ready_to_act(multi)
                 began = time.monotonic()
                 outcome = Outcome(status="error", error="not sent")
                 try:
-                    await _to_the_end(broadcast(self.pm, "pre_request", request=request, service=self))
+                    await _shielded(broadcast(self.pm, "pre_request", request=request, service=self))
                     # A request the engine places itself: what each slot last ran, to tell after
                     # which slots it used.
-                    tasks_before = await self._slot_tasks() if not request.pinned else None
+                    tasks_before = await last_tasks(self.engine, len(self.slots)) if not request.pinned else None
                 except asyncio.CancelledError:
                     outcome.status, outcome.error = "cancelled", "the client went away before the engine was asked"
-                    await _to_the_end(self._post(request, outcome, began))
+                    await _shielded(self._post(request, outcome, began))
                     raise
                 before = self._sent(request)
                 try:
@@ -428,17 +373,68 @@ class Service:
                     raise
                 finally:
                     self._answered(request, outcome, before)
-                    if not request.pinned and before is not None:
-                        await _to_the_end(self._find_slot(request, tasks_before))
-                    await _to_the_end(self._post(request, outcome, began))
+                    if not request.pinned:
+                        await _shielded(locate(self.engine, self.slots, request, tasks_before))
+                    await _shielded(self._post(request, outcome, began))
                 return outcome
         finally:
             if task is not None:
                 self._tasks.discard(task)
 
+    async def _ready_to_act(self, multi: bool) -> None:
+        """Once a turn is granted: the engine up, the registry of its generation and, where
+        the engine may have emptied idle slots itself, checked against it."""
+        await self.engine.wait_ready()
+        self.sync_generation()
+        if multi and self.engine.info.clears_idle_slots is not False:
+            await self.check_slots()
+
     async def _post(self, request: StrataRequest, outcome: Outcome, began: float) -> None:
         outcome.duration_ms = (time.monotonic() - began) * 1000
         await broadcast(self.pm, "post_request", request=request, outcome=outcome, service=self)
+
+    async def slot_action(
+        self, slot: int, action: Literal["save", "restore", "erase"], filename: str | None = None, *,
+        tenant: str | None = None,
+    ) -> SlotSaved | SlotRestored | SlotErased:
+        """A slot action by hand (``POST /slots/{id}``): save, restore or erase one slot.
+
+        It holds that slot alone (other slots keep serving), and is no request: the
+        ``pre_slot_action`` hooks run first (a plugin parks the conversation the slot
+        holds before it is replaced; strict tenant isolation erases another tenant's
+        state), then the call, recorded in :attr:`slots` like every slot call made
+        through the service, then ``post_slot_action``; both run to their end even if
+        the client goes away. A restored file is ``tenant``'s, by hand: the slot holds
+        nothing nameable.
+
+        :returns: the engine's answer.
+        :raises QueueFull: when the line is full.
+        :raises ShuttingDown: when the server is stopping.
+        :raises EngineError: when the engine refused the call.
+        """
+        if self.closing:
+            raise ShuttingDown()
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        hook = {"slot": slot, "action": action, "tenant": tenant, "service": self}
+        try:
+            async with self.fifo.hold(Claim(slot=slot)):
+                await self._ready_to_act(len(self.slots) > 1)
+                try:
+                    await _shielded(broadcast(self.pm, "pre_slot_action", **hook))
+                    if action == "save":
+                        assert filename is not None
+                        return await self.save_slot(filename, slot=slot)
+                    if action == "restore":
+                        assert filename is not None
+                        return await self.restore_slot(filename, slot=slot, tenant=tenant)
+                    return await self.erase_slot(slot)
+                finally:
+                    await _shielded(broadcast(self.pm, "post_slot_action", **hook))
+        finally:
+            if task is not None:
+                self._tasks.discard(task)
 
     # -- the life cycle ---------------------------------------------------------------
 
@@ -484,7 +480,7 @@ class Service:
             n = 1
         if n != len(self.slots):
             log.info("[strata] the engine runs %d slot(s); requests go to %d at a time", n, n)
-            self.slots = SlotPicture.for_engine(n)
+            self.slots = SlotRegistry.for_engine(n)
             self.fifo.resize(n)
 
     def when_idle(self, delay_s: float, work: Callable[[], Awaitable[Any]], *, name: str,
@@ -512,18 +508,18 @@ class Service:
         if any(slot.generation != self.engine.generation for slot in self.slots):
             self.slots.engine_started(self.engine.generation)
 
-    def _sent(self, request: StrataRequest) -> SlotState | None:
-        if request.route == "slots":
-            return None  # slot calls record themselves (save_slot, restore_slot, erase_slot)
+    def _sent(self, request: StrataRequest) -> SlotState:
         held = self.slots[request.slot]
         request.found_in_slot = (request.conversation_key is not None and held.key == request.conversation_key
                                  and held.tenant == request.tenant and not held.empty)
+        request.state_source = state_source(request, None)
         return self.slots.sent(request.slot, request)
 
-    def _answered(self, request: StrataRequest, outcome: Outcome, before: SlotState | None) -> None:
+    def _answered(self, request: StrataRequest, outcome: Outcome, before: SlotState) -> None:
         """Record what the slot holds now that the engine's answer ended, however it ended."""
-        if before is None:
-            return
+        if outcome.timings is not None:
+            self.measures.answered(outcome.timings)
+            request.state_source = state_source(request, outcome.timings)
         if self.engine.generation != before.generation:
             self.sync_generation()  # the engine died during the request: its slots are gone
             if outcome.timings is not None:
@@ -541,46 +537,6 @@ class Service:
         else:
             self.slots.finished(request.slot, None)  # cut off: ask the engine when it matters
 
-    async def _slot_tasks(self) -> dict[int, int] | None:
-        """Each slot's last task, as the engine says; None if it cannot."""
-        try:
-            answer = await self.engine.slots()
-        except (EngineError, EngineUnavailable) as exc:
-            log.info("[strata] could not ask the engine what its slots last ran: %s", exc)
-            return None
-        return _tasks(answer, len(self.slots))
-
-    async def _find_slot(self, request: StrataRequest, tasks_before: dict[int, int] | None) -> None:
-        """Which slots the engine used for a request it was not told where to run.
-
-        The slot whose last task is the newest (``SlotReport.task``) ran it; the picture moves
-        the request's record there. The slot chosen beforehand keeps its tokens with no
-        name: a conversation is never recorded in two slots. A request the engine split
-        into several tasks (embeddings of several inputs) ran in several slots: every
-        other slot whose last task changed holds nothing nameable any more. When the
-        tasks before are not known, no other slot's name can be trusted.
-        """
-        try:
-            answer = await self.engine.slots()
-        except (EngineError, EngineUnavailable) as exc:
-            log.info("[strata] could not ask the engine which slot ran request %d: %s", request.id, exc)
-            for slot in range(len(self.slots)):
-                self.slots.unknown(slot, nameable=False)
-            return
-        tasks = _tasks(answer, len(self.slots))
-        if tasks:
-            ran = max(tasks, key=lambda slot: tasks[slot])
-            if ran != request.slot:
-                self.slots.moved(request.slot, ran)
-                request.slot = ran
-            for slot in range(len(self.slots)):
-                touched = tasks_before is None or tasks.get(slot) != tasks_before.get(slot)
-                if slot != ran and touched and self.slots[slot].key is not None:
-                    log.info("[strata] slot %d ran part of request %d: it no longer holds %s",
-                             slot, request.id, self.slots[slot].key)
-                    self.slots.unknown(slot, nameable=False)
-        self.slots.check(answer)
-
     async def slot(self, slot: int = 0) -> SlotState:
         """What the slot holds, asking the engine first when the picture is not sure."""
         self.sync_generation()
@@ -597,12 +553,13 @@ class Service:
             log.info("[strata] could not ask the engine what its slots hold: %s", exc)
             return
         self.sync_generation()
-        self.slots.check(answer)
+        self.slots.adopt_engine_counts(answer)
 
     async def save_slot(self, filename: str, *, slot: int = 0) -> SlotSaved:
         """Save a slot to ``filename`` in the slot directory, and record it."""
         answer = await self.engine.save(filename, slot)
-        self.slots.saved(slot, answer.tokens, answer.bytes)
+        self.slots.saved(slot, answer.tokens)
+        self.measures.state_file(answer.tokens, answer.bytes)
         return answer
 
     async def restore_slot(self, filename: str, *, slot: int = 0, key: str | None = None,
@@ -618,6 +575,7 @@ class Service:
             self.slots.unknown(slot, nameable=False)
             raise
         self.slots.restored(slot, key, tenant, answer.tokens, from_own_file=key is not None)
+        self.measures.state_file(answer.tokens, answer.bytes)
         if request is not None:
             request.restored_tokens = answer.tokens
         return answer
@@ -727,8 +685,8 @@ class Service:
                         state.key, state.id, tokens)
 
 
-async def _to_the_end(step: Awaitable[Any]) -> Any:
-    """Await ``step`` to its end even if the awaiting task is cancelled meanwhile.
+async def _shielded(step: Awaitable[Any]) -> Any:
+    """Await ``step`` shielded: it runs to its end even if the awaiting task is cancelled meanwhile.
 
     The cancel is re-raised once the step has finished.
     """
@@ -746,7 +704,3 @@ async def _to_the_end(step: Awaitable[Any]) -> Any:
         raise asyncio.CancelledError()
     return result
 
-
-def _tasks(reports: list[SlotReport], count: int) -> dict[int, int]:
-    """slot -> its last task's number, from the engine's slot reports."""
-    return {r.id: r.task for r in reports if r.task is not None and 0 <= r.id < count}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from strata_serve.hook_types import Timings
 
@@ -24,27 +24,6 @@ if TYPE_CHECKING:
     from strata_serve.engine.base import SlotReport
 
 log = logging.getLogger("strata_serve.slots")
-
-#: Where a request's conversation state came from, as the core tells the client:
-#: ``slot`` (the slot held it), ``disk`` (a plugin restored it from its file), ``ram``
-#: (neither, yet the engine reused most of the prompt: its RAM prompt cache), ``none``
-#: (the prompt was read anew), ``engine`` (left to the engine; a streamed answer's
-#: headers leave before the engine says which).
-StateSource = Literal["slot", "disk", "ram", "none", "engine"]
-#: A prompt reused at least this much without the slot or a restore came from the RAM cache.
-RAM_REUSE_SHARE = 0.5
-
-
-def state_source(request: Any, timings: Timings | None) -> StateSource:
-    """Where a request's conversation state came from (see :data:`StateSource`)."""
-    if request.restored_tokens:
-        return "disk"
-    if request.found_in_slot:
-        return "slot"
-    if timings is None:
-        return "engine"
-    prompt = timings.prompt_tokens
-    return "ram" if prompt and timings.reused >= RAM_REUSE_SHARE * prompt else "none"
 
 
 @dataclass
@@ -58,7 +37,8 @@ class SlotState:
     #: The tenant of the request that last ran in the slot (None: no tenants, or empty).
     tenant: str | None = None
     #: Tokens the slot holds (prompt plus generated); 0 when empty, None when not known
-    #: (a request was cut off): :meth:`SlotPicture.check` asks the engine.
+    #: (a request was cut off): the service asks the engine, whose count the registry
+    #: adopts (:meth:`SlotRegistry.adopt_engine_counts`).
     tokens: int | None = 0
     #: True while the conversation's own file equals what the slot holds (saved or
     #: restored since the last request changed the slot).
@@ -79,18 +59,16 @@ class SlotState:
 
 
 @dataclass
-class SlotPicture:
-    """The slots of one engine, by id."""
+class SlotRegistry:
+    """What each slot of one engine holds, by id: the core's record, written through the
+    methods below (the service is their only caller) and read by everyone."""
 
     slots: list[SlotState] = field(default_factory=lambda: [SlotState(0)])
     #: Checks against the engine that found the picture wrong (each is logged).
     corrections: int = 0
-    #: Tokens and bytes of every slot save made through the service (for :attr:`bytes_per_token`).
-    saved_tokens: int = 0
-    saved_bytes: int = 0
 
     @classmethod
-    def for_engine(cls, parallel: int) -> SlotPicture:
+    def for_engine(cls, parallel: int) -> SlotRegistry:
         return cls([SlotState(n) for n in range(max(1, parallel))])
 
     def __getitem__(self, slot: int) -> SlotState:
@@ -132,19 +110,11 @@ class SlotPicture:
         """The engine refused the request before touching the slot (a 4xx): as it was."""
         self.slots[slot] = before
 
-    def saved(self, slot: int, tokens: int, written: int = 0) -> None:
-        """The slot was saved: the engine counted what it holds, and the bytes it wrote.
-        (The plugin whose file it was records it with :meth:`file_written` once the file
-        is in place under its name.)"""
+    def saved(self, slot: int, tokens: int) -> None:
+        """The slot was saved: the engine counted what it holds. (The plugin whose file
+        it was records it with :meth:`file_written` once the file is in place under its
+        name.)"""
         self.slots[slot].tokens = tokens
-        if tokens and written:
-            self.saved_tokens += tokens
-            self.saved_bytes += written
-
-    @property
-    def bytes_per_token(self) -> float | None:
-        """Bytes per token of the engine's state, measured from slot saves (None before one)."""
-        return self.saved_bytes / self.saved_tokens if self.saved_tokens else None
 
     def restored(self, slot: int, key: str | None, tenant: str | None, tokens: int,
                  *, from_own_file: bool) -> None:
@@ -192,8 +162,8 @@ class SlotPicture:
 
     # -- the engine's word -------------------------------------------------------------
 
-    def check(self, reports: list[SlotReport]) -> None:
-        """Compare with what the engine says of its slots and take its token counts.
+    def adopt_engine_counts(self, reports: list[SlotReport]) -> None:
+        """Take the engine's token counts from its slot reports, where ours differ or are unknown.
 
         The engine cannot name conversations, only count tokens: a count that differs
         from ours (or ours unknown) is replaced by the engine's, and a slot the engine

@@ -36,6 +36,14 @@ class Recorder:
         self.active -= 1
 
     @strata_serve.hookimpl
+    def pre_slot_action(self, slot, action, service):
+        self.events.append(("pre_slot_action", slot, action, service.fifo.slot_free(slot)))
+
+    @strata_serve.hookimpl
+    def post_slot_action(self, slot, action, service):
+        self.events.append(("post_slot_action", slot, action, service.slots[slot].tokens))
+
+    @strata_serve.hookimpl
     async def on_startup(self, service):
         self.events.append(("startup", await service.engine.health()))
 

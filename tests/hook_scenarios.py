@@ -179,6 +179,26 @@ async def parking_still_saves(env: Env, plugin: object) -> None:
     assert (Path(service.engine.info.slot_save_path) / f"auto-{key}.bin").is_file(), "a was parked"
 
 
+@scenario("pre_slot_action", "post_slot_action")
+async def a_slot_action_still_parks_first(env: Env, plugin: object) -> None:
+    import strata_auto_sessions
+
+    settings = env.settings(plugins={"auto_sessions": {"min_tokens": 100}})
+    client = await env.client(strata_auto_sessions, plugin, settings=settings)
+    a = conversation("by-hand-a")
+    resp = await client.post("/v1/chat/completions", json={"messages": a, "max_tokens": 2})
+    assert resp.status == 200, await resp.text()
+    erased = await client.post("/slots/0?action=erase")  # auto-sessions parks a first
+    assert erased.status == 200, await erased.text()
+    from strata_serve.hook_types import StrataRequest
+
+    service = client.app[SERVICE]
+    key = service.conversation_key(StrataRequest(route="chat", body={"messages": a}))
+    assert (Path(service.engine.info.slot_save_path) / f"auto-{key}.bin").is_file(), "a was parked"
+    assert service.slots[0].empty
+    await answered(client)
+
+
 @scenario("on_config", "adjust_settings")
 async def the_start_is_refused_naming_the_plugin(env: Env, plugin: object) -> None:
     # The one hook whose failure stops the start, on purpose: a plugin refuses its section.

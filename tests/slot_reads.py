@@ -89,7 +89,7 @@ class SlotReads:
     @strata_serve.hookimpl(trylast=True)
     async def pre_request(self, request, service):
         # After every other plugin's steps (auto-sessions' save and restore of this slot).
-        if request.conversation_key is not None and request.route != "slots":
+        if request.conversation_key is not None:
             self._last_task[request.id] = (await slot_entry(service, request.slot)).task
 
     @strata_serve.hookimpl(tryfirst=True)

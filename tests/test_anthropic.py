@@ -174,10 +174,10 @@ async def test_every_refusal_is_in_anthropics_shape(parked_client):
 async def test_a_full_queue_is_refused_in_anthropics_shape(parked_client):
     client = await parked_client(queue_limit=0)
     fifo = client.app[SERVICE].fifo
-    await fifo.acquire()  # another request holds the engine
+    held = await fifo.acquire()  # another request holds the engine
     try:
         resp = await client.post("/v1/messages", json={"max_tokens": 2, "messages": [{"role": "user", "content": "x"}]})
         assert resp.status == 503 and resp.headers["Retry-After"]
         assert_anthropic_error(await resp.json(), "overloaded_error")
     finally:
-        fifo.release()
+        fifo.release(held)

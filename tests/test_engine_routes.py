@@ -39,14 +39,14 @@ async def test_routes_that_touch_no_slot_never_evict_or_save(strata_client_facto
              ("GET", "/props", None),
              ("POST", "/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "Hello"}]})]
     # They are answered while another request holds the FIFO: they never wait in it.
-    await service.fifo.acquire()
+    busy = await service.fifo.acquire()
     try:
         for method, path, body in calls:
             resp = await asyncio.wait_for(client.request(method, path, json=body), 10)
             assert resp.status == 200, (path, await resp.text())
             assert await resp.json()
     finally:
-        service.fifo.release()
+        service.fifo.release(busy)
     assert service.slots[0] == held
     assert service.state["auto_sessions"].stats.saves == 0
     again = await chat(client, "untouched")

@@ -35,11 +35,11 @@ async def test_queue_limit_refuses_past_the_bound():
     await asyncio.sleep(0)
     with pytest.raises(QueueFull):
         await fifo.acquire()
-    fifo.release()
+    fifo.release(0)
     await waiters[0]
-    fifo.release()
+    fifo.release(0)
     await waiters[1]
-    fifo.release()
+    fifo.release(0)
     assert fifo.idle
 
 
@@ -53,10 +53,10 @@ async def test_cancelled_waiter_leaves_without_taking_a_turn():
     leaver.cancel()
     await asyncio.sleep(0)
     assert fifo.waiting == 1
-    fifo.release()
+    fifo.release(0)
     await asyncio.wait_for(stayer, 1)
     assert fifo.holders == 1
-    fifo.release()
+    fifo.release(0)
     assert fifo.idle
 
 
@@ -66,7 +66,7 @@ async def test_turn_granted_while_being_cancelled_is_passed_on():
     first = asyncio.create_task(fifo.acquire())
     second = asyncio.create_task(fifo.acquire())
     await asyncio.sleep(0)
-    fifo.release()  # hands the turn to `first`...
+    fifo.release(0)  # hands the turn to `first`...
     first.cancel()  # ...which is cancelled before it runs
     with pytest.raises(asyncio.CancelledError):
         await first
@@ -82,7 +82,7 @@ async def test_capacity_above_one_admits_that_many():
     blocked = asyncio.create_task(fifo.acquire())
     await asyncio.sleep(0)
     assert not blocked.done()
-    fifo.release()
+    fifo.release(2)
     await asyncio.wait_for(blocked, 1)
 
 
@@ -144,11 +144,11 @@ async def test_the_chooser_places_a_claim_among_the_free_slots():
 
 
 def test_a_slot_is_chosen_by_what_displacing_it_costs():
-    from strata_serve.slot_state import SlotPicture
+    from strata_serve.slot_state import SlotRegistry
     from strata_serve.service import Service
 
     service = Service.__new__(Service)
-    picture = service.slots = SlotPicture.for_engine(4)
+    picture = service.slots = SlotRegistry.for_engine(4)
     # 0: the least recently used conversation; 1: another, more recent; 2: a file current;
     # 3: nothing nameable.
     for n, (key, last, current) in enumerate([("a", 1, False), ("b", 5, False), ("c", 3, True), (None, 9, False)]):

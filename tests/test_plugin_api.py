@@ -18,7 +18,7 @@ import pytest
 import strata_auto_sessions
 import strata_serve
 from strata_serve.api import SERVICE
-from strata_serve.default_plugins.opening_key import text_key
+from strata_serve.api.conversation import text_key
 
 #: The plugin, as docs/writing-plugins.md shows it.
 _SPEC = importlib.util.spec_from_file_location(

@@ -242,12 +242,12 @@ def test_the_picture_matches_the_engine_after_every_step(server):
 
 def test_a_slot_the_engine_still_works_in_has_no_final_count():
     from strata_serve import SlotReport
-    from strata_serve.slot_state import SlotPicture
+    from strata_serve.slot_state import SlotRegistry
 
-    picture = SlotPicture.for_engine(2)
+    picture = SlotRegistry.for_engine(2)
     picture[0].key, picture[0].tokens = "a", 1001
     # The client left; the engine goes on generating until it notices.
-    picture.check([SlotReport(id=0, tokens=1010, processing=True), SlotReport(id=1, tokens=0)])
+    picture.adopt_engine_counts([SlotReport(id=0, tokens=1010, processing=True), SlotReport(id=1, tokens=0)])
     assert picture[0].tokens is None and picture[0].key == "a" and picture.corrections == 0
-    picture.check([SlotReport(id=0, tokens=1044)])
+    picture.adopt_engine_counts([SlotReport(id=0, tokens=1044)])
     assert picture[0].tokens == 1044 and picture.corrections == 0

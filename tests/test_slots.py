@@ -27,8 +27,13 @@ async def test_save_erase_restore_round_trip_reuses_the_prompt(strata_client_fac
     assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
     prompt_tokens = again["timings"]["cache_n"] + again["timings"]["prompt_n"]
     assert again["timings"]["cache_n"] >= prompt_tokens - 2, again["timings"]
-    # Slot actions run through the FIFO and the hooks like any request.
-    assert [e[0] for e in recorder.events].count("pre") == 5
+    # Slot actions hold the slot in the FIFO, with hooks of their own: they are no request.
+    assert [e[0] for e in recorder.events].count("pre") == 2
+    actions = [e for e in recorder.events if e[0].endswith("_slot_action")]
+    assert [e[:3] for e in actions] == [(step, 0, action) for action in ("save", "erase", "restore")
+                                        for step in ("pre_slot_action", "post_slot_action")]
+    assert all(e[3] is False for e in actions if e[0] == "pre_slot_action"), "the slot is held"
+    assert [e[3] for e in actions if e[0] == "post_slot_action"][1:] == [0, (await restored.json())["n_restored"]]
 
 
 async def test_erase_without_restore_pays_a_full_prefill(strata_client_factory):

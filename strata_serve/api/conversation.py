@@ -52,6 +52,13 @@ def opening(request: StrataRequest | str, body: dict[str, Any] | None = None) ->
     return api.opening(given)
 
 
+def text_key(text: str, media: list[str] = ()) -> str:
+    """The key of an opening message: the sha1 of its text, framed with its media when it has some."""
+    if media:
+        text = json.dumps({"user": text, "media": list(media)}, ensure_ascii=False)
+    return hashlib.sha1(text.encode("utf-8")).hexdigest()[:16]
+
+
 def prompt_units(request: StrataRequest) -> list[Any] | str:
     """What a request's prompt is made of, in order, as its API declares: its
     instructions or system prompt and its messages or items (a list), or a prompt's

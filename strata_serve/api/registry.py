@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("strata_serve.api")
 
 Body = dict[str, Any]
-#: The route name of a slot action made by hand (``/slots/{slot_id}``): the core's own, no API's.
+#: A route name no API may take: the core's slot actions by hand (``/slots/{slot_id}``), no request's.
 SLOTS_ROUTE = "slots"
 #: The core's own paths, which no API may take.
 CORE_PATHS = frozenset({"/health", "/slots", "/slots/{slot_id}", "/openapi.json"})
@@ -151,8 +151,8 @@ class Apis:
 
     @property
     def routes(self) -> frozenset[str]:
-        """The route names a request may carry: every API's, and the slot actions'."""
-        return frozenset(self.by_route) | {SLOTS_ROUTE}
+        """The route names a request may carry: every API's."""
+        return frozenset(self.by_route)
 
     @property
     def engine_paths(self) -> frozenset[str]:

@@ -29,7 +29,6 @@ from strata_serve.config import EngineSettings
 from strata_serve.engine.base import ContextOverflow, Engine, EngineUnavailable, JSONAnswer
 from strata_serve.hook_types import KeyRefused, Outcome, StrataRequest, Timings
 from strata_serve.service import QueueFull, Service, ShuttingDown
-from strata_serve.slot_state import state_source
 
 log = logging.getLogger("strata_serve.api")
 
@@ -292,7 +291,7 @@ async def relay(request: web.Request, api: Api, body: dict[str, Any]) -> web.Str
     assert answer is not None
     if not strata_request.stream:
         # Once the request is done: a route the engine placed itself is located by then.
-        answer.headers.update(state_headers(strata_request, outcome.timings))
+        answer.headers.update(state_headers(strata_request))
     return answer
 
 
@@ -303,8 +302,9 @@ def answer_timings(engine: Engine, api_format: ApiFormat, numbers: Any, usage: A
     return timings if timings is not None else api_format.timings_from_usage(usage)
 
 
-def state_headers(request: StrataRequest, timings: Timings | None) -> dict[str, str]:
-    """What strata did for this request, for the client to see without reading logs."""
+def state_headers(request: StrataRequest) -> dict[str, str]:
+    """What strata did for this request, for the client to see without reading logs: the
+    core's word on where its state came from (``request.state_source``, final once answered)."""
     # A stream's headers leave before the service learns which slot the engine chose
     # for a request it could not place itself: then no slot is named.
     slot = {"X-Strata-Slot": str(request.slot)} if request.pinned or not request.stream else {}
@@ -312,7 +312,7 @@ def state_headers(request: StrataRequest, timings: Timings | None) -> dict[str, 
         return {"X-Strata-State": "unkeyed", **slot}
     return {
         "X-Strata-Conversation": request.conversation_key,
-        "X-Strata-State": state_source(request, timings),
+        "X-Strata-State": request.state_source or "engine",
         "X-Strata-Restored-Tokens": str(request.restored_tokens),
         **slot,
     }
@@ -354,7 +354,7 @@ async def _relay_stream(
         response = web.StreamResponse(
             status=200,
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                     **state_headers(strata_request, None)},
+                     **state_headers(strata_request)},
         )
         await response.prepare(request)
         seen = StreamSeen(api_format, service.engine.numbers_key)

@@ -1,7 +1,7 @@
 """``/slots``: the engine's slot API, guarded.
 
-Save, restore and erase go through the service FIFO like any request, so they
-never interleave with another conversation. A filename must name a file directly
+Save, restore and erase hold their slot in the service FIFO (``Service.slot_action``),
+so they never interleave with another conversation there. A filename must name a file directly
 inside the slot directory once real paths are resolved: the engine checks only the
 name's text, and a symlink in the directory could otherwise point anywhere.
 
@@ -25,7 +25,7 @@ from strata_serve.api.app_state import TENANT
 from strata_serve.api.relay import read_json, service_errors, service_of
 from strata_serve.api.schemas import SlotFile
 from strata_serve.engine.base import EngineUnavailable, SlotReport
-from strata_serve.hook_types import EngineError, Outcome, StrataRequest
+from strata_serve.hook_types import EngineError
 from strata_serve.tenants import TENANT_SEPARATOR
 
 routes = web.RouteTableDef()
@@ -137,7 +137,6 @@ async def slot_action(request: web.Request) -> web.Response:
     if action not in ACTIONS:
         raise APIError(400, f"action must be one of {', '.join(ACTIONS)}", param="action")
     tenant = request.get(TENANT)
-    body: dict[str, Any] = {"action": action}
     filename = on_disk = ""
     if action != "erase":
         slot_dir = service.engine.info.slot_save_path
@@ -149,27 +148,13 @@ async def slot_action(request: web.Request) -> web.Response:
         path = slot_file(Path(slot_dir), on_disk, shown=filename)
         if action == "restore" and not path.is_file():
             raise APIError(404, f"no slot file named {filename!r}", param="filename", code="no_such_file")
-        body["filename"] = on_disk
-
-    sreq = StrataRequest(route="slots", body=body, headers=request.headers, tenant=tenant, slot=slot)
-    result: dict[str, Any] = {}
-
-    async def send(outcome: Outcome) -> None:
-        # Through the service, so its picture of the slot follows what was done by hand.
-        if action == "save":
-            answer = await service.save_slot(body["filename"], slot=slot)
-        elif action == "restore":
-            # Only the tenant's own file can be named: the slot then holds its state.
-            answer = await service.restore_slot(body["filename"], slot=slot, tenant=tenant)
-        else:
-            answer = await service.erase_slot(slot)
-        if isinstance(answer.raw, dict):
-            result.update(answer.raw)  # the engine's own answer, as it gave it
-        outcome.status, outcome.http_status, outcome.error = "ok", 200, None
 
     try:
         with service_errors(service):
-            await service.process(sreq, send)
+            # Through the service, so its record of the slot follows what was done by hand.
+            answer = await service.slot_action(slot, action, on_disk or None, tenant=tenant)
+            # The engine's own answer, as it gave it.
+            result = dict(answer.raw) if isinstance(answer.raw, dict) else {}
     except EngineError as exc:
         status = exc.status if exc.status and 400 <= exc.status < 500 else 502
         message = exc.message.replace(on_disk, filename) if on_disk else exc.message

@@ -25,29 +25,12 @@ never is (the core does not ask: no conversation is left in the slot).
 
 from __future__ import annotations
 
-import hashlib
-import json
-from typing import Any
-
 import strata_serve
-from strata_serve.api.conversation import Opening, message_media, message_text, opening, opening_of
+from strata_serve.api.conversation import Opening, message_media, message_text, opening, text_key
 from strata_serve.api.llama import INFILL_KEY
 from strata_serve.hook_types import StrataRequest
 
-__all__ = ["INFILL_KEY", "Opening", "conversation_key", "first_user_text", "message_media", "message_text",
-           "opening", "text_key"]
-
-
-def first_user_text(body: dict[str, Any]) -> str | None:
-    """The first user message's text of a chat body."""
-    return opening_of(body.get("messages") or [], []).user
-
-
-def text_key(text: str, media: list[str] = ()) -> str:
-    """The key of an opening message: the sha1 of its text, framed with its media when it has some."""
-    if media:
-        text = json.dumps({"user": text, "media": list(media)}, ensure_ascii=False)
-    return hashlib.sha1(text.encode("utf-8")).hexdigest()[:16]
+__all__ = ["INFILL_KEY", "Opening", "conversation_key", "message_media", "message_text", "opening", "text_key"]
 
 
 @strata_serve.hookimpl(trylast=True)

@@ -1,7 +1,7 @@
 """Strict tenant isolation: no request reuses state another tenant left in the slot.
 
 With ``server.tenant_isolation = "strict"``, before a request of tenant T reaches the
-engine, a slot holding another tenant's state is erased. It runs ``trylast``, after
+engine, or T's slot action by hand, a slot holding another tenant's state is erased. It runs ``trylast``, after
 auto-sessions has parked the outgoing conversation (and perhaps restored T's own, which
 the core's picture then names as T's and is kept), so nothing is lost that a switch
 would not lose anyway. The rest of strict mode is the core's: the engine's RAM prompt
@@ -41,27 +41,43 @@ def on_startup(service):
 async def pre_request(request: StrataRequest, service: Any) -> None:
     if not _strict(service):
         return
+    failed = await _erase_others(service, request.slot, request.tenant)
+    if failed is not None:
+        # The request must not see the other tenant's state: it reuses nothing instead.
+        log.error("[strata] tenant isolation: erasing the slot before a request of another tenant "
+                  "failed (%s); this request reuses no cached prompt", failed)
+        request.body["cache_prompt"] = False
+
+
+@strata_serve.hookimpl(trylast=True)
+async def pre_slot_action(slot: int, tenant: str | None, service: Any) -> None:
+    # A save by hand must not write another tenant's state into the caller's file.
+    if not _strict(service):
+        return
+    failed = await _erase_others(service, slot, tenant)
+    if failed is not None:
+        log.error("[strata] tenant isolation: erasing the slot before a slot action of another tenant "
+                  "failed (%s)", failed)
+
+
+async def _erase_others(service: Any, slot: int, tenant: str | None) -> Exception | None:
+    """Erase ``slot`` unless it holds only ``tenant``'s state (or nothing); the failure, if any."""
     # The core's picture, checked against the engine when it is not sure; a slot whose
     # count is still unknown may hold something, so only an empty one is left as is.
-    held = await service.slot(request.slot)
+    held = await service.slot(slot)
     # An attached engine may run more slots than strata-serve sends to (llama-server's
     # default is 4) and picks one by its contents: every one of them is erased whenever
     # the tenant changes, so all they hold is ever the last tenant's.
     unseen = range(len(service.slots), service.engine.info.parallel)
-    if held.tenant == request.tenant and not (held.empty and unseen):
-        return
+    if held.tenant == tenant and not (held.empty and unseen):
+        return None
     if held.empty and not unseen:
-        return
+        return None
     try:
-        await service.erase_slot(request.slot)
-        for slot in unseen:
-            await service.engine.erase(slot)
+        await service.erase_slot(slot)
+        for other in unseen:
+            await service.engine.erase(other)
     except (EngineError, EngineUnavailable) as exc:
-        # The request must not see the other tenant's state: it reuses nothing instead.
-        log.error("[strata] tenant isolation: erasing the slot before a request of another tenant "
-                  "failed (%s); this request reuses no cached prompt", exc)
-        if request.route != "slots":
-            request.body["cache_prompt"] = False
-        return
-    log.debug("[strata] tenant isolation: slot erased before a request of %s",
-              request.tenant or "the unnamed tenant")
+        return exc
+    log.debug("[strata] tenant isolation: slot erased before a request of %s", tenant or "the unnamed tenant")
+    return None

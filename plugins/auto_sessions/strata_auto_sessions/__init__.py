@@ -90,9 +90,23 @@ async def post_request(request, outcome, service):
     parking = _parking(service)
     if parking is not None and parking.mode.parks:
         parking.after(request, outcome, service)
-        if request.route != "slots":
-            await parking.idle_saves.save_if_emptied_when_idle(service, request.slot)
+        await parking.idle_saves.save_if_emptied_when_idle(service, request.slot)
         parking.idle_saves.schedule(service, request.slot)
+        parking.record_in_use(service)
+
+
+@strata_serve.hookimpl
+async def pre_slot_action(slot, action, service):
+    parking = _parking(service)
+    if parking is not None and parking.mode.parks:
+        await parking.before_slot_action(service, slot, action)
+
+
+@strata_serve.hookimpl
+def post_slot_action(slot, service):
+    parking = _parking(service)
+    if parking is not None and parking.mode.parks:
+        parking.idle_saves.schedule(service, slot)
         parking.record_in_use(service)
 
 

@@ -18,7 +18,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from strata_serve import ConfigError, Outcome, StrataRequest, first_result, make_private_dir
+from strata_serve import ConfigError, EngineMeasures, Outcome, StrataRequest, first_result, make_private_dir
 
 from strata_auto_sessions import restoring
 from strata_auto_sessions.config import GB, NAME, AutoSessionsConfig, size_text
@@ -29,7 +29,6 @@ from strata_auto_sessions.prompts import prompt_signature
 from strata_auto_sessions.pruning import in_use, refresh_usage
 from strata_auto_sessions.restoring import RestoreSpeed
 from strata_auto_sessions.saving import Parked, park_slot
-from strata_auto_sessions.speeds import EngineSpeeds
 from strata_auto_sessions.stats import AutoSessionsStats
 from strata_auto_sessions.store import DirectoryInUse, LockTimeout, ParkingStore, SessionStore, engine_fingerprint
 from strata_auto_sessions.store import swa_unusable
@@ -43,15 +42,15 @@ class AutoSessions:
     """One per service: the decisions around the slot the core describes."""
 
     def __init__(self, config: AutoSessionsConfig, store: ParkingStore | None, fingerprint: dict[str, Any],
-                 off: str | None = None):
+                 measures: EngineMeasures, off: str | None = None):
         self.config = config
         self.store = store
         self.fingerprint = fingerprint
         self.stats = AutoSessionsStats()
         #: Whether parking acts now, and why not: read :attr:`mode`.
         self.status = ParkingStatus(stopped=(off or "no store") if store is None else None)
-        #: Bytes per token of the engine's state and its prefill speed, measured here.
-        self.speeds = EngineSpeeds()
+        #: Bytes per token of the engine's state and its prefill speed: the core's measurements.
+        self.speeds = measures
         #: Restore speed, measured from earlier restores.
         self.restore_speed = RestoreSpeed()
         #: The prompt signature of the last request that ran, by conversation key.
@@ -64,10 +63,10 @@ class AutoSessions:
     async def start(cls, config: AutoSessionsConfig, service: Any) -> AutoSessions:
         info = service.engine.info
         if "slot_files" not in getattr(service.engine, "capabilities", {"slot_files"}):
-            return cls._off(config, "the engine backend cannot save and restore slots")
+            return cls._off(config, service, "the engine backend cannot save and restore slots")
         directory = config.slot_dir or info.slot_save_path
         if directory is None:
-            return cls._off(config, "no slot directory; set engine.slot_save_path (--slot-save-path) or "
+            return cls._off(config, service, "no slot directory; set engine.slot_save_path (--slot-save-path) or "
                                     "plugins.auto_sessions.slot_dir")
         store = first_result(service.pm, "auto_sessions_store", directory=Path(directory), service=service) \
             or SessionStore(Path(directory))
@@ -76,11 +75,10 @@ class AutoSessions:
         except DirectoryInUse as exc:
             raise ConfigError(f"auto sessions: {exc}") from None
         except OSError as exc:
-            return cls._off(config, f"slot directory {directory} unusable: {exc}")
+            return cls._off(config, service, f"slot directory {directory} unusable: {exc}")
         if removed:
             log.info("[strata] auto sessions: removed %d unfinished temporary file(s)", removed)
-        parking = cls(config, store, engine_fingerprint(info))
-        parking.speeds.bytes_per_token = store.bytes_per_token(parking.fingerprint)
+        parking = cls(config, store, engine_fingerprint(info), service.measures)
         parking.describe_engine()
         parking.judge_engine()
         refresh_usage(store, parking.stats, report=True)
@@ -90,9 +88,9 @@ class AutoSessions:
         return parking
 
     @classmethod
-    def _off(cls, config: AutoSessionsConfig, why: str) -> AutoSessions:
+    def _off(cls, config: AutoSessionsConfig, service: Any, why: str) -> AutoSessions:
         log.warning("[strata] auto sessions: off: %s", why)
-        return cls(config, None, {}, off=why)
+        return cls(config, None, {}, service.measures, off=why)
 
     def stop(self) -> None:
         """The server stops: it holds nothing any more, and lets go of the directory."""
@@ -133,11 +131,6 @@ class AutoSessions:
         self.idle_saves.cancel(request.slot)
         self.record_in_use(service)
         in_slot = await service.slot(request.slot)
-        if request.route == "slots":
-            if request.body.get("action") in ("restore", "erase"):
-                # A slot changed by hand: park what it holds first, like a switch.
-                await self.park_slot(service, request.slot, reason="slot action")
-            return
         if not request.pinned:
             # The engine picks the slot itself and may take any: park every other one
             # first (the request holds them all meanwhile).
@@ -163,10 +156,16 @@ class AutoSessions:
             return
         await restoring.restore(self, key, request, service)
 
+    async def before_slot_action(self, service: Any, slot: int, action: str) -> None:
+        self.idle_saves.cancel(slot)
+        self.record_in_use(service)
+        if action in ("restore", "erase"):
+            # A slot changed by hand: park what it holds first, like a switch.
+            await self.park_slot(service, slot, reason="slot action")
+
     def after(self, request: StrataRequest, outcome: Outcome, service: Any) -> None:
-        if request.route == "slots" or outcome.timings is None:
+        if outcome.timings is None:
             return
-        self.speeds.request_ran(outcome.timings)
         key = request.conversation_key
         if key is not None:
             self.prompts.pop(key, None)
@@ -203,7 +202,7 @@ class AutoSessions:
     # -- estimates for a fallback plugin ---------------------------------------
 
     def prefill_seconds(self, tokens: int) -> float | None:
-        """How long the engine takes to read ``tokens`` prompt tokens, as measured here (None: not yet)."""
+        """How long the engine takes to read ``tokens`` prompt tokens, as the core measured it (None: not yet)."""
         return self.speeds.prefill_seconds(tokens)
 
     def restore_seconds(self, size: int) -> float | None:

@@ -1,14 +1,14 @@
 """Whether a conversation is worth a file: ``min_tokens``, then ``min_prefill_s`` against
-the speeds measured here."""
+the speeds the core measured (``service.measures``) and the restore speed measured here."""
 
 from __future__ import annotations
 
 from strata_auto_sessions.config import AutoSessionsConfig
 from strata_auto_sessions.restoring import RestoreSpeed
-from strata_auto_sessions.speeds import EngineSpeeds
+from strata_serve import EngineMeasures
 
 
-def worth_a_file(tokens: int | None, config: AutoSessionsConfig, speeds: EngineSpeeds,
+def worth_a_file(tokens: int | None, config: AutoSessionsConfig, speeds: EngineMeasures,
                  restores: RestoreSpeed) -> tuple[bool, str]:
     """Whether a conversation of ``tokens`` is worth a file, and why not."""
     if tokens is None:

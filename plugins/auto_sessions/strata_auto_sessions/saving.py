@@ -69,7 +69,6 @@ async def park_slot(parking: AutoSessions, service: Any, slot: int = 0, *, reaso
     if isinstance(saved, Parked):
         return saved
     service.slots.file_written(slot, key)
-    parking.speeds.slot_saved(saved.tokens, saved.bytes)
     parking.stats.saves += 1
     parking.stats.saved_tokens += saved.tokens
     parking.stats.saved_bytes += saved.bytes

@@ -124,8 +124,6 @@ class ParkingStore(Protocol):
         """``(key, sidecar)`` of every parked conversation, newest first."""
         ...
 
-    def bytes_per_token(self, current: dict[str, Any]) -> float | None: ...
-
 
 class SessionStore:
     """The plugin's files in the slot directory: the default :class:`ParkingStore`."""
@@ -405,15 +403,6 @@ class SessionStore:
             if not self.bin_path(key).exists():
                 sidecar_path.unlink(missing_ok=True)
         return removed
-
-    def bytes_per_token(self, current: dict[str, Any]) -> float | None:
-        """Engine state bytes per token, from the sidecars of files saved for this model."""
-        for key, *_ in self.files():
-            sidecar = self.sidecar(key)
-            if (sidecar is not None and sidecar.tokens > 0 and same_model(sidecar.fingerprint, current)
-                    and sidecar.fingerprint.get("layout") == current.get("layout")):
-                return sidecar.bytes / sidecar.tokens
-        return None
 
     def usage(self) -> tuple[int, int]:
         files = self.files()

@@ -38,8 +38,8 @@ class PictureCheck:
 
     @strata_serve.hookimpl(tryfirst=True)
     async def pre_request(self, request, service):
-        if request.route == "slots" or len(service.fifo.busy) > 1:
-            return  # a hand action, or another request at work: the engine may be changing
+        if len(service.fifo.busy) > 1:
+            return  # another request at work: the engine may be changing
         for report in await service.engine.slots():
             if report.processing:
                 continue

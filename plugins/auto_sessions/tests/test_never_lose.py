@@ -312,7 +312,9 @@ async def test_a_client_leaving_at_any_await_of_the_plugin_steps_leaves_a_true_p
     elif step == "restore":
         monkeypatch.setattr(service.engine, "restore", held_open(service.engine.restore))
     else:
-        monkeypatch.setattr(service, "_slot_tasks", held_open(service._slot_tasks))
+        from strata_serve import service as service_module
+
+        monkeypatch.setattr(service_module, "last_tasks", held_open(service_module.last_tasks))
     if two_slots:  # llama-server's /v1/messages ignores id_slot: the engine places it
         path, body = "/v1/messages", {"model": "m", "max_tokens": 4, "messages": more(b, "back")}
     else:

@@ -13,7 +13,7 @@ from strata_auto_sessions import Parked, ParkingMode
 from strata_auto_sessions.mode import ParkingStatus
 from strata_serve import EngineError
 from strata_serve.api import SERVICE
-from strata_serve.slot_state import SlotPicture, SlotState
+from strata_serve.slot_state import SlotRegistry, SlotState
 from strata_serve.testing import conversation
 
 
@@ -69,7 +69,7 @@ def test_the_mode_is_one_answer(monkeypatch):
 
 
 def test_a_file_is_current_only_while_the_slot_holds_its_conversation():
-    picture = SlotPicture([SlotState(0, key="a", tokens=10)])
+    picture = SlotRegistry([SlotState(0, key="a", tokens=10)])
     picture.file_written(0, "b")
     assert not picture[0].file_current, "the slot holds another conversation now"
     picture.file_written(0, "a")

@@ -298,7 +298,6 @@ def test_a_sidecar_with_a_field_of_another_type_is_refused_and_the_others_still_
     store.sidecar_path("odd").write_text(json.dumps(data))  # NaN written as NaN, as Python would
     assert store.sidecar("odd") is None
     assert [key for key, *_ in store.files()] == ["good"] and [k for k, _ in store.sessions()] == ["good"]
-    assert store.bytes_per_token({}) == 10.0, "the good file's"
     assert store.prune(keep=1, max_bytes=10**9) == [] and store.bin_path("odd").exists(), "never removed"
     assert store.usage() == (1, 10)
     assert store.sidecar_problem("odd") and store.sidecar_problem("good") is None

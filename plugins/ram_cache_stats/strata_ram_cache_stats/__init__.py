@@ -1,8 +1,9 @@
 """ram-cache-stats: what the engine's RAM cache and the parking are doing, in numbers.
 
 After every request (``post_request``, FIFO held) it records the engine's timings and
-where the conversation's state came from: the slot, the engine's RAM prompt cache, a
-disk restore by auto-sessions, or nowhere (a full prefill). It shows the totals,
+where the conversation's state came from, as the core decided it (``request.state_source``,
+what ``X-Strata-State`` says): the slot, the engine's RAM prompt cache, a disk restore
+by auto-sessions, or nowhere (a full prefill). It shows the totals,
 derived figures and every plugin's declared metrics (``collect_metrics``) at
 ``GET /metrics`` (Prometheus), ``GET /stats`` (JSON), and in a log line every
 ``log_every`` requests.
@@ -47,7 +48,7 @@ class RamCacheStats:
     def start(cls, config: RamCacheStatsConfig, service: Any) -> RamCacheStats:
         mib = service.engine.info.cache_ram_mib
         budget = None if mib is None or mib < 0 else mib * 2**20
-        ledger = Ledger(config, budget, lambda: service.slots.bytes_per_token)  # the core measures it
+        ledger = Ledger(config, budget, service.measures)  # the core measures the engine
         registry = CollectorRegistry(auto_describe=False)
         registry.register(exposition.LedgerCollector(ledger, service))
         shown = ("off" if budget == 0 else "not known (the engine's default, or attached)" if mib is None

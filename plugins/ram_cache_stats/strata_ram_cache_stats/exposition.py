@@ -42,6 +42,9 @@ class LedgerCollector:
         for source, count in numbers["requests_by_source"].items():
             by_source.add_metric([source], count)
         yield by_source
+        yield CounterMetricFamily("strata_new_conversations",
+                                  "Requests of a conversation seen for the first time (or no longer remembered)",
+                                  value=numbers["new_conversations"])
         yield CounterMetricFamily("strata_prompt_tokens", "Prompt tokens of every request",
                                   value=numbers["prompt_tokens"])
         yield CounterMetricFamily("strata_reused_tokens", "Prompt tokens the engine reused (cache_n)",
@@ -63,7 +66,7 @@ class LedgerCollector:
                                   "Conversation records dropped past max_conversations",
                                   value=numbers["conversation_records_dropped"])
         yield CounterMetricFamily("strata_returns_reread",
-                                  "Returns of a known conversation, without a restore, that re-read their context",
+                                  "Returns of a known conversation that found their state nowhere: re-read",
                                   value=numbers["returns_reread"])
         ram = numbers["engine_ram_cache"]
         if ram["budget_bytes"] is not None:
@@ -135,7 +138,8 @@ def summary_line(numbers: dict[str, Any], declared: dict[str, list[Any]]) -> str
         f"{numbers['requests']:,} requests, reuse {numbers['reuse_ratio']:.0%}",
         f"prefill {numbers['prefill_seconds']:,.1f} s spent, ~{numbers['prefill_seconds_avoided']:,.1f} s avoided",
         f"state from slot {by['slot']:,}, RAM {by['ram']:,}, disk {by['disk']:,}, "
-        f"full prefill {by['none']:,} (new {by['new']:,}, unkeyed {by['unkeyed']:,})",
+        f"full prefill {by['none']:,}, unkeyed {by['unkeyed']:,}",
+        f"{numbers['new_conversations']:,} new conversations",
     ]
     if ram["budget_bytes"] != 0:
         budget = "not known" if ram["budget_bytes"] is None else _size(ram["budget_bytes"])

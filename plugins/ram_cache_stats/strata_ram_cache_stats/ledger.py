@@ -1,19 +1,12 @@
 """The accounting: every request's tokens and prefill, and where its conversation's state came from.
 
-Sources, decided after each request from its key, the engine's ``timings`` and what
-the core recorded of it (``request.found_in_slot``, ``request.restored_tokens``):
-
-- ``slot``: the slot held the conversation when the request was sent, and it was reused.
-- ``ram``: a switch back to a conversation that found its state without a restore:
-  the engine's RAM prompt cache brought it back (seen in ``cache_n``, not guessed).
-- ``disk``: a plugin restored it from its file, and the engine reused it.
-- ``none``: a returning conversation that reused little: it paid a full prefill.
-- ``new``: a conversation seen for the first time (or no longer remembered).
-- ``unkeyed``: a request without a conversation key; nothing to compare it with.
-
-A conversation "found its state" when it reused (``cache_n``) at least ``hit_ratio``
-of what it could have: the smaller of its prompt now and its prompt last time (or,
-after a restore, the tokens restored).
+Where the state came from is the core's word on each request (``request.state_source``,
+the one ``X-Strata-State`` says): ``slot``, ``disk``, ``ram``, ``none`` or ``unkeyed``
+(see :data:`strata_serve.StateSource`). The prefill speed and the bytes per token of the
+engine's state are the core's measurements too (``service.measures``). What this adds
+is memory: per conversation, its requests and what they cost; the conversations seen
+for the first time (``new_conversations``); and the returns of a known conversation
+that found their state nowhere (``returns_reread``).
 """
 
 from __future__ import annotations
@@ -21,15 +14,16 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from prometheus_client import Histogram
 from pydantic import BaseModel, ConfigDict, Field
 
-from strata_serve import Outcome, StrataRequest, Timings, in_tenant
+from strata_serve import EngineMeasures, Outcome, StrataRequest, Timings, in_tenant
 
 NAME = "ram_cache_stats"
-SOURCES = ("slot", "ram", "disk", "none", "new", "unkeyed")
+#: The core's sources of a measured request (an answered one: never ``engine``).
+SOURCES = ("slot", "ram", "disk", "none", "unkeyed")
 #: From a cached reply to a long prompt on a small CPU (seconds).
 PREFILL_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -43,12 +37,6 @@ class RamCacheStatsConfig(BaseModel):
     max_conversations: int = Field(1000, ge=1)
     #: Log a one-line summary every this many measured requests; 0 never.
     log_every: int = Field(100, ge=0)
-    #: A returning conversation found its state when it reused at least this share
-    #: of the tokens it could have reused.
-    hit_ratio: float = Field(0.5, gt=0, le=1)
-    #: Prefill speed is measured on requests that prefilled at least this many tokens
-    #: (shorter ones are dominated by fixed costs).
-    speed_min_tokens: int = Field(32, ge=1)
 
 
 @dataclass
@@ -59,7 +47,7 @@ class ConversationRecord:
     first_seen: float
     last_seen: float
     requests: int = 0
-    last_source: str = "new"
+    last_source: str = "none"
     last_prompt_tokens: int = 0
     reused_tokens: int = 0
     prefilled_tokens: int = 0
@@ -84,21 +72,21 @@ class ConversationRecord:
 class Ledger:
     """One per service: the running totals and the conversation records.
 
-    It keeps no model of the engine: what the slot held comes from the core's record
-    of each request. ``measure_bytes_per_token`` returns the engine's bytes per token
-    of state as measured from slot saves (the core's ``service.slots.bytes_per_token``), or None while unknown.
+    It keeps no model of the engine and measures nothing the core measures: where each
+    request's state came from is ``request.state_source``, the prefill speed and the
+    bytes per token are read from ``measures`` (the core's ``service.measures``).
     """
 
-    def __init__(self, config: RamCacheStatsConfig, budget_bytes: int | None,
-                 measure_bytes_per_token: Callable[[], float | None]):
+    def __init__(self, config: RamCacheStatsConfig, budget_bytes: int | None, measures: EngineMeasures):
         self.config = config
         #: The engine's ``--cache-ram`` as started, in bytes (0 off, None unlimited or not known).
         self.budget_bytes = budget_bytes
-        self._measure_bytes_per_token = measure_bytes_per_token
-        self.bytes_per_token: float | None = None
+        self.measures = measures
         self.conversations: collections.OrderedDict[str, ConversationRecord] = collections.OrderedDict()
         self.records_dropped = 0
         self.requests = dict.fromkeys(SOURCES, 0)
+        #: Requests of a conversation seen for the first time (or no longer remembered).
+        self.new_conversations = 0
         self.prompt_tokens = 0
         self.reused_tokens = 0
         self.prefilled_tokens = 0
@@ -110,10 +98,8 @@ class Ledger:
             buckets=PREFILL_BUCKETS_S, registry=None,
         )
         self.avoided_seconds = 0.0
-        #: Returns of a known conversation, without a restore, that re-read their context.
+        #: Returns of a known conversation that found their state nowhere (source ``none``).
         self.returns_reread = 0
-        self._speed_tokens = 0
-        self._speed_ms = 0.0
         #: Reused tokens seen before the prefill speed was known; priced once it is.
         self._unpriced_tokens = 0
 
@@ -123,8 +109,8 @@ class Ledger:
 
     @property
     def tokens_per_second(self) -> float | None:
-        """Prefill speed measured on this engine, None until a long enough prefill was seen."""
-        return self._speed_tokens / self._speed_ms * 1000 if self._speed_ms > 0 else None
+        """Prefill speed measured on this engine (the core's), None until measured."""
+        return self.measures.prefill_tokens_per_second
 
     @property
     def reuse_ratio(self) -> float:
@@ -135,13 +121,18 @@ class Ledger:
     def after(self, request: StrataRequest, outcome: Outcome) -> str | None:
         """Account one finished request.
 
-        :returns: where its conversation's state came from, or None when it was not
-            measured (a slot action, or no timings: an engine error, a cancel mid-prefill).
+        :returns: where its conversation's state came from (the core's word), or None
+            when it was not measured (no timings: an engine error, a cancel mid-prefill).
         """
-        if request.route == "slots" or outcome.timings is None:
+        source = request.state_source
+        if outcome.timings is None or source not in self.requests:
             return None
         key = request.conversation_key
-        source = self._source(key, request, outcome)
+        if key is not None:
+            if key not in self.conversations:
+                self.new_conversations += 1
+            elif source == "none":
+                self.returns_reread += 1
         self._count(key, source, outcome.timings)
         slot = self.by_slot.setdefault(request.slot, {"requests": 0, "reused_tokens": 0, "prefilled_tokens": 0})
         slot["requests"] += 1
@@ -150,22 +141,6 @@ class Ledger:
         return source
 
     # -- inside --------------------------------------------------------------------
-
-    def _source(self, key: str | None, request: StrataRequest, outcome: Outcome) -> str:
-        if key is None:
-            return "unkeyed"
-        prompt = outcome.prompt_tokens or 0
-        reused = outcome.timings.reused if outcome.timings is not None else 0
-        restored = request.restored_tokens
-        if restored:
-            return "disk" if reused >= self.config.hit_ratio * min(prompt, restored) else "none"
-        record = self.conversations.get(key)
-        if record is None:
-            return "new"
-        if reused >= self.config.hit_ratio * min(prompt, record.last_prompt_tokens):
-            return "slot" if request.found_in_slot else "ram"
-        self.returns_reread += 1
-        return "none"
 
     def _count(self, key: str | None, source: str, timings: Timings) -> None:
         reused, prefilled = timings.reused, timings.prefilled
@@ -177,9 +152,6 @@ class Ledger:
         self.prefill_ms += prefill_ms
         if timings.prefill_ms is not None:  # usage alone (Anthropic's Messages) gives no time
             self.prefill_seconds.observe(prefill_ms / 1000)
-        if prefilled >= self.config.speed_min_tokens and prefill_ms > 0:
-            self._speed_tokens += prefilled
-            self._speed_ms += prefill_ms
         self._unpriced_tokens += reused
         speed = self.tokens_per_second
         if speed:
@@ -208,10 +180,10 @@ class Ledger:
 
     def snapshot(self) -> dict[str, Any]:
         """The figures, as plain numbers (``/stats`` and the Prometheus collector read these)."""
-        self.bytes_per_token = self._measure_bytes_per_token() or self.bytes_per_token
         return {
             "requests": self.measured,
             "requests_by_source": dict(self.requests),
+            "new_conversations": self.new_conversations,
             "prompt_tokens": self.prompt_tokens,
             "reused_tokens": self.reused_tokens,
             "prefilled_tokens": self.prefilled_tokens,
@@ -222,7 +194,7 @@ class Ledger:
             "returns_reread": self.returns_reread,
             "engine_ram_cache": {
                 "budget_bytes": self.budget_bytes,
-                "bytes_per_token": _rounded(self.bytes_per_token),
+                "bytes_per_token": _rounded(self.measures.bytes_per_token),
             },
             "conversations_tracked": len(self.conversations),
             "conversation_records_dropped": self.records_dropped,

@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import strata_ram_cache_stats
 from strata_ram_cache_stats.exposition import summary_line
 from strata_ram_cache_stats.ledger import Ledger, RamCacheStatsConfig
+from strata_serve import EngineMeasures
 from strata_serve.api import SERVICE
 from strata_serve.config import ConfigError, Settings
 from strata_serve.plugins import get_plugin_manager
@@ -48,14 +49,15 @@ async def test_a_repeated_conversation_shows_reuse(stats_client):
     for turns in (1, 2, 3):
         await ask(client, conversation("again", turns))
     numbers = await stats(client)
-    assert numbers["requests_by_source"] == {"slot": 2, "ram": 0, "disk": 0, "none": 0, "new": 1, "unkeyed": 0}
+    assert numbers["requests_by_source"] == {"slot": 2, "ram": 0, "disk": 0, "none": 1, "unkeyed": 0}
+    assert numbers["new_conversations"] == 1
     assert numbers["reused_tokens"] > 2 * 700
     assert 0.5 < numbers["reuse_ratio"] < 1
     assert numbers["prefill_tokens_per_second"] > 0 and numbers["prefill_seconds_avoided"] > 0
     [record] = numbers["conversations"]
     assert record["key"] == key_of(client, conversation("again"))
     assert record["requests"] == 3 and record["last_source"] == "slot"
-    assert record["sources"] == {"new": 1, "slot": 2}
+    assert record["sources"] == {"none": 1, "slot": 2}
 
 
 async def test_a_switch_with_auto_sessions_shows_a_disk_restore(stats_client):
@@ -64,7 +66,7 @@ async def test_a_switch_with_auto_sessions_shows_a_disk_restore(stats_client):
     for messages in (a, b, a):
         await ask(client, messages)
     numbers = await stats(client)
-    assert numbers["requests_by_source"]["disk"] == 1 and numbers["requests_by_source"]["new"] == 2
+    assert numbers["requests_by_source"]["disk"] == 1 and numbers["new_conversations"] == 2
     auto = numbers["plugins"]["auto_sessions"]
     assert auto["saves"] == 2 and auto["restores"] == 1 and auto["files_on_disk"] == 2
     assert numbers["engine_ram_cache"]["budget_bytes"] == 0, "the test engine runs with --cache-ram 0"
@@ -112,7 +114,8 @@ async def test_a_full_prefill_shows_as_a_miss(stats_client):
     for messages in (a, b, a):
         await ask(client, messages)
     numbers = await stats(client)
-    assert numbers["requests_by_source"]["none"] == 1
+    assert numbers["requests_by_source"]["none"] == 3, "two first requests and a return"
+    assert numbers["returns_reread"] == 1
     assert numbers["conversations"][0]["last_source"] == "none"
     assert numbers["prefilled_tokens"] > 3 * 700 and numbers["prefill_seconds"] > 0
 
@@ -126,7 +129,7 @@ async def test_a_conversation_pushed_out_of_the_ram_cache_is_a_return_reread(sta
     reply = await ask(client, a)
     assert reply["timings"]["cache_n"] < 100, "the engine lost it"
     numbers = await stats(client)
-    assert numbers["requests_by_source"]["none"] == 1
+    assert numbers["requests_by_source"]["none"] == 4, "three first requests and a return"
     assert numbers["returns_reread"] == 1
     assert (await metrics(client))["strata_returns_reread_total"] == 1
 
@@ -148,6 +151,7 @@ async def test_metrics_parse_with_prometheus_clients_own_parser(stats_client):
     for source, count in numbers["requests_by_source"].items():
         assert samples[f"strata_requests_total{{source={source}}}"] == count
     assert samples["strata_requests_total{source=unkeyed}"] == 1
+    assert samples["strata_new_conversations_total"] == numbers["new_conversations"] == 2
     assert samples["strata_prompt_tokens_total"] == numbers["prompt_tokens"]
     assert samples["strata_reused_tokens_total"] == numbers["reused_tokens"]
     assert samples["strata_prefilled_tokens_total"] == numbers["prefilled_tokens"]
@@ -168,13 +172,13 @@ async def test_a_summary_line_every_n_requests(stats_client, caplog):
              if r.name == "strata_ram_cache_stats" and "requests, reuse" in r.getMessage()]
     assert len(lines) == 1
     assert lines[0].startswith("[strata] ram cache stats: 2 requests, reuse ")
-    assert "state from slot 0, RAM 0, disk 0, full prefill 0 (new 2, unkeyed 0)" in lines[0]
+    assert "state from slot 0, RAM 0, disk 0, full prefill 2, unkeyed 0; 2 new conversations" in lines[0]
     assert "; engine RAM cache 256.0 MiB; 0 returns re-read their context; " in lines[0]
     assert re.search(r"; auto_sessions 1 saves, 0 restores, 1 files, 0\.\d MiB on disk$", lines[0])
 
 
 def test_the_summary_line_when_the_ram_budget_is_not_known():
-    ledger = Ledger(RamCacheStatsConfig(), None, lambda: None)
+    ledger = Ledger(RamCacheStatsConfig(), None, EngineMeasures())
     line = summary_line(ledger.snapshot(), {})
     assert line.endswith("; engine RAM cache not known; 0 returns re-read their context")
 
