@@ -52,11 +52,12 @@ CLAUDE_CODE_VERSION := 2.1.332
 CODEX_VERSION := 0.171.0
 NODE_STAMP := $(NODE_DIR)/.installed-$(CLAUDE_CODE_VERSION)-$(CODEX_VERSION)
 
-.PHONY: help setup clients serve test test-pythons bench bench-quick soak clean
+.PHONY: help setup clients serve lint test test-pythons bench bench-quick soak clean
 
 help:
 	@echo "make serve   set up (first time: ~10 min to build the engine) and run strata-serve on SmolLM2-135M"
-	@echo "make test    set up (the client tests' Claude Code and Codex CLI from npm too) and run every test"
+	@echo "make test    set up (the client tests' Claude Code and Codex CLI from npm too), lint and run every test"
+	@echo "make lint    ruff and mypy alone"
 	@echo "make test-pythons  a quick subset on Python $(TEST_PYTHONS) too"
 	@echo "make bench   run the benchmarks (bench-quick: a short version)"
 	@echo "make soak    strata-serve under faults for $(SOAK_MINUTES) minutes (SOAK_MINUTES=5 to shorten; needs root)"
@@ -139,8 +140,15 @@ $(NODE_STAMP):
 
 clients: $(NODE_STAMP)
 
+# ruff (errors, modern Python, no blocking call in the server's async code) and mypy (the
+# annotations, and the Engine and ParkingStore protocols against every implementation:
+# tests/protocols.py); both configured in pyproject.toml.
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
 # pytest's exit code 5 means no tests ran: a broken set-up, never a pass.
-test: setup $(VENV)/.examples $(NODE_STAMP)
+test: lint setup $(VENV)/.examples $(NODE_STAMP)
 	rc=0; $(BIN)/python -m pytest $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "[strata] no tests were collected: failing"; exit 1; fi; exit $$rc
 

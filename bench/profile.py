@@ -26,7 +26,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
+from collections.abc import AsyncIterator
 
 import aiohttp
 from aiohttp import web
@@ -182,7 +183,7 @@ async def measure(model: Path, work: Path, requests: int = 200, sampled: int = 3
         await asyncio.sleep(1.0)  # attached
         if recorder.poll() is not None:
             raise RuntimeError(f"py-spy could not sample strata-serve: {recorder.stdout.read().decode()}")
-        for n in range(sampled):
+        for _ in range(sampled):
             await _one(session, strata_url, messages, True)
             await _one(session, strata_url, messages, False)
         recorder.send_signal(2)  # SIGINT: py-spy writes what it sampled and exits

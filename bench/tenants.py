@@ -24,7 +24,8 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
+from collections.abc import AsyncIterator
 
 import aiohttp
 from aiohttp import web

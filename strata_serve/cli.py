@@ -7,7 +7,8 @@ import logging
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import click
 from aiohttp import web

@@ -140,7 +140,7 @@ def write_demo_model(
     writer.add_feed_forward_length(shape.n_ff)
     writer.add_head_count(shape.n_head)
     writer.add_head_count_kv(shape.n_head_kv)
-    if swa:
+    if sliding_window is not None:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
         writer.add_sliding_window(sliding_window)

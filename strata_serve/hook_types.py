@@ -8,7 +8,8 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Mapping
 
 if TYPE_CHECKING:
     from strata_serve.api.registry import Api

@@ -13,7 +13,8 @@ start) and the ``firstresult`` hooks, which must stay synchronous.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
 
 import pluggy
 

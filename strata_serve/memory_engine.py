@@ -20,7 +20,8 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from strata_serve.engine.base import ContextOverflow, EngineInfo, SlotErased, SlotReport, SlotRestored, SlotSaved
 from strata_serve.hook_types import Timings
@@ -52,7 +53,7 @@ class MemoryEngine:
         self.info = EngineInfo(url="memory://engine", model_path="memory-engine", n_ctx=n_ctx,
                                slot_save_path=Path(slot_save_path) if slot_save_path else None)
         self.generation = 0
-        self.on_start = None
+        self.on_start: Callable[[bool], Awaitable[None]] | None = None
         self.slot: str = ""
         self.files: dict[str, str] = {}
         self.requests: list[dict[str, Any]] = []

@@ -13,7 +13,8 @@ import dataclasses
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal, Mapping
+from typing import Any, Literal
+from collections.abc import Iterable, Mapping
 
 log = logging.getLogger("strata_serve")
 

@@ -65,7 +65,7 @@ def packaged_model_path(name: str) -> Path | None:
         return None
     for file in dist.files or []:
         if file.name == model.filename:
-            path = Path(dist.locate_file(file))
+            path = Path(str(dist.locate_file(file)))
             if path.is_file():
                 return path
     return None

@@ -8,7 +8,8 @@ import logging
 import os
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
+from collections.abc import Callable, Iterable
 
 import pluggy
 

@@ -9,13 +9,14 @@ import logging
 import re
 import time
 from dataclasses import replace
-from typing import Any, AsyncIterator, Awaitable, Callable, Literal, TypeVar
+from typing import Any, Literal, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pluggy
 from pydantic import BaseModel
 
 from strata_serve.config import ConfigError, Settings
-from strata_serve.engine.base import Engine, EngineUnavailable, SlotErased, SlotReport, SlotRestored, SlotSaved
+from strata_serve.engine.base import Engine, EngineUnavailable, SlotErased, SlotRestored, SlotSaved
 from strata_serve.hook_types import EngineError, KeyRefused, Outcome, StrataRequest, Verdict
 from strata_serve.measures import EngineMeasures, state_source
 from strata_serve.plugins import broadcast, first_result
@@ -417,7 +418,7 @@ class Service:
         task = asyncio.current_task()
         if task is not None:
             self._tasks.add(task)
-        hook = {"slot": slot, "action": action, "tenant": tenant, "service": self}
+        hook: dict[str, Any] = {"slot": slot, "action": action, "tenant": tenant, "service": self}
         try:
             async with self.fifo.hold(Claim(slot=slot)):
                 await self._ready_to_act(len(self.slots) > 1)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from collections.abc import Callable
 
 from strata_serve.engine.base import Engine, EngineUnavailable, SlotReport
 from strata_serve.hook_types import EngineError, StrataRequest
@@ -47,7 +47,7 @@ def claim_for(request: StrataRequest, engine: Engine, slots: int) -> Claim:
     Every slot, for a request relayed to an engine path the backend cannot place in a
     given slot (then ``request.pinned`` is set False); otherwise its conversation's.
     """
-    pinned = getattr(engine, "pinned_routes", frozenset())
+    pinned: frozenset[str] = getattr(engine, "pinned_routes", frozenset())
     if slots > 1 and (request.api is None or request.api.engine_path not in pinned):
         request.pinned = False
         return Claim(exclusive=True)

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 

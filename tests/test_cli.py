@@ -61,7 +61,7 @@ def test_run_serves_then_stops_cleanly_on_sigterm(tmp_path, strata_demo_model, e
     ) as proc:
         try:
             engine_pid = int(wait_for(log_file, r"engine ready at .* \(pid (\d+)\)").group(1))
-            wait_for(log_file, r"listening on http://127\.0\.0\.1:%d .*event loop: %s" % (port, event_loop))
+            wait_for(log_file, rf"listening on http://127\.0\.0\.1:{port} .*event loop: {event_loop}")
             wait_for(log_file, r"try: curl")
             request = urllib.request.Request(
                 f"http://127.0.0.1:{port}/v1/chat/completions",

@@ -38,7 +38,6 @@ from typing import Any
 import pytest
 
 import strata_serve
-from strata_serve.api import SERVICE
 
 ROOT = Path(__file__).resolve().parent.parent
 NODE_BIN = ROOT / ".node" / "node_modules" / ".bin"

@@ -64,7 +64,7 @@ class ServerThread:
         self.call(self.runner.setup())
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         self.call(site.start())
-        self.url = "http://127.0.0.1:%d" % self.runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
 
     @property
     def service(self):

@@ -7,7 +7,7 @@ import hmac
 import ipaddress
 import logging
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable
 from urllib.parse import urlsplit
 
 import pluggy

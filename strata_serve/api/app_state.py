@@ -8,6 +8,6 @@ from strata_serve.service import Service
 #: The app's :class:`~strata_serve.service.Service`: ``request.app[SERVICE]``.
 SERVICE = web.AppKey("service", Service)
 #: Name of the API-key holder that sent a request, when named keys are configured.
-TENANT = web.RequestKey("tenant", str)
+TENANT: web.RequestKey[str | None] = web.RequestKey("tenant")
 #: The APIs the app speaks (:class:`~strata_serve.api.registry.Apis`): the built-in ones and the plugins'.
 APIS = web.AppKey("apis", Apis)

@@ -25,7 +25,8 @@ has tokens can never be answered; ``server.max_messages`` bounds the rest.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from strata_serve.api.errors import APIError
 
@@ -83,7 +84,8 @@ def media_parts(body: dict[str, Any], fields: Iterable[str],
         if isinstance(node, list):
             stack.extend(node)
         elif isinstance(node, dict):
-            reader = readers.get(node.get("type")) if isinstance(node.get("type"), str) else None
+            kind = node.get("type")
+            reader = readers.get(kind) if isinstance(kind, str) else None
             if reader is not None:
                 yield reader(node)
             for value in node.values():

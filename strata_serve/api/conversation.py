@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +53,7 @@ def opening(request: StrataRequest | str, body: dict[str, Any] | None = None) ->
     return api.opening(given)
 
 
-def text_key(text: str, media: list[str] = ()) -> str:
+def text_key(text: str, media: Sequence[str] = ()) -> str:
     """The key of an opening message: the sha1 of its text, framed with its media when it has some."""
     if media:
         text = json.dumps({"user": text, "media": list(media)}, ensure_ascii=False)

@@ -79,7 +79,7 @@ class ApiFormat:
         return b"data: " + json.dumps(event).encode() + b"\n\n"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _markers(api: ApiFormat, numbers_key: str | None) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
     """An API's markers with the engine's key for its numbers, and those with the ends."""
     markers = api.markers if numbers_key is None else (*api.markers, json.dumps(numbers_key).encode())

@@ -14,7 +14,8 @@ import json
 import logging
 import math
 import re
-from typing import Any, Awaitable, Callable, Iterator
+from typing import Any
+from collections.abc import Awaitable, Callable, Iterator
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
@@ -277,7 +278,7 @@ async def relay(request: web.Request, api: Api, body: dict[str, Any]) -> web.Str
 
     try:
         with service_errors(service):
-            outcome = await service.process(strata_request, send)
+            await service.process(strata_request, send)
     except asyncio.CancelledError:
         # Cut by a stop before its answer began (queued, or waiting on the engine): it gets
         # the stop's answer, not a connection closed without one. A stream already answering

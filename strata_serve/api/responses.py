@@ -75,7 +75,7 @@ def cache_key(body: dict[str, Any]) -> str | None:
     name = body.get("prompt_cache_key")
     if not isinstance(name, str) or not name:
         return None
-    return hashlib.sha1(f"prompt_cache_key:{name}".encode("utf-8")).hexdigest()[:16]
+    return hashlib.sha1(f"prompt_cache_key:{name}".encode()).hexdigest()[:16]
 
 
 def responses_units(body: dict[str, Any]) -> list[Any]:

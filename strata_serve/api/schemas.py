@@ -6,7 +6,8 @@ passed through to the engine untouched (``extra="allow"``).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Callable, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
+from collections.abc import Callable
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator, model_validator
 

@@ -16,7 +16,7 @@ no tenant can name another's file, and no answer tells whether one exists.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from aiohttp import web
 
@@ -29,7 +29,8 @@ from strata_serve.hook_types import EngineError
 from strata_serve.tenants import TENANT_SEPARATOR
 
 routes = web.RouteTableDef()
-ACTIONS = ("save", "restore", "erase")
+SlotActionName = Literal["save", "restore", "erase"]
+ACTIONS: tuple[SlotActionName, ...] = ("save", "restore", "erase")
 #: Refused as the start of a hand-saved name, whatever its case (see the module's doc).
 RESERVED_PREFIXES = ("auto-", "tmp-", "hand-")
 HAND_PREFIX = "hand-"
@@ -133,8 +134,8 @@ async def slot_action(request: web.Request) -> web.Response:
         raise APIError(404, f"no slot {slot_id!r}: the engine runs {slots} slot(s), 0 to {slots - 1}",
                        code="no_such_slot")
     slot = int(slot_id)
-    action = request.query.get("action")
-    if action not in ACTIONS:
+    action = next((name for name in ACTIONS if name == request.query.get("action")), None)
+    if action is None:
         raise APIError(400, f"action must be one of {', '.join(ACTIONS)}", param="action")
     tenant = request.get(TENANT)
     filename = on_disk = ""

@@ -5,7 +5,8 @@ from __future__ import annotations
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, Protocol
+from collections.abc import Awaitable, Callable
 
 from strata_serve.hook_types import Timings
 
@@ -194,9 +195,11 @@ class Engine(Protocol):
     generation: int
     #: Awaited with ``restarted`` after every start, before requests are let through.
     on_start: Callable[[bool], Awaitable[None]] | None
-    #: The key under which the engine adds numbers of its own to an answer and to a
-    #: stream's events (what :meth:`read_timings` reads); None when it adds none.
-    numbers_key: str | None
+    @property
+    def numbers_key(self) -> str | None:
+        """The key under which the engine adds numbers of its own to an answer and to a
+        stream's events (what :meth:`read_timings` reads); None when it adds none."""
+        ...
 
     async def start(self) -> None: ...
 

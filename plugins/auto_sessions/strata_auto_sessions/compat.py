@@ -71,7 +71,8 @@ def swa_unusable(current: dict[str, Any]) -> str | None:
     its model uses a sliding window and it runs without ``--swa-full``. None when it is
     not so, or not known (the window, or an attached engine's flags)."""
     window, layout = current.get("sliding_window"), current.get("layout")
-    if not window or layout is None or _layout_flags(layout)["swa_full"]:
+    flags = _layout_flags(layout)
+    if not window or flags is None or flags["swa_full"]:
         return None
     return (f"the model uses a sliding attention window ({window:,} tokens) and the engine runs without "
             f"--swa-full: it would load a saved state, then read the whole conversation again")

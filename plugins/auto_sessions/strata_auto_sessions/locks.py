@@ -11,7 +11,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator
 
 from strata_serve import PRIVATE_FILE_MODE
 

@@ -13,7 +13,8 @@ import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from strata_serve import PRIVATE_FILE_MODE
 

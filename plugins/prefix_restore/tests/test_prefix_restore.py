@@ -121,7 +121,9 @@ async def new_conversation_after_a_restart(strata_client_factory, strata_setting
                                        engine=engine)
 
     first = await strata_client_factory(strata_auto_sessions, strata_prefix_restore, settings=settings())
-    messages = lambda question: [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    def messages(question):
+        return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
     await ask(first, messages("What is rule7?"))
     await first.close()
     again = await strata_client_factory(strata_auto_sessions, strata_prefix_restore, settings=settings())

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -110,15 +111,15 @@ def plugin_families(plugin: str, declared: list[Any]) -> Iterator[Metric]:
     fit the family begun under its name (another kind, unit or label names) is logged
     and left out.
     """
-    families: dict[str, tuple[Any, Metric]] = {}
+    families: dict[str, tuple[Any, CounterMetricFamily | GaugeMetricFamily]] = {}
     for metric in declared:
         labels = sorted(metric.labels)
         begun = families.get(metric.name)
         if begun is None:
             family_type = CounterMetricFamily if metric.kind == "counter" else GaugeMetricFamily
-            family = family_type(f"strata_{plugin}_{metric.name}", f"{plugin}: {metric.help}",
-                                 labels=labels, unit=metric.unit)
-            begun = families[metric.name] = (metric, family)
+            new_family: CounterMetricFamily | GaugeMetricFamily = family_type(
+                f"strata_{plugin}_{metric.name}", f"{plugin}: {metric.help}", labels=labels, unit=metric.unit)
+            begun = families[metric.name] = (metric, new_family)
         first, family = begun
         if (metric.kind, metric.unit, labels) != (first.kind, first.unit, sorted(first.labels)):
             log.warning("[strata] ram cache stats: %s's metric %s does not fit the family of that name "

@@ -47,7 +47,7 @@ def packaged_binary() -> Path | None:
         return None
     for file in dist.files or []:
         if file.name == BINARY_NAME and file.parent.name == "bin":
-            path = Path(dist.locate_file(file))
+            path = Path(str(dist.locate_file(file)))
             if path.is_file():
                 return path
     return None

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json as json_module
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 from pydantic import SecretStr
@@ -64,7 +65,7 @@ class EngineClient:
         try:
             async with self.session.get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as resp:
                 return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             return False
 
     async def request(self, method: str, path: str, json: Any = None, *, resend: bool = True) -> tuple[int, Any]:
@@ -83,7 +84,7 @@ class EngineClient:
                 if resp.content_type == "application/json":
                     return resp.status, json_answer(await resp.read())
                 return resp.status, await resp.text()
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
             raise await self.gone(exc, proc) from exc
 
     @contextlib.asynccontextmanager
@@ -129,7 +130,7 @@ class EngineClient:
                     dropped = True
                     continue
                 raise await self.gone(exc, proc) from exc
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
                 raise await self.gone(exc, proc) from exc
             if not (resp.status == 503 and self._replaced(proc)):
                 return resp, proc
@@ -227,7 +228,7 @@ class StreamReply:
         # A plain iterator rather than an async generator: one step less for every chunk.
         try:
             chunk = await self._resp.content.readany()
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
             raise await self._gone(exc) from exc
         if not chunk:
             raise StopAsyncIteration

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 engine_log = logging.getLogger("strata_serve.engine.output")
 

@@ -11,7 +11,8 @@ import secrets
 import signal
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
+from collections.abc import Awaitable, Callable
 
 from pydantic import SecretStr
 
