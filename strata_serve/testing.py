@@ -30,16 +30,20 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-try:  # async fixtures in strict mode need pytest-asyncio's marker; without it, plain pytest's
-    from pytest_asyncio import fixture as async_fixture
-except ImportError:  # strata-serve installed without its test extra: this plugin must still load
-    async_fixture = pytest.fixture
-
 from strata_serve.config import Settings
 from strata_serve.hookspecs import hookimpl
 from strata_serve.engine import LlamaServer
 from strata_serve.plugins import get_plugin_manager
 
+# Async fixtures in strict mode need pytest-asyncio's marker; without it (strata-serve
+# installed without its test extra), plain pytest's: this plugin must still load.
+async_fixture: Any = pytest.fixture
+try:
+    import pytest_asyncio
+
+    async_fixture = pytest_asyncio.fixture
+except ImportError:
+    pass
 
 
 def chat_body(text: str = "Hello there", *, max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
