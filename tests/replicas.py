@@ -8,6 +8,9 @@ its configuration the one docs/several-servers.md shows (``docs/examples/haproxy
 given this machine's addresses by :func:`balancer_config` and nothing else. A replica
 can be killed (``kill -9``) and started again on its port and slot directory.
 
+What a turn after a failover reused is :func:`after_a_failover`'s answer; today's is
+:func:`reread_in_full` (no replica shares another's parked conversations yet).
+
 Every wait has a deadline. ``async with Replicas(tmp_path, model) as replicas:``.
 """
 
@@ -354,3 +357,21 @@ class Replicas:
                     answer = text
                 return Answer(resp.status, resp.headers.get("X-Strata-Replica"),
                               resp.headers.get("X-Strata-Conversation"), answer, CIMultiDictProxy(CIMultiDict(resp.headers)))
+
+
+# -- what a failover costs ----------------------------------------------------------
+
+
+async def after_a_failover(replicas: Replicas, messages: list[dict], headers: dict[str, str]) -> tuple[Answer, Reuse]:
+    """The next turn of a conversation whose replica is gone, and what that turn reused."""
+    answer = await replicas.ask(messages, headers)
+    assert answer.status == 200, answer.body
+    return answer, answer.reuse
+
+
+def reread_in_full(reuse: Reuse) -> bool:
+    """Today's answer after a failover: the replica that takes the conversation over never
+    saw it and reads its whole prompt again. (With a shared tier the turn is restored from
+    it: ``reuse.state == "disk"``.) The few tokens every chat opens with (its template's
+    first ones, left in the slot by another conversation) are all it finds."""
+    return reuse.state == "none" and reuse.cached < 0.05 * (reuse.cached + reuse.prompt)

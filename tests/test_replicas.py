@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 
 from strata_serve.testing import conversation
-from tests.replicas import HAPROXY_CONFIG, Answer, Replicas, Reuse, balancer_config, haproxy_binary
+from tests.replicas import (
+    HAPROXY_CONFIG,
+    Answer,
+    Replicas,
+    after_a_failover,
+    balancer_config,
+    haproxy_binary,
+    reread_in_full,
+)
 
 #: The clients' own session headers, in the order the balancer (and session_header) reads them.
 CLIENT_HEADERS = ["X-Claude-Code-Session-Id", "session-id", "session_id", "X-OpenWebUI-Chat-Id", "X-Session-Id"]
@@ -106,8 +114,11 @@ async def test_each_replica_runs_with_the_config_it_is_given(tmp_path, strata_de
 
 async def test_an_echoed_key_returns_to_the_replica_that_answered_it(replicas):
     """A client that sends no id, sending back X-Strata-Conversation, keeps its replica
-    (the stick table) though the key's hash points at any of them."""
-    firsts = [await served(replicas, conversation(f"echo{n}")) for n in range(6)]
+    (the stick table) though the key's hash points at any of them; a streamed answer's
+    key is learnt as well."""
+    firsts = [await replicas.ask(conversation(f"echo{n}"), stream=n % 2 == 1) for n in range(6)]
+    assert {first.status for first in firsts} == {200}
+    assert all(first.body.rstrip().endswith("data: [DONE]") for first in firsts[1::2]), firsts[1].body
     for n, first in enumerate(firsts):
         assert first.key is not None
         again = await served(replicas, conversation(f"echo{n}", turns=2), {"X-Strata-Conversation": first.key})
@@ -133,20 +144,6 @@ async def test_a_body_field_past_the_balancers_first_buffer_is_out_of_its_reach(
         large = [await replicas.ask(body(25_000), conversation="one-conversation") for _ in range(6)]
         assert len(json.dumps(body(25_000))) > 100_000
         assert len({answer.replica for answer in large}) == len(replicas.names), [a.replica for a in large]
-
-
-async def after_a_failover(replicas: Replicas, messages: list[dict], headers: dict[str, str]) -> tuple[Answer, Reuse]:
-    """The next turn of a conversation whose replica is gone, and what that turn reused."""
-    answer = await served(replicas, messages, headers)
-    return answer, answer.reuse
-
-
-def reread_in_full(reuse: Reuse) -> bool:
-    """Today's answer after a failover: the replica that takes the conversation over never
-    saw it and reads its whole prompt again. (With a shared tier the turn is restored from
-    it: ``reuse.state == "disk"``.) The few tokens every chat opens with (its template's
-    first ones, left in the slot by another conversation) are all it finds."""
-    return reuse.state == "none" and reuse.cached < 0.05 * (reuse.cached + reuse.prompt)
 
 
 async def test_kill_9_of_the_replica_holding_a_conversation_then_its_return(replicas):
