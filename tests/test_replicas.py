@@ -125,6 +125,19 @@ async def test_an_echoed_key_returns_to_the_replica_that_answered_it(replicas):
         assert again.replica == first.replica, n
         assert again.key == first.key
 
+    # Its replica gone, the conversation goes on elsewhere, and stays there once it is back:
+    # each answer's key is stored with the replica that gave it.
+    lost = firsts[0].replica
+    await replicas.kill(lost)
+    await replicas.wait_for_state(lost, "DOWN")
+    echo = {"X-Strata-Conversation": firsts[0].key}
+    elsewhere = (await served(replicas, conversation("echo0", turns=3), echo)).replica
+    assert elsewhere != lost
+    await replicas.restart(lost)
+    await replicas.wait_for_state(lost, "UP")
+    later = await served(replicas, conversation("echo0", turns=4), echo)
+    assert later.replica == elsewhere and later.reuse.state == "slot", (later.replica, later.reuse)
+
 
 async def test_a_body_field_past_the_balancers_first_buffer_is_out_of_its_reach(tmp_path, strata_demo_model):
     """Why the configuration hashes on headers alone: HAProxy made to hash a JSON field of
