@@ -52,11 +52,11 @@ CLAUDE_CODE_VERSION := 2.1.332
 CODEX_VERSION := 0.171.0
 NODE_STAMP := $(NODE_DIR)/.installed-$(CLAUDE_CODE_VERSION)-$(CODEX_VERSION)
 
-.PHONY: help setup clients serve lint test test-pythons bench bench-quick soak clean
+.PHONY: help setup clients haproxy serve lint test test-pythons bench bench-quick soak clean
 
 help:
 	@echo "make serve   set up (first time: ~10 min to build the engine) and run strata-serve on SmolLM2-135M"
-	@echo "make test    set up (the client tests' Claude Code and Codex CLI from npm too), lint and run every test"
+	@echo "make test    set up (the client tests' Claude Code and Codex CLI from npm, and HAProxy, too), lint and run every test"
 	@echo "make lint    ruff and mypy alone"
 	@echo "make test-pythons  a quick subset on Python $(TEST_PYTHONS) too"
 	@echo "make bench   run the benchmarks (bench-quick: a short version)"
@@ -140,6 +140,16 @@ $(NODE_STAMP):
 
 clients: $(NODE_STAMP)
 
+# The balancer the tests of several replicas put in front of them (tests/replicas.py):
+# Debian's haproxy, installed as root like the rest of the test set-up; without root, the
+# set-up stops and names the package. Debian puts it in /usr/sbin, off a user's PATH.
+haproxy:
+	@if command -v haproxy >/dev/null || [ -x /usr/sbin/haproxy ]; then exit 0; fi; \
+	if [ "$$(id -u)" -ne 0 ]; then \
+	  echo "[strata] haproxy not found: the tests of several replicas run HAProxy in front of them; install Debian's haproxy package as root (apt-get install -y haproxy), or run make test as root"; exit 1; fi; \
+	export DEBIAN_FRONTEND=noninteractive; \
+	apt-get install -y -q haproxy || { apt-get update -q && apt-get install -y -q haproxy; }
+
 # ruff (errors, modern Python, no blocking call in the server's async code) and mypy (the
 # annotations, and the Engine and ParkingStore protocols against every implementation:
 # tests/protocols.py); both configured in pyproject.toml.
@@ -148,7 +158,7 @@ lint: setup
 	$(BIN)/mypy
 
 # pytest's exit code 5 means no tests ran: a broken set-up, never a pass.
-test: lint setup $(VENV)/.examples $(NODE_STAMP)
+test: lint setup $(VENV)/.examples $(NODE_STAMP) haproxy
 	rc=0; $(BIN)/python -m pytest $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "[strata] no tests were collected: failing"; exit 1; fi; exit $$rc
 

@@ -1,7 +1,8 @@
 """Copy tested example code into the docs: ``python docs/sync_examples.py [--check]``.
 
 A block between ``<!-- include: PATH -->`` and ``<!-- end include -->`` is replaced
-by the file at PATH, or by one function of it with ``PATH::function``.
+by the file at PATH, or by one function of it with ``PATH::function``, fenced as its
+kind of file (``.py``: Python, ``.cfg``: an HAProxy configuration).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "docs" / "writing-plugins.md", ROOT / "docs" / "writing-quirk-plugins.md"]
+DOCS = [ROOT / "docs" / "writing-plugins.md", ROOT / "docs" / "writing-quirk-plugins.md",
+        ROOT / "docs" / "several-servers.md"]
+FENCES = {".py": "python", ".cfg": "haproxy"}
 BLOCK = re.compile(r"(<!-- include: (?P<ref>\S+) -->\n)(?P<body>.*?)(<!-- end include -->)", re.S)
 
 
@@ -31,7 +34,12 @@ def source_of(ref: str) -> str:
 
 
 def render(markdown: str) -> str:
-    return BLOCK.sub(lambda m: f"{m.group(1)}```python\n{source_of(m.group('ref'))}```\n{m.group(4)}", markdown)
+    def block(m: re.Match[str]) -> str:
+        ref = m.group("ref")
+        fence = FENCES[Path(ref.partition("::")[0]).suffix]
+        return f"{m.group(1)}```{fence}\n{source_of(ref)}```\n{m.group(4)}"
+
+    return BLOCK.sub(block, markdown)
 
 
 def main(argv: list[str]) -> int:
