@@ -52,14 +52,14 @@ CLAUDE_CODE_VERSION := 2.1.332
 CODEX_VERSION := 0.171.0
 NODE_STAMP := $(NODE_DIR)/.installed-$(CLAUDE_CODE_VERSION)-$(CODEX_VERSION)
 
-.PHONY: help setup clients haproxy serve lint test test-pythons bench bench-quick soak clean
+.PHONY: help setup clients haproxy serve lint test test-pythons bench bench-quick bench-side soak clean
 
 help:
 	@echo "make serve   set up (first time: ~10 min to build the engine) and run strata-serve on SmolLM2-135M"
 	@echo "make test    set up (the client tests' Claude Code and Codex CLI from npm, and HAProxy, too), lint and run every test"
 	@echo "make lint    ruff and mypy alone"
 	@echo "make test-pythons  a quick subset on Python $(TEST_PYTHONS) too"
-	@echo "make bench   run the benchmarks (bench-quick: a short version)"
+	@echo "make bench   run the benchmarks (bench-quick: a short version; bench-side: side requests alone)"
 	@echo "make soak    strata-serve under faults for $(SOAK_MINUTES) minutes (SOAK_MINUTES=5 to shorten; needs root)"
 
 $(BIN)/python:
@@ -211,6 +211,11 @@ bench: setup
 
 bench-quick: setup
 	$(BIN)/python -m bench.run --quick
+
+# On its own: what side requests (titles, tags, follow-ups) cost the main conversation, four
+# set-ups, Open WebUI's and Claude Code's patterns; its table in bench/results/side-requests.md.
+bench-side: setup
+	$(BIN)/python -m bench.side
 
 # Not part of `make test`: the real server under every fault at once, bounded to 30 minutes
 # (SOAK_MINUTES shortens it), its table in bench/results/soak.md. It mounts a tmpfs: root.

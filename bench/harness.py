@@ -35,7 +35,7 @@ class Reply:
 @contextlib.asynccontextmanager
 async def bare_engine(model: Path, ctx: int, slot_dir: Path, cache_ram_mib: int | None) -> AsyncIterator[str]:
     """A llama-server on its own; yields its base URL."""
-    engine = LlamaServer(EngineSettings(model=model, ctx_size=ctx, slot_save_path=slot_dir,
+    engine = LlamaServer(EngineSettings(model=model, ctx_size=ctx, slot_save_path=slot_dir, side_slot_tokens=0,
                                         cache_ram_mib=cache_ram_mib, log_level="DEBUG", api_key=BENCH_ENGINE_KEY))
     await engine.start()
     try:
@@ -46,15 +46,17 @@ async def bare_engine(model: Path, ctx: int, slot_dir: Path, cache_ram_mib: int 
 
 @contextlib.asynccontextmanager
 async def strata(model: Path, ctx: int, slot_dir: Path, cache_ram_mib: int | None,
-                 plugins: dict[str, dict[str, Any]] | None = None, entrypoints: bool = True) -> AsyncIterator[str]:
-    """strata-serve with its installed plugins (minus those marked ``enabled: False``); yields its URL."""
+                 plugins: dict[str, dict[str, Any]] | None = None, entrypoints: bool = True,
+                 engine: dict[str, Any] | None = None) -> AsyncIterator[str]:
+    """strata-serve with its installed plugins (minus those marked ``enabled: False``); yields its URL.
+    ``engine``: engine settings beyond the model, context, slot directory and RAM cache."""
     from strata_serve.api import create_app
     from strata_serve.plugins import get_plugin_manager
 
     settings = Settings(
         server={"port": free_port("127.0.0.1"), "queue_limit": 256},
         engine={"model": model, "ctx_size": ctx, "slot_save_path": slot_dir,
-                "cache_ram_mib": cache_ram_mib, "log_level": "DEBUG"},
+                "cache_ram_mib": cache_ram_mib, "log_level": "DEBUG", **(engine or {})},
         plugins=plugins or {},
     )
     pm = get_plugin_manager(settings, entrypoints=entrypoints)

@@ -70,7 +70,9 @@ async def one_setup(name: str, model: Path, work: Path, size: int, rounds: int) 
     slot_dir = work / f"switch-{size}-{list(SETUPS).index(name)}"  # each setup starts with no files
     if through_strata:
         plugins = {"auto_sessions": {"min_tokens": 256, "idle_save_s": IDLE_SAVE_S}}
-        setup = strata(model, size * 2 + 512, slot_dir, cache, plugins=plugins)
+        # One slot, as the bare engine here: B takes A's slot, and the switch is what is measured
+        # (with a side slot, a B that fits beside A would leave A in its slot: no switch).
+        setup = strata(model, size * 2 + 512, slot_dir, cache, plugins=plugins, engine={"side_slot_tokens": 0})
     else:
         setup = bare_engine(model, size * 2 + 512, slot_dir, cache)
     found: dict[str, Any] = {}

@@ -208,6 +208,12 @@ class EngineSettings(BaseModel):
     mmproj: Path | None = None
     ctx_size: int = Field(4096, ge=0)
     parallel: int = Field(1, ge=1)
+    #: With one slot (``parallel = 1``), a second, small slot beside it for side requests
+    #: (titles, tags, follow-ups, probes), so they never take the main conversation's
+    #: slot: the engine's one KV pool holds ``ctx_size + side_slot_tokens`` tokens. 0: the
+    #: plain one-slot engine. Off with an attached engine (``url``), strict tenant
+    #: isolation, ``ctx_size = 0`` or ``-np``/``-c`` in ``extra_args``. See docs/side-lane.md.
+    side_slot_tokens: int = Field(2048, ge=0)
     slot_save_path: Path | None = None
     #: ``--cache-ram`` in MiB; None leaves the engine's default (8192), 0 turns it off.
     cache_ram_mib: int | None = Field(None, ge=-1)
@@ -221,6 +227,25 @@ class EngineSettings(BaseModel):
     restart_on_crash: bool = True
     #: Engine log lines are forwarded at this level ("DEBUG" hides them at the default level).
     log_level: str = "INFO"
+
+    @property
+    def side_lane(self) -> bool:
+        """Whether the engine strata-serve starts runs a side slot beside the main one.
+
+        Only for the one-slot set-up it would otherwise start: with ``parallel > 1`` the
+        user chose the slots, an attached engine's are its own, and slot flags in
+        ``extra_args`` would contradict the pool's size.
+        """
+        if self.side_slot_tokens == 0 or self.parallel != 1 or self.url is not None or self.ctx_size == 0:
+            return False
+        sizing = ("-np", "--parallel", "-c", "--ctx-size", "-kvu", "--kv-unified", "-no-kvu", "--no-kv-unified",
+                  "--kv-unified-per-slot")
+        return not any(arg.split("=", 1)[0] in sizing for arg in self.extra_args)
+
+    @property
+    def engine_slots(self) -> int:
+        """How many slots the engine started with these settings runs."""
+        return self.parallel + (1 if self.side_lane else 0)
 
 
 class Settings(BaseSettings):
@@ -255,6 +280,8 @@ class Settings(BaseSettings):
             return self
         engine = self.engine
         where = "server.tenant_isolation = \"strict\""
+        # One slot, none beside it: a side slot would be a second slot the engine may pick.
+        engine.side_slot_tokens = 0
         if not self.plugin_enabled("tenant_isolation"):
             raise ValueError(f"{where} needs the built-in plugin tenant_isolation (it erases the slot "
                              "between tenants); it is disabled")

@@ -39,6 +39,12 @@ class StrataRequest:
     stream: bool = False
     #: The conversation key chosen by the ``conversation_key`` hook, or None.
     conversation_key: str | None = None
+    #: True when the key names one conversation because the client or the API said so
+    #: (a session id the client sent, a Responses ``prompt_cache_key``, ``/infill``'s one
+    #: conversation); False when it is a guess from the prompt (the opening's hash), which
+    #: several conversations may share. Set by the keying plugin whose key it is, in its
+    #: ``conversation_key`` hook; the core clears it when no key is taken.
+    conversation_named: bool = False
     #: Name of the API-key holder that sent the request, when keys are configured.
     tenant: str | None = None
     id: int = field(default_factory=lambda: next(_ids))

@@ -125,6 +125,12 @@ def conversation_key(request: StrataRequest, service: Service) -> str | None:
     (a malformed session header): the client gets a 400 naming it and the request
     is never queued.
 
+    A plugin whose key names one conversation because the client or the API said so (a
+    session id the client sent), not a guess from the prompt that several conversations
+    may share, sets ``request.conversation_named = True`` when it returns it: auto-sessions
+    then keeps one file for the key, where it would keep one per conversation it finds
+    under a guessed key.
+
     Stops at the first non-None result; return None to defer.
 
     :param request: The incoming request (``route``, ``body``, ``headers``, ``tenant``).

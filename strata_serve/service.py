@@ -20,6 +20,7 @@ from strata_serve.engine.base import Engine, EngineUnavailable, SlotErased, Slot
 from strata_serve.hook_types import EngineError, KeyRefused, Outcome, StrataRequest, Verdict
 from strata_serve.measures import EngineMeasures, state_source
 from strata_serve.plugins import broadcast, first_result
+from strata_serve.side_lane import MAIN, SIDE, bound_generation, choose_lane, pool_tokens
 from strata_serve.slot_choice import Claim, SlotChooser, choose_slot, claim_for, last_tasks, locate, slot_for
 from strata_serve.slot_state import SlotRegistry, SlotState, tokens_after
 from strata_serve.tenants import TENANT_SEPARATOR, tenant_key
@@ -244,10 +245,10 @@ class Service:
         self.engine = engine
         engine.on_start = self._engine_started
         self._started = False
-        self.fifo = ServiceFIFO(settings.engine.parallel, settings.server.queue_limit, self.choose_slot)
+        self.fifo = ServiceFIFO(settings.engine.engine_slots, settings.server.queue_limit, self.choose_slot)
         self.state: dict[str, Any] = {}
         #: What each engine slot holds: recorded here for every request and slot call.
-        self.slots = SlotRegistry.for_engine(settings.engine.parallel)
+        self.slots = SlotRegistry.for_engine(settings.engine.engine_slots)
         #: Engine facts measured once, here, for everyone: prefill speed, bytes per token.
         self.measures = EngineMeasures()
         self.closing = False
@@ -295,9 +296,11 @@ class Service:
             service=self,
         )
         if key is None:
+            request.conversation_named = False
             return None
         if not isinstance(key, str) or not KEY_PATTERN.fullmatch(key):
             log.warning("[strata] ignoring conversation key %r: not 1-64 of [A-Za-z0-9_-]", key)
+            request.conversation_named = False
             return None
         if TENANT_SEPARATOR in key:
             # Without this, a key chosen by the client ("alice--s1") would name another
@@ -345,11 +348,16 @@ class Service:
             self._tasks.add(task)
         try:
             multi = len(self.slots) > 1
-            async with self.fifo.hold(claim_for(request, self.engine, len(self.slots))) as granted:
-                request.slot = slot_for(self.slots, request, granted)
+            lane = self.side_lane
+            async with self.fifo.hold(claim_for(request, self.engine, len(self.slots), one_at_a_time=lane)) as granted:
+                await self._ready_to_act(multi)
+                limit = None
+                if lane:
+                    limit = await self._place_in_lane(request)
+                else:
+                    request.slot = slot_for(self.slots, request, granted)
                 if multi and request.pinned:
                     request.body["id_slot"] = request.slot  # the engine runs it in the slot chosen here
-                await self._ready_to_act(multi)
                 began = time.monotonic()
                 outcome = Outcome(status="error", error="not sent")
                 try:
@@ -361,6 +369,10 @@ class Service:
                     outcome.status, outcome.error = "cancelled", "the client went away before the engine was asked"
                     await _shielded(self._post(request, outcome, began))
                     raise
+                if limit is not None and bound_generation(request, limit):
+                    # After the plugins' steps, which may change the body: the bound holds.
+                    log.info("[strata] request %d runs in the side slot: its generation is bounded to %d tokens",
+                             request.id, limit)
                 before = self._sent(request)
                 try:
                     await send(outcome)
@@ -376,11 +388,37 @@ class Service:
                     self._answered(request, outcome, before)
                     if not request.pinned:
                         await _shielded(locate(self.engine, self.slots, request, tasks_before))
+                    if lane:
+                        self._after_in_lane(request)
                     await _shielded(self._post(request, outcome, began))
                 return outcome
         finally:
             if task is not None:
                 self._tasks.discard(task)
+
+    @property
+    def side_lane(self) -> bool:
+        """Whether the engine runs a side slot beside the main one (``engine.side_slot_tokens``)."""
+        return self.settings.engine.side_lane and len(self.slots) == 2
+
+    async def _place_in_lane(self, request: StrataRequest) -> int | None:
+        """The main slot or the side slot for ``request`` (:func:`strata_serve.side_lane.choose_lane`):
+        its slot is set; returned, the most it may generate there (None: no bound of ours)."""
+        if any(state.tokens is None for state in self.slots):
+            await self.check_slots()  # the room beside the main slot is counted, never guessed
+        request.slot, limit = choose_lane(self.settings.engine, self.slots, request)
+        return limit
+
+    def _after_in_lane(self, request: StrataRequest) -> None:
+        """After a request in the main slot: the engine may have emptied the idle side slot to
+        make room, when the side slot held more than ``side_slot_tokens`` (a side request
+        that fit beside a short main conversation): its count is asked again when it matters."""
+        if request.slot != MAIN:
+            return
+        engine = self.settings.engine
+        main, side = self.slots[MAIN].tokens, self.slots[SIDE].tokens
+        if main is None or side is None or side > engine.side_slot_tokens or main + side > pool_tokens(engine):
+            self.slots.unknown(SIDE)
 
     async def _ready_to_act(self, multi: bool) -> None:
         """Once a turn is granted: the engine up, the registry of its generation and, where
@@ -476,7 +514,7 @@ class Service:
         Strict tenant isolation uses one: the engine would choose among the others by
         their contents. A change is logged; the picture of the slots starts anew.
         """
-        n = max(1, self.engine.info.parallel or self.settings.engine.parallel)
+        n = max(1, self.engine.info.parallel or self.settings.engine.engine_slots)
         if self.settings.server.tenant_isolation == "strict":
             n = 1
         if n != len(self.slots):
@@ -514,6 +552,12 @@ class Service:
         request.found_in_slot = (request.conversation_key is not None and held.key == request.conversation_key
                                  and held.tenant == request.tenant and not held.empty)
         request.state_source = state_source(request, None)
+        key = request.conversation_key
+        if key is not None:
+            for other in self.slots:
+                if other.id != request.slot and other.key == key and other.tenant == request.tenant:
+                    # It moved (out of the side slot, which it outgrew): one conversation, one slot.
+                    self.slots.unknown(other.id, nameable=False)
         return self.slots.sent(request.slot, request)
 
     def _answered(self, request: StrataRequest, outcome: Outcome, before: SlotState) -> None:
@@ -564,8 +608,10 @@ class Service:
         return answer
 
     async def restore_slot(self, filename: str, *, slot: int = 0, key: str | None = None,
-                           tenant: str | None = None, request: StrataRequest | None = None) -> SlotRestored:
-        """Load ``filename`` into a slot; it then holds ``key`` (None: a file by hand).
+                           tenant: str | None = None, request: StrataRequest | None = None,
+                           sibling: int = 0) -> SlotRestored:
+        """Load ``filename`` into a slot; it then holds ``key`` (None: a file by hand), the
+        conversation its plugin numbers ``sibling`` among those under ``key`` (``SlotState.sibling``).
 
         ``request``, when given, is the request the restore is made for.
         """
@@ -575,7 +621,7 @@ class Service:
             # A failed restore may have cleared the slot, or not: nothing nameable is held.
             self.slots.unknown(slot, nameable=False)
             raise
-        self.slots.restored(slot, key, tenant, answer.tokens, from_own_file=key is not None)
+        self.slots.restored(slot, key, tenant, answer.tokens, from_own_file=key is not None, sibling=sibling)
         self.measures.state_file(answer.tokens, answer.bytes)
         if request is not None:
             request.restored_tokens = answer.tokens

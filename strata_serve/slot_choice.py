@@ -41,16 +41,20 @@ class Claim:
 SlotChooser = Callable[[Claim, list[int]], "int | None"]
 
 
-def claim_for(request: StrataRequest, engine: Engine, slots: int) -> Claim:
+def claim_for(request: StrataRequest, engine: Engine, slots: int, *, one_at_a_time: bool = False) -> Claim:
     """How ``request`` claims the FIFO of an engine running ``slots`` slots.
 
     Every slot, for a request relayed to an engine path the backend cannot place in a
-    given slot (then ``request.pinned`` is set False); otherwise its conversation's.
+    given slot (then ``request.pinned`` is set False), and for every request with
+    ``one_at_a_time`` (the side lane: its two slots share one pool, and the room a side
+    request may take is what the idle main slot leaves); otherwise its conversation's.
     """
     pinned: frozenset[str] = getattr(engine, "pinned_routes", frozenset())
     if slots > 1 and (request.api is None or request.api.engine_path not in pinned):
         request.pinned = False
         return Claim(exclusive=True)
+    if one_at_a_time:
+        return Claim(key=request.conversation_key, exclusive=True)
     return Claim(key=request.conversation_key)
 
 

@@ -52,6 +52,11 @@ class SlotState:
     #: None when it holds nothing nameable. A removal by hand (``strata-serve sessions
     #: rm``) made since then is about this state.
     since: float | None = None
+    #: Which of the conversations parked under ``key`` the slot holds: several clients
+    #: without ids share one key, and the plugin whose files they are keeps one file for
+    #: each (auto-sessions' siblings) and says which here (:meth:`SlotRegistry.holds_sibling`).
+    #: 0 whenever the key changes.
+    sibling: int = 0
 
     @property
     def empty(self) -> bool:
@@ -96,6 +101,8 @@ class SlotRegistry:
         state = self.slots[slot]
         if state.key != request.conversation_key or state.tenant != request.tenant or state.empty:
             state.since = time.time() if request.conversation_key is not None else None
+        if state.key != request.conversation_key or state.tenant != request.tenant:
+            state.sibling = 0
         state.key, state.tenant = request.conversation_key, request.tenant
         state.tokens = None  # known once the engine says
         state.file_current = False
@@ -117,10 +124,12 @@ class SlotRegistry:
         self.slots[slot].tokens = tokens
 
     def restored(self, slot: int, key: str | None, tenant: str | None, tokens: int,
-                 *, from_own_file: bool) -> None:
-        """A file was loaded into the slot: it now holds ``key`` (None: a file by hand)."""
+                 *, from_own_file: bool, sibling: int = 0) -> None:
+        """A file was loaded into the slot: it now holds ``key`` (None: a file by hand), its
+        ``sibling``."""
         state = self.slots[slot]
         state.key, state.tenant, state.tokens = key, tenant, tokens
+        state.sibling = sibling if key is not None else 0
         state.file_current = from_own_file and key is not None
         state.since = time.time() if key is not None else None
 
@@ -129,6 +138,7 @@ class SlotRegistry:
         here, there = self.slots[slot], self.slots[to]
         there.key, there.tenant, there.tokens = here.key, here.tenant, here.tokens
         there.file_current, there.last_request, there.since = False, here.last_request, here.since
+        there.sibling, here.sibling = here.sibling, 0
         here.key = here.tenant = here.since = None  # whatever it holds, it is no longer that conversation's
         here.tokens, here.file_current = None, False  # counted by the engine's answer
 
@@ -136,6 +146,7 @@ class SlotRegistry:
         """Erased, or a failed restore that may have cleared it."""
         state = self.slots[slot]
         state.key, state.tenant, state.tokens, state.file_current, state.since = None, None, 0, False, None
+        state.sibling = 0
 
     def unknown(self, slot: int, *, nameable: bool = True) -> None:
         """Something happened to the slot that cannot be counted (a failed call); with
@@ -145,6 +156,7 @@ class SlotRegistry:
         state.file_current = False
         if not nameable:
             state.key = state.tenant = state.since = None
+            state.sibling = 0
 
     # -- what the plugin whose files they are records ------------------------------------
 
@@ -154,6 +166,15 @@ class SlotRegistry:
         state = self.slots[slot]
         if state.key == key:
             state.file_current = True
+
+    def holds_sibling(self, slot: int, key: str, sibling: int) -> None:
+        """The slot's conversation ``key`` is its plugin's sibling ``sibling`` (one of
+        several conversations parked under one key). Another sibling than the one recorded
+        has no file current: its file is another conversation's."""
+        state = self.slots[slot]
+        if state.key == key and state.sibling != sibling:
+            state.sibling = sibling
+            state.file_current = False
 
     def file_gone(self, slot: int) -> None:
         """The file that was current for the slot's conversation is gone (removed since):
@@ -189,6 +210,7 @@ class SlotRegistry:
             state.tokens = tokens
             if tokens == 0:
                 state.key, state.tenant, state.file_current, state.since = None, None, False, None
+                state.sibling = 0
 
 
 def tokens_after(timings: Timings) -> int:

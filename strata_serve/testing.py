@@ -143,7 +143,12 @@ def strata_demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def strata_settings_factory(tmp_path: Path, strata_demo_model: Path) -> Callable[..., Settings]:
-    """``make(engine={...}, server={...}, plugins={...})``: settings for a test server."""
+    """``make(engine={...}, server={...}, plugins={...})``: settings for a test server.
+
+    Its engine is the plain one-slot engine (``side_slot_tokens = 0``), which most tests
+    are about; ``engine={"side_slot_tokens": 2048}`` gives the default set-up, a side
+    slot beside the main one.
+    """
 
     def make(**sections: Any) -> Settings:
         defaults: dict[str, Any] = {
@@ -151,6 +156,7 @@ def strata_settings_factory(tmp_path: Path, strata_demo_model: Path) -> Callable
             "engine": {
                 "model": str(strata_demo_model),
                 "ctx_size": 4096,
+                "side_slot_tokens": 0,
                 "slot_save_path": str(tmp_path / "slots"),
                 "cache_ram_mib": 0,
                 "start_timeout_s": 60,
@@ -208,6 +214,7 @@ async def llama_server_factory(
         values = {
             "model": strata_demo_model,
             "ctx_size": 4096,
+            "side_slot_tokens": 0,
             "slot_save_path": tmp_path / f"bare-slots-{len(started)}",
             "cache_ram_mib": 0,
             "start_timeout_s": 60,

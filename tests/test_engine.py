@@ -60,7 +60,7 @@ def test_binary_resolution_order(tmp_path, monkeypatch):
 def test_command_line_carries_the_settings(tmp_path):
     settings = EngineSettings(
         model=tmp_path / "m.gguf", ctx_size=2048, parallel=1, slot_save_path=tmp_path / "s",
-        cache_ram_mib=0, extra_args=["--metrics"],
+        cache_ram_mib=0, extra_args=["--metrics"], side_slot_tokens=0,
     )
     cmd = build_command(settings, Path("/x/llama-server"), 9999)
     joined = " ".join(cmd)

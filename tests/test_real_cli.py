@@ -38,6 +38,7 @@ from typing import Any
 import pytest
 
 import strata_serve
+from strata_serve.config import EngineSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 NODE_BIN = ROOT / ".node" / "node_modules" / ".bin"
@@ -224,8 +225,9 @@ def workspace(tmp_path: Path) -> dict[str, Path]:
 
 @pytest.fixture
 def cli_server(strata_client_factory, strata_settings_factory):
-    """strata-serve as ``strata-serve run`` has it (every installed plugin but the examples),
-    on the demo model at ``ctx_size``, with the request log."""
+    """strata-serve as ``strata-serve run`` has it (every installed plugin but the examples,
+    the default engine: a side slot beside the main one), on the demo model at
+    ``ctx_size``, with the request log."""
 
     async def make(ctx_size: int) -> tuple[Any, RequestLog, str]:
         log = RequestLog()
@@ -233,6 +235,7 @@ def cli_server(strata_client_factory, strata_settings_factory):
             # The engine keeps to the context a model was trained for (the demo model's is
             # 4,096 tokens), so the model is said to be made for this one.
             engine={"ctx_size": ctx_size, "start_timeout_s": 120,
+                    "side_slot_tokens": EngineSettings().side_slot_tokens,
                     "extra_args": ["--override-kv", f"llama.context_length=int:{ctx_size}"]},
             plugins={"auto_sessions": {"min_tokens": 100, "idle_save_s": 0}},
             disable_plugins=["prefix_key"],

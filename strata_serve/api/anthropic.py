@@ -157,7 +157,7 @@ def without_billing_lines(body: dict[str, Any]) -> dict[str, Any]:
 
 MESSAGES = Api("/v1/messages", "Anthropic Messages API (stream with SSE or not)", schema=AnthropicMessagesRequest,
                route="messages", format=ANTHROPIC, opening=messages_opening, prompt_units=messages_units,
-               media=ENGINE_MEDIA, prepare=without_billing_lines)
+               media=ENGINE_MEDIA, prepare=without_billing_lines, generation_limit=("max_tokens",))
 COUNT_TOKENS = Api("/v1/messages/count_tokens", "Anthropic token count (touches no slot)",
                    schema=AnthropicCountTokensRequest, format=ANTHROPIC, media=ENGINE_MEDIA,
                    prepare=without_billing_lines)

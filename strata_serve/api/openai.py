@@ -31,10 +31,14 @@ def prompt_text(body: dict[str, Any]) -> list[Any] | str:
     return prompt if isinstance(prompt, str) else []
 
 
+#: The engine reads ``n_predict`` first, then ``max_completion_tokens``, then ``max_tokens``.
+SAMPLING_LIMIT = ("max_tokens", "max_completion_tokens", "n_predict")
+
 CHAT = Api("/v1/chat/completions", "Chat completion (stream with SSE or not)", schema=ChatCompletionRequest,
-           route="chat", opening=chat_opening, prompt_units=chat_units, media=ENGINE_MEDIA)
+           route="chat", opening=chat_opening, prompt_units=chat_units, media=ENGINE_MEDIA,
+           generation_limit=SAMPLING_LIMIT)
 COMPLETION = Api("/v1/completions", "Text completion", schema=CompletionRequest, route="completion",
-                 prompt_units=prompt_text)
+                 prompt_units=prompt_text, generation_limit=SAMPLING_LIMIT)
 EMBEDDINGS = Api("/v1/embeddings", "Embeddings (the engine started with --embeddings)", schema=EmbeddingsRequest,
                  route="embeddings", keyed=False)
 MODELS = Api("/v1/models", "The engine's models", method="GET")

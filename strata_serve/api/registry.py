@@ -85,6 +85,11 @@ class Api:
     media: Mapping[str, MediaReader] = field(default_factory=dict)
     #: Turns the validated body into what the engine is sent (Anthropic's: billing lines out).
     prepare: Callable[[Body], Body] | None = None
+    #: The body's fields that bound how many tokens the engine generates (the first is set
+    #: when the body sets none); empty: its generation is not bounded by strata-serve. An API
+    #: that declares them may run in the side slot (``strata_serve/side_lane.py``), which
+    #: lowers each one set above the room there, and sets the first when none is.
+    generation_limit: tuple[str, ...] = ()
     #: A check of the validated body that needs the engine (``/detokenize``'s token ids):
     #: ``await check(request, body)`` raises :class:`~strata_serve.APIError` to refuse it.
     check: Callable[[web.Request, Body], Awaitable[None]] | None = None

@@ -88,6 +88,7 @@ def responses_units(body: dict[str, Any]) -> list[Any]:
 
 RESPONSES_API = Api("/v1/responses", "OpenAI Responses API (stream with SSE or not)", schema=ResponsesRequest,
                     route="responses", format=RESPONSES, opening=responses_opening, given_key=cache_key,
-                    prompt_units=responses_units, media=ENGINE_MEDIA)
+                    prompt_units=responses_units, media=ENGINE_MEDIA,
+                    generation_limit=("max_output_tokens", "n_predict"))
 
 APIS = (RESPONSES_API,)

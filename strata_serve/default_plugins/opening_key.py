@@ -19,6 +19,9 @@ An API may give the key itself (its ``given_key``), which is used as it is:
   prompt;
 - ``infill``: one conversation, ``infill`` (an editor's completions over the same files).
 
+Such a key names one conversation (``request.conversation_named``); one from the
+opening is a guess several conversations may share.
+
 An API without an opening is not keyed: ``completion`` (a bare prompt); ``embeddings``
 never is (the core does not ask: no conversation is left in the slot).
 """
@@ -41,6 +44,7 @@ def conversation_key(request: StrataRequest) -> str | None:
     if api.given_key is not None:
         given = api.given_key(request.body)
         if given is not None:
+            request.conversation_named = True  # the client or the API named it
             return given
     start = opening(request)
     if start is None or (start.user is None and not start.media):

@@ -32,7 +32,9 @@ def free_port() -> int:
 
 def start(slots: Path, model: Path, port: int, log_file: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "STRATA_PLUGINS__AUTO_SESSIONS__MIN_TOKENS": str(MIN_TOKENS),
-           "STRATA_PLUGINS__AUTO_SESSIONS__IDLE_SAVE_S": "0", "STRATA_SERVER__SHUTDOWN_GRACE_S": "0.5"}
+           "STRATA_PLUGINS__AUTO_SESSIONS__IDLE_SAVE_S": "0", "STRATA_SERVER__SHUTDOWN_GRACE_S": "0.5",
+           # One slot: the test parks and restores a conversation a side slot would keep.
+           "STRATA_ENGINE__SIDE_SLOT_TOKENS": "0"}
     with open(log_file, "a") as log:
         # A session of its own: a kill -9 of the group takes the server and its engine.
         return subprocess.Popen(

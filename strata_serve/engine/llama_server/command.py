@@ -29,9 +29,11 @@ def build_command(settings: EngineSettings, binary: Path, port: int) -> list[str
         "-m", str(settings.model),
         "--host", settings.host,
         "--port", str(port),
-        "-np", str(settings.parallel),
-        "-c", str(settings.ctx_size),
     ]
+    if settings.side_lane:
+        cmd += side_lane_flags(settings)
+    else:
+        cmd += ["-np", str(settings.parallel), "-c", str(settings.ctx_size)]
     if settings.slot_save_path is not None:
         cmd += ["--slot-save-path", str(settings.slot_save_path)]
     if settings.cache_ram_mib is not None:
@@ -42,6 +44,21 @@ def build_command(settings: EngineSettings, binary: Path, port: int) -> list[str
     # line, which any local user can read in /proc.
     cmd += ["--cors-origins", CORS_SHUT]
     return cmd + list(settings.extra_args)
+
+
+def side_lane_flags(settings: EngineSettings) -> list[str]:
+    """The main slot and the side slot over one KV pool (``engine.side_slot_tokens``).
+
+    ``--kv-unified``: one pool of ``ctx_size + side_slot_tokens`` tokens for both slots.
+    ``--kv-unified-per-slot``: each slot holds at most ``ctx_size``, so a conversation
+    meets the context limit of the one-slot engine, no more. ``--no-cache-idle-slots``:
+    with one pool and the RAM cache on, the engine would otherwise move the idle main slot
+    into the RAM cache and clear it whenever the side slot starts a task. strata-serve
+    bounds what a side request may add (its ``max_tokens``), so the pool never fills and
+    the engine never purges the idle main slot.
+    """
+    return ["-np", "2", "-c", str(settings.ctx_size + settings.side_slot_tokens), "--kv-unified",
+            "--kv-unified-per-slot", str(settings.ctx_size), "--no-cache-idle-slots"]
 
 
 def clears_idle_slots(settings: EngineSettings) -> bool:
@@ -63,6 +80,8 @@ def clears_idle_slots(settings: EngineSettings) -> bool:
     ram = settings.cache_ram_mib != 0 and not any(
         flag in ("-cram", "--cache-ram") and value.strip() == "0"
         for flag, value in zip(settings.extra_args, settings.extra_args[1:]))
+    if settings.side_lane:
+        return on(("--cache-idle-slots",), ("--no-cache-idle-slots",), False) and ram
     return (settings.parallel > 1 and ram and on(("-kvu", "--kv-unified"), ("-no-kvu", "--no-kv-unified"), False)
             and on(("--cache-idle-slots",), ("--no-cache-idle-slots",), True))
 

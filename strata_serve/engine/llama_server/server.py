@@ -79,7 +79,7 @@ class LlamaServer:
             url = settings.url.rstrip("/")  # type: ignore[union-attr]
         self.info = EngineInfo(
             url=url,
-            parallel=settings.parallel,
+            parallel=settings.engine_slots,
             slot_save_path=settings.slot_save_path,
             cache_ram_mib=settings.cache_ram_mib,
             multimodal=settings.mmproj is not None,
