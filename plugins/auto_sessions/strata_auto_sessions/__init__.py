@@ -35,6 +35,8 @@ from strata_auto_sessions.store import ParkingStore, SessionStore
 __all__ = ["AutoSessions", "AutoSessionsConfig", "AutoSessionsStats", "Parked", "ParkedConversation", "ParkingMode",
            "ParkingStore", "SessionStore", "message_chain"]
 
+#: How long a stop waits for the uploads to the shared tier under way.
+SHARED_STOP_WAIT_S = 30.0
 #: The plugin's name when registered by hand (tests); the entry point gives the same.
 strata_name = NAME
 #: The hooks this plugin offers others (``auto_sessions_store``); the core adds them.
@@ -118,6 +120,8 @@ async def on_shutdown(service):
         if parking.mode.parks:
             for slot in range(len(service.slots)):
                 await parking.park_slot(service, slot, reason="shutdown")
+        if parking.shared is not None:
+            await parking.shared.close(min(parking.shared.config.transfer_timeout_s, SHARED_STOP_WAIT_S))
         parking.stop()
 
 

@@ -4,12 +4,55 @@ name sizes and slots."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 NAME = "auto_sessions"
 GB = 1024**3
+
+
+class SharedConfig(BaseModel):
+    """``plugins.auto_sessions.shared.*``: a tier of parked conversations several servers
+    share (see docs/several-servers.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    #: ``file:///mnt/strata`` (a directory every server mounts) or ``s3://bucket/prefix``
+    #: (endpoint and credentials from the usual AWS variables).
+    url: str
+    #: Each call on a head, a listing or a removal gives up after this long.
+    timeout_s: float = Field(5.0, gt=0)
+    #: Each file's upload or fetch gives up after this long.
+    transfer_timeout_s: float = Field(300.0, gt=0)
+    #: Uploads that failed (the store down) are tried again this often.
+    retry_s: float = Field(30.0, gt=0)
+    #: Conversations not saved by any server for this long are expired from the shared tier.
+    max_age_days: float = Field(30.0, gt=0)
+    #: An upload's objects outlive the head that stopped naming them by this long, so a
+    #: server fetching them then still finishes; more than ``transfer_timeout_s``.
+    lease_s: float = Field(900.0, gt=0)
+    #: A directory tier's lock file is broken by another server after this long.
+    lock_expiry_s: float = Field(30.0, gt=0)
+    #: S3 addressing: ``path`` for most S3 look-alikes on a custom endpoint.
+    addressing_style: Literal["auto", "path", "virtual"] = "auto"
+
+    @model_validator(mode="after")
+    def _url_and_lease(self) -> SharedConfig:
+        parts = urlsplit(self.url)
+        if parts.scheme == "file":
+            if not parts.path.startswith("/") or parts.netloc not in ("", "localhost"):
+                raise ValueError(f"shared.url {self.url!r}: a file:// URL names an absolute path (file:///mnt/strata)")
+        elif parts.scheme == "s3":
+            if not parts.netloc:
+                raise ValueError(f"shared.url {self.url!r}: an s3:// URL names a bucket (s3://bucket/prefix)")
+        else:
+            raise ValueError(f"shared.url {self.url!r}: file:// or s3:// only")
+        if self.lease_s <= self.transfer_timeout_s:
+            raise ValueError(f"shared.lease_s ({self.lease_s:g}) must exceed shared.transfer_timeout_s "
+                             f"({self.transfer_timeout_s:g}): a fetch must end before its objects may go")
+        return self
 
 
 class AutoSessionsConfig(BaseModel):
@@ -29,6 +72,10 @@ class AutoSessionsConfig(BaseModel):
     keep: int = Field(12, ge=1)
     #: ...and at most this many GB of them.
     max_gb: float = Field(100, gt=0)
+    #: Conversations kept apart under one key (its siblings, a file each): clients
+    #: without ids that open alike share a key. The least recently used are pruned first.
+    #: A key that names one conversation (a client's session id) keeps one.
+    siblings: int = Field(4, ge=1)
     #: The slot directory; default: the engine's ``slot_save_path``.
     slot_dir: Path | None = None
     #: After a restore, a next request reusing less than this share of the restored
@@ -48,6 +95,9 @@ class AutoSessionsConfig(BaseModel):
     #: ``strata-serve sessions`` may hold; then the save, restore or prune is given up
     #: (logged) and the request goes on without it.
     lock_wait_s: float = Field(10.0, gt=0)
+    #: A tier of parked conversations several servers share (``[plugins.auto_sessions.shared]``);
+    #: None: the slot directory alone.
+    shared: SharedConfig | None = None
 
     @model_validator(mode="after")
     def _min_tokens_alone(self) -> AutoSessionsConfig:

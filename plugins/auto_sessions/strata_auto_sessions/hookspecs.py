@@ -13,7 +13,9 @@ import pluggy
 if TYPE_CHECKING:
     from strata_serve import Verdict
     from strata_auto_sessions.parking import AutoSessions
+    from strata_auto_sessions.config import SharedConfig
     from strata_auto_sessions.prefix import ParkedConversation
+    from strata_auto_sessions.shared import SharedTier
     from strata_auto_sessions.store import ParkingStore
 
 hookspec = pluggy.HookspecMarker("strata_serve")
@@ -26,11 +28,30 @@ def auto_sessions_store(directory: Path, service: Any) -> ParkingStore | None:
     The engine writes and reads slot files only in its slot directory (``directory``),
     so every store works there; one may also keep the files elsewhere (another disk,
     an object store shared by several servers), copying each file out after
-    :meth:`~ParkingStore.commit` and back in :meth:`~ParkingStore.stage`. The default
+    :meth:`~ParkingStore.commit` and back in :meth:`~ParkingStore.stage`. A key may have
+    several files, its siblings (conversations that share the key), told apart by the
+    ``sibling`` the store's methods take (0, the plain name, by default) and each sidecar
+    names; a store whose methods take no ``sibling``, or that has no ``siblings(key)``,
+    keeps one file a key. The default
     is :class:`~strata_auto_sessions.store.SessionStore`, the slot directory alone.
     Stops at the first non-None result; return None to defer.
 
     :param directory: The engine's slot directory.
+    :param service: The running service.
+    """
+
+
+@hookspec(firstresult=True)
+def auto_sessions_shared_tier(config: SharedConfig, service: Any) -> SharedTier | None:
+    """The tier several servers share their parked conversations through: return a
+    :class:`~strata_auto_sessions.shared.SharedTier`, or None to defer to the one
+    ``config.url`` names (``file://`` a shared directory, ``s3://`` a bucket).
+
+    Asked at start when ``[plugins.auto_sessions.shared]`` is set. The tier is checked
+    before use (:func:`~strata_auto_sessions.shared.check_conditions`): one that accepts a
+    conditional write it should refuse is not used. Stops at the first non-None result.
+
+    :param config: ``plugins.auto_sessions.shared``.
     :param service: The running service.
     """
 
@@ -55,7 +76,9 @@ def auto_sessions_fallback(
         (:func:`strata_auto_sessions.message_chain`).
     :param parked: The conversations to choose from: the same tenant's only, each with a
         file this engine can use (:class:`strata_auto_sessions.ParkedConversation`: its
-        ``shared_links(chain["chain"])`` counts the messages it shares), newest first.
+        ``shared_links(chain["chain"])`` counts the messages it shares), newest first; a
+        key with several files (siblings) once per file, and choosing the key restores
+        the one of them that shares the most with the incoming prompt.
     :param parking: auto-sessions itself, for its estimates
         (:meth:`~strata_auto_sessions.AutoSessions.prefill_seconds`,
         :meth:`~strata_auto_sessions.AutoSessions.restore_seconds`).

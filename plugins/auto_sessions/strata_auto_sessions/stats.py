@@ -58,6 +58,10 @@ class AutoSessionsStats:
         "Restores whose next request did not continue the saved conversation (an edited message, "
         "or another conversation with the same opening)")
     pauses: int = counter("Times parking paused because restores went unused")
+    #: Conversations found under a key that holds another conversation, given a file of
+    #: their own (a sibling), and siblings pruned to keep ``siblings`` a key.
+    siblings_started: int = counter("Conversations given a file of their own beside another under the same key")
+    sibling_prunes: int = counter("Siblings pruned beyond the siblings a key keeps")
     prunes: int = counter("Session files pruned")
     pruned_bytes: int = counter("Bytes of session files pruned", unit="bytes")
     #: Conversations without a file of their own started from another one's (a fallback
@@ -73,6 +77,29 @@ class AutoSessionsStats:
     #: Session files beside a sidecar that is refused (not JSON, a field of another type):
     #: never restored, left alone.
     damaged_files: int = gauge("Session files whose sidecar is damaged")
+
+    #: The shared tier (``plugins.auto_sessions.shared``): files sent after a save, and
+    #: those given up because another server had saved a newer turn (a lost
+    #: compare-and-swap) or removed the conversation by hand; files fetched before a
+    #: restore, those not worth it (or not for this engine), local copies set aside as
+    #: older than the shared one or removed by another's ``sessions rm``.
+    shared_uploads: int = counter("Session files uploaded to the shared tier")
+    shared_uploaded_bytes: int = counter("Bytes uploaded to the shared tier", unit="bytes")
+    shared_upload_ms: float = counter("Time spent uploading to the shared tier", name="shared_upload_seconds",
+                                      unit="seconds", scale=1e-3)
+    shared_upload_failures: int = counter("Uploads to the shared tier that failed (tried again)")
+    shared_uploads_lost: int = counter("Uploads given up: another server had saved a newer turn")
+    shared_uploads_removed: int = counter("Uploads given up: the conversation was removed by hand")
+    shared_fetches: int = counter("Session files fetched from the shared tier")
+    shared_fetched_bytes: int = counter("Bytes fetched from the shared tier", unit="bytes")
+    shared_fetch_ms: float = counter("Time spent fetching from the shared tier", name="shared_fetch_seconds",
+                                     unit="seconds", scale=1e-3)
+    shared_fetch_failures: int = counter("Look-ups and fetches from the shared tier that failed")
+    shared_fetches_not_worth: int = counter("Newer shared files not fetched: not worth it, or not for this engine")
+    shared_stale_set_aside: int = counter("Local copies removed as older than the shared tier's")
+    shared_removed_here: int = counter("Local copies removed after a removal by hand on another server")
+    #: 1 when the store ignores conditional writes and shared mode was refused.
+    shared_refused: int = gauge("Whether shared mode was refused (the store ignores conditional writes)")
 
     def snapshot(self) -> dict[str, float]:
         return asdict(self)
