@@ -206,7 +206,7 @@ async def test_the_default_threshold_parks_what_takes_seconds_to_reread_and_noth
     client = await strata_client_factory(strata_auto_sessions, settings=settings)
     config = parking(client).config
     assert (config.min_prefill_s, config.min_tokens) == (2.0, 0), "the defaults"
-    long = journal("the long conversation", days=45)  # about 900 tokens: 4-9 s to read here
+    long = journal("the long conversation", days=60)  # about 1,200 tokens: 3-12 s to read here
     short = [{"role": "user", "content": "Say hello."}]
     body = {"max_tokens": 4, "temperature": 0}
     first = await ask(client, {"messages": long, **body})

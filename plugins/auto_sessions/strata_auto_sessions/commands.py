@@ -12,6 +12,7 @@ saves the conversation it holds again when it leaves the slot, since its file is
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ import strata_serve
 from strata_serve import ConfigError, load_settings
 
 from strata_auto_sessions.parking import GB, NAME, AutoSessionsConfig
+from strata_auto_sessions.config import SharedConfig
 from strata_auto_sessions.clock import as_of
 from strata_auto_sessions.compat import incompatibility
 from strata_auto_sessions.digests import sample_digest
@@ -33,32 +35,36 @@ from strata_auto_sessions.store import SessionStore
 class Sessions:
     """The directory a command works on, and how it judges compatibility."""
 
-    def __init__(self, store: SessionStore, build_range: int):
+    def __init__(self, store: SessionStore, build_range: int, shared: SharedConfig | None = None):
         self.store = store
         self.build_range = build_range
+        #: The shared tier the servers use (``plugins.auto_sessions.shared``), or None.
+        self.shared = shared
 
     def rows(self) -> list[dict[str, Any]]:
-        """One row per parked conversation, newest first."""
+        """One row per parked conversation (each sibling of a key its own), newest first."""
         engine = self.store.engine_description()
-        sidecars = dict(self.store.sessions())
+        sidecars = {self.store.bin_path(key, sidecar.sibling): sidecar for key, sidecar in self.store.sessions()}
         now = time.time()
         rows = []
         for key, path, size, last_used in self.store.files():
-            sidecar = sidecars.get(key)
+            sidecar = sidecars.get(path)
             if sidecar is None:
                 continue
             # A time stamped ahead of the clock (a run with its clock set wrong) is not an age;
             # files() gives 0 for a file whose every time is.
             created, used = as_of(sidecar.created, now), last_used or None
             rows.append({
-                "key": key, "tenant": tenant_of(key, sidecar), "tokens": sidecar.tokens, "bytes": size,
+                "key": key, "sibling": sidecar.sibling, "tenant": tenant_of(key, sidecar), "tokens": sidecar.tokens,
+                "bytes": size,
                 "age_s": None if created is None else now - created,
                 "last_used_s": None if used is None else now - used,
                 "compatible": self.compatible(sidecar, engine), "file": str(path),
                 "stamped_ahead": created is None or used is None,
             })
         for key, path, why in self.store.damaged():
-            rows.append({"key": key, "tenant": None, "tokens": None, "bytes": path.stat().st_size, "age_s": None,
+            rows.append({"key": key, "sibling": None, "tenant": None, "tokens": None, "bytes": path.stat().st_size,
+                         "age_s": None,
                          "last_used_s": None, "compatible": f"no (damaged): its sidecar is refused: {why}",
                          "file": str(path), "damaged": why})
         return rows
@@ -88,7 +94,54 @@ def _sessions(config: Path | None, slot_dir: Path | None) -> Sessions:
         raise click.ClickException("no slot directory: give --slot-dir, or --config with engine.slot_save_path")
     if not Path(directory).is_dir():
         raise click.ClickException(f"{directory} is not a directory")
-    return Sessions(SessionStore(Path(directory)), plugin.build_range)
+    return Sessions(SessionStore(Path(directory)), plugin.build_range, plugin.shared)
+
+
+def _run_shared(found: Sessions, work: Any) -> Any:
+    """``work(tier)`` on the shared tier, to its end; a store that fails is a clear error."""
+    from strata_auto_sessions.shared import SharedTierError, tier_for
+
+    assert found.shared is not None
+    config = found.shared
+
+    async def run() -> Any:
+        tier = tier_for(config)
+        try:
+            return await work(tier)
+        finally:
+            await tier.close()
+
+    try:
+        return asyncio.run(run())
+    except (SharedTierError, OSError, TimeoutError) as exc:
+        raise click.ClickException(f"the shared tier {config.url}: {exc or type(exc).__name__}") from None
+
+
+def _shared_keys(found: Sessions, keys: list[str]) -> set[str]:
+    """Those of ``keys`` that have a file in the shared tier (none without one)."""
+    if found.shared is None:
+        return set()
+    from strata_auto_sessions.naming import PREFIX, file_key
+
+    timeout = found.shared.timeout_s
+
+    async def look(tier: Any) -> set[str]:
+        have = set()
+        for key in keys:
+            names = await asyncio.wait_for(tier.heads(f"{PREFIX}{file_key(key)}."), timeout)
+            if names:
+                have.add(key)
+        return have
+
+    return _run_shared(found, look)
+
+
+def _remove_shared(found: Sessions, keys: list[str]) -> list[str]:
+    from strata_auto_sessions.shared.sync import remove_by_hand
+
+    assert found.shared is not None
+    config = found.shared
+    return _run_shared(found, lambda tier: remove_by_hand(tier, config, keys))
 
 
 def _size(n: int) -> str:
@@ -123,48 +176,61 @@ def register(cli: click.Group) -> None:
     @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
     @click.pass_obj
     def ls(found: Sessions, as_json: bool) -> None:
-        """List them: key, tenant, tokens, size, age, last used, and whether the engine can use them."""
+        """List them: key, sibling, tenant, tokens, size, age, last used, and whether the engine
+        can use them. A key's siblings (conversations that share it, a file each) have a row each."""
         with found.store.lock():
             rows = found.rows()
         if as_json:
             for row in rows:
                 click.echo(json.dumps(row))
             return
-        table = [("KEY", "TENANT", "TOKENS", "SIZE", "AGE", "LAST USED", "COMPATIBLE")]
-        table += [(row["key"], row["tenant"] or "-", "-" if row["tokens"] is None else f"{row['tokens']:,}",
+        table = [("KEY", "SIBLING", "TENANT", "TOKENS", "SIZE", "AGE", "LAST USED", "COMPATIBLE")]
+        table += [(row["key"], "-" if row["sibling"] is None else str(row["sibling"]), row["tenant"] or "-",
+                   "-" if row["tokens"] is None else f"{row['tokens']:,}",
                    _size(row["bytes"]), _ago(row["age_s"], ahead=row.get("stamped_ahead", False)),
                    _ago(row["last_used_s"], " ago", ahead=row.get("stamped_ahead", False)), row["compatible"])
                   for row in rows]
-        widths = [max(len(line[c]) for line in table) for c in range(6)]
+        last = len(table[0]) - 1
+        widths = [max(len(line[c]) for line in table) for c in range(last)]
         for line in table:
-            click.echo("  ".join(cell.ljust(widths[c]) for c, cell in enumerate(line[:6])) + "  " + line[6])
+            click.echo("  ".join(cell.ljust(widths[c]) for c, cell in enumerate(line[:last])) + "  " + line[last])
         click.echo(f"{len(rows)} session(s), {_size(sum(row['bytes'] for row in rows))} in {found.store.directory}")
 
     @sessions.command()
     @click.argument("key")
     @click.pass_obj
     def inspect(found: Sessions, key: str) -> None:
-        """Show one: its file, whether it is intact and usable, and its sidecar."""
+        """Show one: its file, whether it is intact and usable, and its sidecar (each of its
+        siblings', when several conversations share the key)."""
         with found.store.lock():
             try:
-                sidecar = found.store.sidecar(key)
-                path = found.store.bin_path(key)
+                sidecars = [s for s in found.store.siblings(key) if found.store.restorable(key, s.sibling)]
             except ValueError:  # not a key strata-serve makes: there is no such session
-                sidecar = None
-            if sidecar is None or sidecar.key != key or not found.store.restorable(key):
+                sidecars = []
+            if not sidecars:
                 raise click.ClickException(f"no session {key!r} in {found.store.directory}")
-            intact = path.stat().st_size == sidecar.bytes and sample_digest(path) == sidecar.digest
-            compatible = found.compatible(sidecar, found.store.engine_description())
-        record = json.loads(json.dumps(sidecar.__dict__))
-        prompt = record.get("prompt") or {}
-        if "chain" in prompt:  # digests, not text: their number says enough
-            prompt["chain"] = f"{len(prompt['chain'])} message boundaries"
-            prompt.pop("sizes", None)
-        click.echo(f"file: {path} ({_size(path.stat().st_size)})")
-        click.echo(f"tenant: {tenant_of(key, sidecar) or '-'}")
-        click.echo(f"intact: {'yes' if intact else 'no: its size or sampled digest differs from when it was saved'}")
-        click.echo(f"compatible: {compatible}")
-        click.echo(json.dumps(record, indent=2))
+            engine = found.store.engine_description()
+            shown = []
+            for sidecar in sorted(sidecars, key=lambda s: s.sibling):
+                path = found.store.bin_path(key, sidecar.sibling)
+                intact = path.stat().st_size == sidecar.bytes and sample_digest(path) == sidecar.digest
+                shown.append((sidecar, path, intact, found.compatible(sidecar, engine)))
+        for n, (sidecar, path, intact, compatible) in enumerate(shown):
+            record = json.loads(json.dumps(sidecar.__dict__))
+            prompt = record.get("prompt") or {}
+            if "chain" in prompt:  # digests, not text: their number says enough
+                prompt["chain"] = f"{len(prompt['chain'])} message boundaries"
+                prompt.pop("sizes", None)
+            if n:
+                click.echo("")
+            click.echo(f"file: {path} ({_size(path.stat().st_size)})")
+            if len(shown) > 1:
+                click.echo(f"sibling: {sidecar.sibling} of {len(shown)} conversations under this key")
+            click.echo(f"tenant: {tenant_of(key, sidecar) or '-'}")
+            differs = "no: its size or sampled digest differs from when it was saved"
+            click.echo(f"intact: {'yes' if intact else differs}")
+            click.echo(f"compatible: {compatible}")
+            click.echo(json.dumps(record, indent=2))
 
     @sessions.command()
     @click.argument("keys", nargs=-1)
@@ -174,13 +240,14 @@ def register(cli: click.Group) -> None:
     def rm(found: Sessions, keys: tuple[str, ...], everything: bool, tenant: str | None) -> None:
         """Remove sessions: KEY..., --all, or --tenant T.
 
-        A running server that holds one of them in its slot, saved or not yet, drops
+        A key's every file goes (its siblings: conversations that share the key). A
+        running server that holds one of them in its slot, saved or not yet, drops
         its saves of it and erases the slot.
         """
         if sum((bool(keys), everything, tenant is not None)) != 1:
             raise click.UsageError("give KEY..., --all or --tenant T (one of them)")
         with found.store.lock():
-            parked = dict(found.store.sessions())
+            parked = dict(found.store.sessions())  # a key once, whatever its siblings
             # Held by a running server and not saved yet: no file, yet theirs to remove.
             held = [key for key in found.store.held_by_server() if key not in parked]
             if everything:
@@ -189,7 +256,8 @@ def register(cli: click.Group) -> None:
                 chosen = [key for key, sidecar in parked.items() if tenant_of(key, sidecar) == tenant]
                 chosen += [key for key in held if strata_serve.tenant_of(key) == tenant]
             else:
-                unknown = [key for key in keys if key not in parked and key not in held]
+                shared = _shared_keys(found, list(keys))
+                unknown = [key for key in keys if key not in parked and key not in held and key not in shared]
                 if unknown:
                     raise click.ClickException(f"no session {', '.join(map(repr, unknown))} in "
                                                f"{found.store.directory}; nothing removed")
@@ -201,6 +269,9 @@ def register(cli: click.Group) -> None:
             else:
                 click.echo(f"removed {key}: held by the running server, not saved yet; it is never written, "
                            "and the server erases it from its slot when it would save it")
+        if found.shared is not None:
+            for name in _remove_shared(found, chosen):
+                click.echo(f"removed {name} from the shared tier")
         click.echo(f"{len(chosen)} session(s) removed")
 
     @sessions.command()

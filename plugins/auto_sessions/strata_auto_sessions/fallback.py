@@ -11,7 +11,7 @@ from strata_serve import StrataRequest, first_result, in_tenant, prompt_units
 
 from strata_auto_sessions.config import NAME
 from strata_auto_sessions.prefix import ParkedConversation, message_chain
-from strata_auto_sessions.store import incompatibility, last_use
+from strata_auto_sessions.store import incompatibility, last_use, of_sibling
 
 if TYPE_CHECKING:
     from strata_auto_sessions.parking import AutoSessions
@@ -19,10 +19,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("strata_auto_sessions")
 
 
-def choose(parking: AutoSessions, request: StrataRequest, service: Any) -> str | None:
-    """The parked conversation a plugin chose for ``request``, which has no file: same
-    tenant, a file this engine can use, not the one the slot holds (the engine reuses
-    that from the slot). None when there is none."""
+def choose(parking: AutoSessions, request: StrataRequest, service: Any) -> tuple[str, int] | None:
+    """The parked conversation a plugin chose for ``request``, which has no file, and
+    which of its key's files (siblings): same tenant, a file this engine can use, not the
+    one the slot holds (the engine reuses that from the slot). None when there is none."""
     assert parking.store is not None
     units = prompt_units(request)
     if isinstance(units, str) or not units:
@@ -35,17 +35,20 @@ def choose(parking: AutoSessions, request: StrataRequest, service: Any) -> str |
                           parked=parked, parking=parking, service=service)
     if chosen is None:
         return None
-    if chosen not in {candidate.key for candidate in parked}:
+    offered = [candidate for candidate in parked if candidate.key == chosen]
+    if not offered:
         log.warning("[strata] auto sessions: a fallback plugin chose %r, which was not offered; ignored", chosen)
         return None
+    # A key of several files (siblings): the one sharing the most with the request, then the newest.
+    sibling = max(offered, key=lambda c: (c.shared_links(chain["chain"]), c.last_used)).sibling
     in_slot = service.slots[request.slot]
     if in_slot.key == chosen and not in_slot.empty:
         log.info("[strata] auto sessions: %s starts from %s, which the slot holds: nothing to restore",
                  request.conversation_key, chosen)
         return None
-    if not parking.store.stage(chosen):
+    if not of_sibling(parking.store.stage, chosen, sibling):
         return None
-    return chosen
+    return chosen, sibling
 
 
 def _offered(parking: AutoSessions, request: StrataRequest) -> list[ParkedConversation]:
@@ -71,18 +74,20 @@ def _offered(parking: AutoSessions, request: StrataRequest) -> list[ParkedConver
             continue
         parked.append(ParkedConversation(key=other, tokens=sidecar.tokens, bytes=sidecar.bytes,
                                          last_used=last_use(sidecar.last_used, now=now) or 0.0,
-                                         chain=list(prompt["chain"]), sizes=list(prompt.get("sizes") or [])))
+                                         chain=list(prompt["chain"]), sizes=list(prompt.get("sizes") or []),
+                                         sibling=sidecar.sibling))
     return parked
 
 
 def restored_from(parking: AutoSessions, key: str, source: str, request: StrataRequest,
-                  n_restored: int, ms: float) -> None:
-    """``key``, which has no file, was started from ``source``'s: counted and logged."""
+                  n_restored: int, ms: float, sibling: int = 0) -> None:
+    """``key``, which has no file, was started from ``source``'s (its ``sibling``): counted and logged."""
     parking.stats.prefix_restores += 1
     parking.stats.prefix_restored_tokens += n_restored
-    request.state[NAME] = {"restore_ms": ms, "continues": False, "prefix_of": source}
+    request.state.setdefault(NAME, {}).update(restore_ms=ms, continues=False, prefix_of=source)
     log.info("[strata] auto sessions: %s has no file; restored %s tokens from %s, whose opening it "
-             "shares, in %.0f ms", key, f"{n_restored:,}", parking.store.bin_name(source), ms)  # type: ignore[union-attr]
+             "shares, in %.0f ms", key, f"{n_restored:,}", of_sibling(parking.store.bin_name, source, sibling),  # type: ignore[union-attr]
+             ms)
 
 
 def reused_from(parking: AutoSessions, request: StrataRequest, restored: int, reused: int) -> None:

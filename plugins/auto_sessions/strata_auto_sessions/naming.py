@@ -1,7 +1,9 @@
 """The names of auto-sessions' files in the slot directory, and a key's name in them.
 
 Only files named here are ever touched: ``auto-<name>.bin`` with an ``auto-<name>.json``
-sidecar that names the same key, and ``tmp-auto-<name>-<8 hex>.bin|json`` temporaries,
+sidecar that names the same key, the key's further siblings (other conversations under
+the same key) ``auto-<name>.<n>.bin`` and ``.json`` (``n`` from 1, named in their sidecar
+too), and ``tmp-auto-<name>-<8 hex>.bin|json`` temporaries,
 where ``<name>`` is :func:`file_key` of the key. The core refuses ``/slots`` names that
 begin with ``auto-`` or ``tmp-``, and a file without our sidecar is not ours, so a file
 saved by hand (under any name, by this version or an older one) is never listed,
@@ -21,7 +23,9 @@ PREFIX = "auto-"
 TEMP_PREFIX = "tmp-auto-"
 #: A key as written in a file name: no upper case, ``+x`` for ``X``.
 _FILE_KEY = r"(?:[a-z0-9_-]|\+[a-z])+"
-SESSION_NAME = re.compile(rf"{PREFIX}(?P<key>{_FILE_KEY})\.(?P<ext>bin|json)")
+#: A sibling's number in a file name: none for the first (0), then ``.1``, ``.2``...
+_SIBLING = r"(?:\.(?P<sibling>[1-9][0-9]{0,5}))?"
+SESSION_NAME = re.compile(rf"{PREFIX}(?P<key>{_FILE_KEY}){_SIBLING}\.(?P<ext>bin|json)")
 TEMP_NAME = re.compile(rf"{TEMP_PREFIX}[a-z0-9_+-]+\.(?:bin|json)")
 #: The store's own files, under names no key can take (a key has no ``.``): the sessions
 #: removed by hand while a server may hold them, what the running engine is (for
@@ -49,9 +53,15 @@ def key_of_file(name: str) -> str:
     return re.sub(r"\+([a-z])", lambda match: match.group(1).upper(), name)
 
 
-def session_name(key: str, ext: str) -> str:
-    """The name of the conversation's state file (``ext`` ``"bin"``) or sidecar (``"json"``)."""
-    return f"{PREFIX}{file_key(key)}.{ext}"
+def session_name(key: str, ext: str, sibling: int = 0) -> str:
+    """The name of the conversation's state file (``ext`` ``"bin"``) or sidecar (``"json"``);
+    ``sibling`` names another conversation under the same key (the first, 0, has the plain name)."""
+    return f"{PREFIX}{file_key(key)}{f'.{sibling}' if sibling else ''}.{ext}"
+
+
+def sibling_of(match: re.Match[str]) -> int:
+    """The sibling a :data:`SESSION_NAME` match names (0: the plain name)."""
+    return int(match["sibling"] or 0)
 
 
 def fresh_temp_name(key: str, suffix: str) -> str:

@@ -14,7 +14,10 @@ mode (``mode``), saving (``saving``), restoring (``restoring``) and its fallback
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +28,15 @@ from strata_auto_sessions.config import GB, NAME, AutoSessionsConfig, size_text
 from strata_auto_sessions.idle import IdleSaves
 from strata_auto_sessions.mode import ParkingMode, ParkingStatus
 from strata_auto_sessions.policy import describe
-from strata_auto_sessions.prompts import prompt_signature
+from strata_auto_sessions.prompts import continues, prompt_signature
 from strata_auto_sessions.pruning import in_use, refresh_usage
 from strata_auto_sessions.restoring import RestoreSpeed
 from strata_auto_sessions.saving import Parked, park_slot
+from strata_auto_sessions.shared.sync import SharedParking
+from strata_auto_sessions.siblings import Sibling, SiblingIndex
 from strata_auto_sessions.stats import AutoSessionsStats
 from strata_auto_sessions.store import DirectoryInUse, LockTimeout, ParkingStore, SessionStore, engine_fingerprint
-from strata_auto_sessions.store import swa_unusable
+from strata_auto_sessions.store import of_sibling, swa_unusable
 
 __all__ = ["GB", "NAME", "AutoSessions", "AutoSessionsConfig", "AutoSessionsStats", "Parked", "ParkingMode"]
 
@@ -53,11 +58,16 @@ class AutoSessions:
         self.speeds = measures
         #: Restore speed, measured from earlier restores.
         self.restore_speed = RestoreSpeed()
-        #: The prompt signature of the last request that ran, by conversation key.
+        #: The prompt signature of what the slot holding each conversation key holds: of
+        #: the last request that ran, or of the file restored since.
         self.prompts: dict[str, dict[str, Any]] = {}
+        #: The files of each key (its siblings), as their choice needs them.
+        self.siblings = SiblingIndex(store)
         self.idle_saves = IdleSaves(self)
         #: The conversations last recorded as in use (``store.record_held``).
         self._recorded_in_use: list[str] | None = None
+        #: The tier shared with other servers (``plugins.auto_sessions.shared``), or None.
+        self.shared: SharedParking | None = None
 
     @classmethod
     async def start(cls, config: AutoSessionsConfig, service: Any) -> AutoSessions:
@@ -82,6 +92,8 @@ class AutoSessions:
         parking.describe_engine()
         parking.judge_engine()
         refresh_usage(store, parking.stats, report=True)
+        if config.shared is not None:
+            parking.shared = await SharedParking.start(parking, service, config.shared)
         log.info("[strata] auto sessions: on, files in %s (%d file(s), %s); a conversation is worth a file "
                  "from %s", directory, parking.stats.files_on_disk, size_text(parking.stats.bytes_on_disk),
                  describe(config))
@@ -139,13 +151,36 @@ class AutoSessions:
                     await self.park_slot(service, other, reason="the engine chooses the slot",
                                          incoming=request.conversation_key)
         key = request.conversation_key
-        if key is not None and in_slot.key == key and in_slot.tenant == request.tenant and not in_slot.empty:
+        same_key = key is not None and in_slot.key == key and in_slot.tenant == request.tenant and not in_slot.empty
+        if key is not None and same_key and self.holds(key, request, in_slot.sibling):
             return  # the slot holds this conversation: nothing to do
+        if request.pinned and key is not None:
+            for other in service.slots:
+                if other.id != request.slot and other.key == key and other.tenant == request.tenant:
+                    # The conversation moves here (it outgrew the side slot): its newest state is
+                    # in the other slot, so its file is written from there before it is restored.
+                    await self.park_slot(service, other.id, reason="moves to another slot", incoming=key)
         if key is None and in_slot.key is None:
             return  # nothing nameable leaves, nothing nameable comes
-        # A switch (or a request without a key): the held conversation leaves the slot.
-        parked = await self.park_slot(service, request.slot, reason="switch", incoming=key)
-        if key is None:
+        # A switch (or a request without a key, or another conversation under the held
+        # key): the held conversation leaves the slot.
+        choice = None
+        if key is not None and self.shared is not None:
+            await self.shared.bring_in(key)  # a newer state another server saved, where it pays
+            self.siblings.forget(key)  # the key's files, as the shared tier left them
+        if key is not None:
+            held = Sibling(in_slot.sibling, self.prompts.get(key), time.time()) if same_key else None
+            choice = self.siblings.choose(key, request, held, one=self.one_file_a_key)
+            request.state.setdefault(NAME, {})["sibling"] = choice.sibling
+            if choice.new:
+                self.stats.siblings_started += 1
+                log.info("[strata] auto sessions: %s: this request continues none of the conversations under "
+                         "its key; it gets a file of its own, %s", key,
+                         of_sibling(self.store.bin_name, key, choice.sibling))  # type: ignore[union-attr]
+        parked = await self.park_slot(service, request.slot, reason="switch" if not same_key else "another "
+                                      "conversation under its key", incoming=key,
+                                      incoming_sibling=None if choice is None else choice.source)
+        if key is None or choice is None:
             return
         if parked is Parked.ONLY_IN_SLOT:
             # Restoring now would replace the held state, which is in the slot and nowhere
@@ -154,7 +189,42 @@ class AutoSessions:
                      "and is still in the engine", key)
             self.stats.restores_withheld += 1
             return
-        await restoring.restore(self, key, request, service)
+        await restoring.restore(self, key, request, service, choice)
+
+    def holds(self, key: str, request: StrataRequest, sibling: int) -> bool:
+        """Whether the request continues what the slot holding ``key`` (its ``sibling``)
+        holds: its whole prompt, and no other sibling's longer one (the slot may hold a
+        short side request the returning conversation starts with). True too when the key
+        names one conversation, or what the slot holds is not known."""
+        held = self.prompts.get(key)
+        if request.conversation_named or held is None or self.one_file_a_key:
+            return True
+        if not continues(held, request):
+            return False
+        return not any(other.sibling != sibling and other.prompt is not None
+                       and other.prompt.get("units", 0) > held["units"] and continues(other.prompt, request)
+                       for other in self.siblings.of(key).values())
+
+    @property
+    def one_file_a_key(self) -> bool:
+        """Whether every key keeps one file, as before there were siblings: ``siblings =
+        1``, or a store written before them (it cannot list a key's files, or its methods
+        take no ``sibling``)."""
+        return self.config.siblings == 1 or not self._store_takes_siblings
+
+    @functools.cached_property
+    def _store_takes_siblings(self) -> bool:
+        if not callable(getattr(self.store, "siblings", None)):
+            return False
+        for name in ("bin_name", "bin_path", "stage", "sidecar", "sidecar_problem", "touch"):
+            try:
+                parameters = inspect.signature(getattr(self.store, name)).parameters
+            except (AttributeError, TypeError, ValueError):
+                return False
+            if "sibling" not in parameters:
+                log.info("[strata] auto sessions: the store's %s takes no sibling: one file a key", name)
+                return False
+        return True
 
     async def before_slot_action(self, service: Any, slot: int, action: str) -> None:
         self.idle_saves.cancel(slot)
@@ -164,9 +234,14 @@ class AutoSessions:
             await self.park_slot(service, slot, reason="slot action")
 
     def after(self, request: StrataRequest, outcome: Outcome, service: Any) -> None:
+        key = request.conversation_key
+        sibling = request.state.get(NAME, {}).get("sibling")
+        in_slot = service.slots[request.slot]
+        if key is not None and sibling is not None and in_slot.last_request == request.id and in_slot.key == key:
+            # The request reached the engine: the slot holds its conversation, this sibling.
+            service.slots.holds_sibling(request.slot, key, sibling)
         if outcome.timings is None:
             return
-        key = request.conversation_key
         if key is not None:
             self.prompts.pop(key, None)
             self.prompts[key] = prompt_signature(request)
@@ -175,10 +250,12 @@ class AutoSessions:
         if request.restored_tokens:
             restoring.check_reuse(self, request, request.restored_tokens, outcome, service)
 
-    async def park_slot(self, service: Any, slot: int = 0, *, reason: str, incoming: str | None = None) -> Parked:
+    async def park_slot(self, service: Any, slot: int = 0, *, reason: str, incoming: str | None = None,
+                        incoming_sibling: int | None = None) -> Parked:
         """Save the conversation the slot holds to its file, if it is worth it and not
         current (:func:`strata_auto_sessions.saving.park_slot`)."""
-        return await park_slot(self, service, slot, reason=reason, incoming=incoming)
+        return await park_slot(self, service, slot, reason=reason, incoming=incoming,
+                               incoming_sibling=incoming_sibling)
 
     def record_in_use(self, service: Any) -> None:
         """Tell ``strata-serve sessions rm`` which conversations the slots hold or are

@@ -63,6 +63,10 @@ class ParkedConversation:
     #: Its prompt's chain and sizes when it was saved (see :func:`message_chain`).
     chain: list[str]
     sizes: list[int]
+    #: Which of its key's files it is (one per conversation under the key; 0 the first).
+    #: A key may be offered once per sibling: choosing the key takes the one of them
+    #: that shares the most with the incoming prompt.
+    sibling: int = 0
 
     def shared_links(self, chain: list[str]) -> int:
         """How many message boundaries its chain shares from the start with ``chain`` (the

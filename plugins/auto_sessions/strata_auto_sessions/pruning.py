@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from strata_auto_sessions.config import GB, AutoSessionsConfig, size_text
 from strata_auto_sessions.stats import AutoSessionsStats
-from strata_auto_sessions.store import ParkingStore
+from strata_auto_sessions.store import ParkingStore, of_sibling
+
+if TYPE_CHECKING:
+    from strata_auto_sessions.parking import AutoSessions
+    from strata_auto_sessions.siblings import SiblingIndex
 
 log = logging.getLogger("strata_auto_sessions")
 
@@ -35,9 +39,34 @@ def refresh_usage(store: ParkingStore, stats: AutoSessionsStats, report: bool = 
                     path.name, why)
 
 
+async def prune_siblings(parking: AutoSessions, key: str, spare: frozenset[int]) -> None:
+    """Remove ``key``'s least recently used siblings beyond ``siblings``, sparing ``spare``
+    (the one just saved, the one about to be restored)."""
+    store = parking.store
+    if store is None or len(parking.siblings.of(key)) <= parking.config.siblings:
+        return
+    pruning = getattr(store, "prune_siblings", None)  # a store of the protocol's first versions has none
+    if pruning is None:
+        return
+    try:
+        async with store.lock_without_blocking(parking.config.lock_wait_s):
+            removed = pruning(key, parking.config.siblings, spare)
+    except OSError as exc:  # a lock held elsewhere too long (LockTimeout) among them
+        log.warning("[strata] auto sessions: pruning %s's siblings failed: %s", key, exc)
+        return
+    for sibling, size in removed:
+        parking.siblings.removed(key, sibling)
+        parking.stats.sibling_prunes += 1
+        parking.stats.prunes += 1
+        parking.stats.pruned_bytes += size
+        log.info("[strata] auto sessions: pruned %s (%s): %s keeps %d conversation(s)",
+                 of_sibling(store.bin_name, key, sibling), size_text(size), key, parking.config.siblings)
+
+
 async def prune(store: ParkingStore, config: AutoSessionsConfig, stats: AutoSessionsStats,
-                protect: frozenset[str] = frozenset()) -> None:
-    """Remove the oldest files beyond ``keep`` and ``max_gb``, sparing ``protect``."""
+                protect: frozenset[str] = frozenset(), index: SiblingIndex | None = None) -> None:
+    """Remove the oldest files beyond ``keep`` and ``max_gb``, sparing ``protect`` (every
+    sibling of those keys); ``index``, the siblings auto-sessions keeps in memory, is told."""
     try:
         async with store.lock_without_blocking(config.lock_wait_s):
             removed = store.prune(config.keep, int(config.max_gb * GB), protect)
@@ -53,4 +82,6 @@ async def prune(store: ParkingStore, config: AutoSessionsConfig, stats: AutoSess
     for key, size in removed:
         stats.prunes += 1
         stats.pruned_bytes += size
-        log.info("[strata] auto sessions: pruned %s%s%s (%s)", "auto-", key, ".bin", size_text(size))
+        if index is not None:
+            index.forget(key)  # which of its siblings went is read again when it matters
+        log.info("[strata] auto sessions: pruned a file of %s (%s)", key, size_text(size))

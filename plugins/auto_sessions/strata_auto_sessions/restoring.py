@@ -12,10 +12,11 @@ from strata_serve import EngineError, EngineUnavailable, Outcome, StrataRequest,
 from strata_auto_sessions import fallback
 from strata_auto_sessions.config import NAME, from_slot
 from strata_auto_sessions.prompts import continues
-from strata_auto_sessions.store import LockTimeout, Refusal, Sidecar, incompatibility
+from strata_auto_sessions.store import LockTimeout, Refusal, Sidecar, incompatibility, of_sibling
 
 if TYPE_CHECKING:
     from strata_auto_sessions.parking import AutoSessions
+    from strata_auto_sessions.siblings import Choice
 
 log = logging.getLogger("strata_auto_sessions")
 
@@ -46,8 +47,10 @@ def failure_verdict(op: str, exc: Exception, service: Any, tokens: int | None) -
     return service.verdict(op, error, tokens)
 
 
-async def restore(parking: AutoSessions, key: str, request: StrataRequest, service: Any) -> bool:
-    """Restore ``key``'s file (or a fallback's, when it has none) into the request's slot.
+async def restore(parking: AutoSessions, key: str, request: StrataRequest, service: Any,
+                  choice: Choice | None = None) -> bool:
+    """Restore ``key``'s file, its sibling ``choice.source`` (or a fallback's, when it has
+    none) into the request's slot.
 
     :returns: whether a file was restored.
     """
@@ -56,19 +59,20 @@ async def restore(parking: AutoSessions, key: str, request: StrataRequest, servi
     # never removes a file between the checks and the restore.
     try:
         async with parking.store.lock_without_blocking(parking.config.lock_wait_s):
-            return await _restore_locked(parking, key, request, service)
+            return await _restore_locked(parking, key, request, service, choice)
     except LockTimeout as exc:
         log.warning("[strata] auto sessions: not restoring %s: %s; the request is answered by a full "
                     "prefill", key, exc)
         return False
 
 
-async def _restore_locked(parking: AutoSessions, key: str, request: StrataRequest, service: Any) -> bool:
-    chosen = _file_to_restore(parking, key, request, service)
+async def _restore_locked(parking: AutoSessions, key: str, request: StrataRequest, service: Any,
+                          choice: Choice | None) -> bool:
+    chosen = _file_to_restore(parking, key, request, service, choice)
     if chosen is None:
         return False
-    source, path = chosen  # whose file is restored: the conversation's own, or a fallback's
-    sidecar = _restorable(parking, source, path)
+    source, sibling, path = chosen  # whose file is restored: the conversation's own, or a fallback's
+    sidecar = _restorable(parking, source, sibling, path)
     if sidecar is None:
         return False
     verdict = service.verdict("restore", None, service.slots[request.slot].tokens)
@@ -76,7 +80,7 @@ async def _restore_locked(parking: AutoSessions, key: str, request: StrataReques
         if verdict == Verdict.UNSUPPORTED:
             parking.status.stop("the engine cannot restore slots")
         return False
-    loaded = await _load(parking, key, source, path, request, service)
+    loaded = await _load(parking, key, source, sibling, path, request, service)
     if loaded is None:
         return False
     n_restored, n_read, ms = loaded
@@ -86,41 +90,62 @@ async def _restore_locked(parking: AutoSessions, key: str, request: StrataReques
     parking.stats.restore_ms += ms
     parking.restore_speed.restored(n_read, ms)
     if source != key:
-        fallback.restored_from(parking, key, source, request, n_restored, ms)
+        fallback.restored_from(parking, key, source, request, n_restored, ms, sibling)
         return True
-    request.state[NAME] = {"restore_ms": ms, "continues": continues(sidecar.prompt, request)}
+    request.state.setdefault(NAME, {}).update(restore_ms=ms, continues=continues(sidecar.prompt, request))
+    if sidecar.prompt is not None:
+        parking.prompts[key] = sidecar.prompt  # what the slot holds now
     try:
-        parking.store.touch(key)  # type: ignore[union-attr]
+        of_sibling(parking.store.touch, key, sibling)  # type: ignore[union-attr]
     except OSError as exc:
         log.warning("[strata] auto sessions: could not update %s's sidecar: %s", key, exc)
+    parking.siblings.used(key, sibling)
+    if choice is not None and choice.sibling != sibling:
+        log.info("[strata] auto sessions: restored %s tokens from %s in %.0f ms%s, whose first %d message(s) "
+                 "this conversation shares: its own file will be %s", f"{n_restored:,}", path.name, ms,
+                 from_slot(service, request.slot, "into"), choice.shared,
+                 of_sibling(parking.store.bin_name, key, choice.sibling))  # type: ignore[union-attr]
+        return True
     log.info("[strata] auto sessions: restored %s tokens from %s in %.0f ms%s",
              f"{n_restored:,}", path.name, ms, from_slot(service, request.slot, "into"))
     return True
 
 
-def _file_to_restore(parking: AutoSessions, key: str, request: StrataRequest,
-                     service: Any) -> tuple[str, Path] | None:
-    """Whose file to restore for ``key`` and where it is: its own when it has one, else
-    the one a fallback plugin chose; None when there is none."""
+def _file_to_restore(parking: AutoSessions, key: str, request: StrataRequest, service: Any,
+                     choice: Choice | None) -> tuple[str, int, Path] | None:
+    """Whose file to restore for ``key``, which sibling, and where it is: its own (the
+    sibling ``choice`` names) when it has one, else the one a fallback plugin chose; None
+    when there is none, or the slot holds the chosen one already."""
     assert parking.store is not None
-    path = parking.store.bin_path(key)
-    if parking.store.stage(key):
-        return key, path
-    if path.is_symlink():
-        log.warning("[strata] auto sessions: not restoring %s: it is a symlink, never followed", path.name)
+    sibling = 0 if choice is None else choice.source
+    if sibling is None and choice is not None and of_sibling(parking.store.stage, key, choice.sibling):
+        # A file under the request's own name that no sibling knows: one whose sidecar is
+        # refused (damaged). It goes through the checks, which refuse it, counted.
+        sibling = choice.sibling
+    if sibling is not None:
+        in_slot = service.slots[request.slot]
+        if in_slot.key == key and in_slot.sibling == sibling and not in_slot.empty:
+            return None  # the slot holds it: the engine reuses it from there
+        path = of_sibling(parking.store.bin_path, key, sibling)
+        if of_sibling(parking.store.stage, key, sibling):
+            return key, sibling, path
+        if path.is_symlink():
+            log.warning("[strata] auto sessions: not restoring %s: it is a symlink, never followed", path.name)
+            return None
+        parking.siblings.removed(key, sibling)  # gone since (pruned or removed by another process)
+    chosen = fallback.choose(parking, request, service)
+    if chosen is None:
         return None
-    source = fallback.choose(parking, request, service)
-    if source is None:
-        return None
-    return source, parking.store.bin_path(source)
+    source, source_sibling = chosen
+    return source, source_sibling, of_sibling(parking.store.bin_path, source, source_sibling)
 
 
-def _restorable(parking: AutoSessions, source: str, path: Path) -> Sidecar | None:
+def _restorable(parking: AutoSessions, source: str, sibling: int, path: Path) -> Sidecar | None:
     """The sidecar of ``source``'s file when the file may go to this engine; None when it
     is refused (damaged, or for this engine), counted by reason and logged."""
     assert parking.store is not None
-    sidecar = parking.store.sidecar(source)
-    problem = parking.store.sidecar_problem(source) if sidecar is None else None
+    sidecar = of_sibling(parking.store.sidecar, source, sibling)
+    problem = of_sibling(parking.store.sidecar_problem, source, sibling) if sidecar is None else None
     if problem is not None:
         parking.stats.restores_refused_damaged += 1
         log.warning("[strata] auto sessions: not restoring %s: its sidecar is damaged (%s)", path.name, problem)
@@ -144,7 +169,7 @@ def count_refusal(parking: AutoSessions, name: str, refusal: Refusal) -> None:
     log.warning("[strata] auto sessions: not restoring %s (%s): %s", name, refusal.reason, refusal.detail)
 
 
-async def _load(parking: AutoSessions, key: str, source: str, path: Path, request: StrataRequest,
+async def _load(parking: AutoSessions, key: str, source: str, sibling: int, path: Path, request: StrataRequest,
                 service: Any) -> tuple[int, int, float] | None:
     """Have the engine read the file (once more after a failure its quirks call passing):
     the tokens restored, the bytes read and the milliseconds; None when it failed."""
@@ -159,7 +184,7 @@ async def _load(parking: AutoSessions, key: str, source: str, path: Path, reques
         began = time.monotonic()
         try:
             answer = await service.restore_slot(path.name, slot=request.slot, key=holder,
-                                                tenant=request.tenant, request=request)
+                                                tenant=request.tenant, request=request, sibling=sibling)
             break
         except (EngineError, EngineUnavailable) as exc:
             verdict = failure_verdict("restore", exc, service, None)

@@ -12,9 +12,9 @@ from strata_serve import EngineError, EngineUnavailable, Verdict
 from strata_auto_sessions.config import from_slot, size_text
 from strata_auto_sessions.mode import ParkingMode
 from strata_auto_sessions.policy import worth_a_file
-from strata_auto_sessions.pruning import in_use, prune, refresh_usage
+from strata_auto_sessions.pruning import in_use, prune, prune_siblings, refresh_usage
 from strata_auto_sessions.restoring import failure_verdict
-from strata_auto_sessions.store import SIDECAR_VERSION, LockTimeout, Sidecar
+from strata_auto_sessions.store import SIDECAR_VERSION, LockTimeout, Sidecar, of_sibling
 
 if TYPE_CHECKING:
     from strata_serve import SlotState
@@ -52,14 +52,15 @@ class _Saved(NamedTuple):
 
 
 async def park_slot(parking: AutoSessions, service: Any, slot: int = 0, *, reason: str,
-                    incoming: str | None = None) -> Parked:
+                    incoming: str | None = None, incoming_sibling: int | None = None) -> Parked:
     """Save the conversation the slot holds to its file, if it is worth it and not current.
 
-    ``incoming`` names the conversation about to be restored: pruning spares its file.
+    ``incoming`` names the conversation about to be restored (``incoming_sibling``, its
+    file, when it is of the same key): pruning spares its file.
     """
     assert parking.store is not None
     in_slot = await service.slot(slot)
-    key = in_slot.key
+    key, sibling = in_slot.key, in_slot.sibling
     if key is None or in_slot.empty:
         return Parked.NOTHING_TO_KEEP
     declined = _not_to_save(parking, service, key, in_slot)
@@ -69,14 +70,19 @@ async def park_slot(parking: AutoSessions, service: Any, slot: int = 0, *, reaso
     if isinstance(saved, Parked):
         return saved
     service.slots.file_written(slot, key)
+    if parking.shared is not None:
+        parking.shared.saved(of_sibling(parking.store.bin_name, key, sibling))  # uploaded in the background
     parking.stats.saves += 1
     parking.stats.saved_tokens += saved.tokens
     parking.stats.saved_bytes += saved.bytes
     parking.stats.save_ms += saved.ms
     log.info("[strata] auto sessions: saved %s tokens (%s) to %s in %.0f ms%s%s",
-             f"{saved.tokens:,}", size_text(saved.bytes), parking.store.bin_name(key), saved.ms,
+             f"{saved.tokens:,}", size_text(saved.bytes), of_sibling(parking.store.bin_name, key, sibling), saved.ms,
              "" if reason == "switch" else f" ({reason})", from_slot(service, slot))
-    await prune(parking.store, parking.config, parking.stats, protect=in_use(service, key, incoming))
+    spare = {sibling} | ({incoming_sibling} if incoming == key and incoming_sibling is not None else set())
+    await prune_siblings(parking, key, frozenset(spare))
+    await prune(parking.store, parking.config, parking.stats, protect=in_use(service, key, incoming),
+                index=parking.siblings)
     return Parked.SAVED
 
 
@@ -84,7 +90,7 @@ def _not_to_save(parking: AutoSessions, service: Any, key: str, in_slot: SlotSta
     """Why the conversation ``key`` the slot holds is not saved now (counted, and logged
     where it is news), or None when it is to be saved."""
     if in_slot.file_current:
-        if _file_kept(parking, key):
+        if _file_kept(parking, key, in_slot.sibling):
             parking.stats.save_skips_unchanged += 1
             return Parked.ALREADY_CURRENT
         # Its file went since it was made (`strata-serve sessions prune`, or by hand):
@@ -114,7 +120,7 @@ async def _save(parking: AutoSessions, service: Any, slot: int, key: str, in_slo
     """Have the engine save the slot to a temporary file (once more after a failure its
     quirks call passing), then commit it as ``key``'s file with its sidecar."""
     assert parking.store is not None
-    sidecar, prompt = parking.store.sidecar(key), parking.prompts.get(key)
+    sidecar, prompt = of_sibling(parking.store.sidecar, key, in_slot.sibling), parking.prompts.get(key)
     for attempt in range(2):
         temp = parking.store.temp_name(key)
         began = time.monotonic()
@@ -155,20 +161,24 @@ async def _commit(parking: AutoSessions, temp: str, key: str, in_slot: SlotState
     directory's lock): False when ``key`` was removed by hand since its state began."""
     assert parking.store is not None
     now = time.time()
+    written = Sidecar(
+        key=key, fingerprint=parking.fingerprint, tokens=n_saved, bytes=n_written,
+        # A file's state began with its first file; a state with none, when the
+        # slot began holding it: a removal by hand since then drops the save.
+        created=sidecar.created if sidecar else (in_slot.since or now), last_used=now,
+        digest="", prompt=prompt, tenant=in_slot.tenant, version=SIDECAR_VERSION, sibling=in_slot.sibling,
+    )
     async with parking.store.lock_without_blocking(parking.config.lock_wait_s):
-        return parking.store.commit(temp, key, Sidecar(
-            key=key, fingerprint=parking.fingerprint, tokens=n_saved, bytes=n_written,
-            # A file's state began with its first file; a state with none, when the
-            # slot began holding it: a removal by hand since then drops the save.
-            created=sidecar.created if sidecar else (in_slot.since or now), last_used=now,
-            digest="", prompt=prompt, tenant=in_slot.tenant, version=SIDECAR_VERSION,
-        ))
+        kept = parking.store.commit(temp, key, written)
+    if kept is not False:
+        parking.siblings.written(key, written)
+    return kept
 
 
-def _file_kept(parking: AutoSessions, key: str) -> bool:
+def _file_kept(parking: AutoSessions, key: str, sibling: int) -> bool:
     """Whether the store still has the conversation's file (its sidecar describes it)."""
     try:
-        return parking.store.sidecar(key) is not None  # type: ignore[union-attr]
+        return of_sibling(parking.store.sidecar, key, sibling) is not None  # type: ignore[union-attr]
     except OSError:
         return False
 
@@ -177,6 +187,7 @@ async def _removed_by_hand(parking: AutoSessions, key: str, slot: int, service: 
     """The session was removed by hand (``strata-serve sessions rm``) while the slot held
     it: its save was dropped, and the slot is erased so the engine forgets it too."""
     parking.prompts.pop(key, None)
+    parking.siblings.forget(key)
     log.info("[strata] auto sessions: %s was removed by hand: its save is dropped and the slot erased", key)
     try:
         await service.erase_slot(slot)

@@ -42,6 +42,9 @@ class Sidecar:
     tenant: str | None = None
     #: The sidecar's format: 1 had no state layout in ``fingerprint``, 2 has it.
     version: int = 1
+    #: Which of the conversations under ``key`` it is (``auto-<name>.<sibling>.bin``; 0, the
+    #: plain name, for the first and for every sidecar written before there were siblings).
+    sibling: int = 0
 
     @classmethod
     def read(cls, path: Path) -> Sidecar | None:
@@ -180,8 +183,9 @@ _SIDECAR_FIELDS: dict[str, Callable[[Any], str | None]] = {
                                 "sizes": _list_of(_count)})),
     "tenant": _optional(_text),
     "version": _count,
+    "sibling": _count,
 }
 
 
 #: Sidecar fields an older sidecar may lack.
-_OPTIONAL = ("prompt", "tenant", "version")
+_OPTIONAL = ("prompt", "tenant", "version", "sibling")

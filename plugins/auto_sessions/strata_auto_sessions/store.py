@@ -30,7 +30,7 @@ from strata_auto_sessions.fingerprint import (
 from strata_auto_sessions.locks import DirectoryInUse, DirectoryLock, LockTimeout, ServerClaim
 from strata_auto_sessions.naming import (
     ENGINE_NAME, HELD_NAME, PREFIX, REMOVED_NAME, SERVER_LOCK_NAME, SESSION_NAME, TEMP_NAME, TEMP_PREFIX,
-    file_key, fresh_json_temp_name, fresh_temp_name, key_of_file, session_name,
+    file_key, fresh_json_temp_name, fresh_temp_name, key_of_file, session_name, sibling_of,
 )
 from strata_auto_sessions.sidecar import SIDECAR_VERSION, DamagedSidecar, Sidecar
 
@@ -42,37 +42,55 @@ __all__ = [
     "SIDECAR_VERSION", "TEMP_NAME", "TEMP_PREFIX", "WEIGHT_BLOCK_BYTES", "WEIGHT_SPREAD_BLOCKS",
     "WEIGHT_WHOLE_BYTES", "DamagedSidecar", "DirectoryInUse", "LockTimeout", "ParkingStore", "Refusal",
     "SessionStore", "Sidecar", "as_of", "engine_fingerprint", "file_key", "fingerprint", "incompatibility",
-    "key_of_file", "last_use", "same_model", "sample_digest", "sliding_window", "swa_unusable",
+    "key_of_file", "last_use", "of_sibling", "same_model", "sample_digest", "sliding_window", "swa_unusable",
     "weights_digest",
 ]
+
+
+def of_sibling(method: Any, key: str, sibling: int) -> Any:
+    """``method(key, sibling)`` of a store, as ``method(key)`` for the first sibling: a
+    store written before there were siblings (its methods take no ``sibling``) keeps
+    working for keys with one file."""
+    return method(key) if sibling == 0 else method(key, sibling)
 
 
 class ParkingStore(Protocol):
     """What auto-sessions asks of the place where parked sessions rest.
 
     Names are file names in the engine's slot directory: the engine saves into
-    ``temp_name(key)`` there and restores from ``bin_name(key)`` there. A store that
+    ``temp_name(key)`` there and restores from ``bin_name(key, sibling)`` there. A store that
     keeps files elsewhere too copies them out in :meth:`commit` and back in :meth:`stage`.
     Choose one with the ``auto_sessions_store`` hook.
+
+    A key may have several files, its *siblings*: conversations that share the key (clients
+    without ids that open alike) and are kept apart, numbered from 0 (``sibling``; a
+    sidecar says its own in ``Sidecar.sibling``). Where a method takes ``sibling``, 0 is
+    the first, the one a key had before there were siblings.
     """
 
     directory: Path
 
-    def bin_name(self, key: str) -> str: ...
+    def bin_name(self, key: str, sibling: int = 0) -> str: ...
 
-    def bin_path(self, key: str) -> Path: ...
+    def bin_path(self, key: str, sibling: int = 0) -> Path: ...
 
-    def stage(self, key: str) -> bool:
-        """Make ``bin_name(key)`` available in the slot directory; False when there is no file."""
+    def stage(self, key: str, sibling: int = 0) -> bool:
+        """Make ``bin_name(key, sibling)`` available in the slot directory; False when there is no file."""
         ...
 
-    def sidecar(self, key: str) -> Sidecar | None:
+    def sidecar(self, key: str, sibling: int = 0) -> Sidecar | None:
         """The file's sidecar; None when there is no file (never made, removed or pruned)."""
         ...
 
-    def intact(self, key: str, sidecar: Sidecar) -> bool: ...
+    def siblings(self, key: str) -> list[Sidecar]:
+        """The sidecars of every file of ``key`` (each names its ``sibling``), newest first."""
+        ...
 
-    def sidecar_problem(self, key: str) -> str | None:
+    def intact(self, key: str, sidecar: Sidecar) -> bool:
+        """Whether the file ``sidecar`` describes (its key and sibling) is the one saved."""
+        ...
+
+    def sidecar_problem(self, key: str, sibling: int = 0) -> str | None:
         """Why the conversation's sidecar is refused (:class:`DamagedSidecar`); None when it
         reads or there is none."""
         ...
@@ -97,9 +115,9 @@ class ParkingStore(Protocol):
         ...
 
     def commit(self, temp_name: str, key: str, sidecar: Sidecar) -> bool | None:
-        """Put a finished save under its name; False when the session was removed by hand
-        (``strata-serve sessions rm``) since its state began (``sidecar.created``): the
-        save is dropped."""
+        """Put a finished save under its name (``key``'s ``sidecar.sibling``); False when the
+        session was removed by hand (``strata-serve sessions rm``) since its state began
+        (``sidecar.created``): the save is dropped."""
         ...
 
     def record_held(self, keys: list[str]) -> None:
@@ -114,14 +132,22 @@ class ParkingStore(Protocol):
 
     def discard(self, temp_name: str) -> None: ...
 
-    def touch(self, key: str) -> None: ...
+    def touch(self, key: str, sibling: int = 0) -> None: ...
 
-    def prune(self, keep: int, max_bytes: int, protect: frozenset[str] = frozenset()) -> list[tuple[str, int]]: ...
+    def prune(self, keep: int, max_bytes: int, protect: frozenset[str] = frozenset()) -> list[tuple[str, int]]:
+        """Keep the newest ``keep`` files within ``max_bytes``, every sibling of a key in
+        ``protect`` spared; ``(key, bytes)`` of each file removed."""
+        ...
+
+    def prune_siblings(self, key: str, keep: int, spare: frozenset[int] = frozenset()) -> list[tuple[int, int]]:
+        """Keep ``key``'s ``keep`` most recently used siblings, and those in ``spare``;
+        ``(sibling, bytes)`` of each file removed."""
+        ...
 
     def usage(self) -> tuple[int, int]: ...
 
     def sessions(self) -> list[tuple[str, Sidecar]]:
-        """``(key, sidecar)`` of every parked conversation, newest first."""
+        """``(key, sidecar)`` of every parked conversation (one per sibling), newest first."""
         ...
 
 
@@ -148,28 +174,28 @@ class SessionStore:
         """
         return self._lock.lock_without_blocking(timeout_s)
 
-    def bin_name(self, key: str) -> str:
-        return session_name(key, "bin")
+    def bin_name(self, key: str, sibling: int = 0) -> str:
+        return session_name(key, "bin", sibling)
 
-    def bin_path(self, key: str) -> Path:
-        return self.directory / self.bin_name(key)
+    def bin_path(self, key: str, sibling: int = 0) -> Path:
+        return self.directory / self.bin_name(key, sibling)
 
-    def restorable(self, key: str) -> bool:
+    def restorable(self, key: str, sibling: int = 0) -> bool:
         """A regular file of ours, not a symlink that could lead outside the directory."""
-        path = self.bin_path(key)
+        path = self.bin_path(key, sibling)
         return path.is_file() and not path.is_symlink()
 
-    def stage(self, key: str) -> bool:
+    def stage(self, key: str, sibling: int = 0) -> bool:
         """The file is in the slot directory already (or not at all)."""
-        return self.restorable(key)
+        return self.restorable(key, sibling)
 
     def intact(self, key: str, sidecar: Sidecar) -> bool:
         """The file is the one that was saved: same size, same sampled digest."""
-        path = self.bin_path(key)
+        path = self.bin_path(key, sidecar.sibling)
         return path.stat().st_size == sidecar.bytes and sample_digest(path) == sidecar.digest
 
-    def sidecar_path(self, key: str) -> Path:
-        return self.directory / session_name(key, "json")
+    def sidecar_path(self, key: str, sibling: int = 0) -> Path:
+        return self.directory / session_name(key, "json", sibling)
 
     def temp_name(self, key: str) -> str:
         return fresh_temp_name(key, ".bin")
@@ -251,31 +277,48 @@ class SessionStore:
         with self.lock():
             pending = self.removed_by_hand()
             for key in keys:
-                path = self.bin_path(key)
-                size = path.stat().st_size if path.is_file() and not path.is_symlink() else 0
-                if self.sidecar(key) is not None or size:
+                sidecars = self.siblings(key)
+                size = sum(self._size(key, sidecar.sibling) for sidecar in sidecars)
+                if sidecars or size:
                     removed.append((key, size))
                 self.remove(key)
                 pending[key] = time.time()
             _write_private_json(self.directory / REMOVED_NAME, pending)
         return removed
 
-    def _own(self, ext: str) -> list[tuple[str, Path, Sidecar]]:
-        """``(key, path, sidecar)`` of each ``auto-<name>.<ext>`` whose sidecar names its key.
+    def _size(self, key: str, sibling: int) -> int:
+        path = self.bin_path(key, sibling)
+        return path.stat().st_size if path.is_file() and not path.is_symlink() else 0
+
+    def _own(self, ext: str, key: str | None = None) -> list[tuple[str, Path, Sidecar]]:
+        """``(key, path, sidecar)`` of each ``auto-<name>[.<n>].<ext>`` whose sidecar names
+        its key and sibling (of ``key`` alone, when given).
 
         A name alone proves nothing (an older version let ``/slots`` write any name):
         only a file with our sidecar is ours. Symlinks are never ours.
         """
         found = []
-        for path in self.directory.iterdir():
-            match = SESSION_NAME.fullmatch(path.name)
+        start = None if key is None else session_name(key, "")[:-1]
+        with os.scandir(self.directory) as entries:
+            names = [entry.name for entry in entries if start is None or entry.name.startswith(start)]
+        for name in names:
+            match = SESSION_NAME.fullmatch(name)
+            path = self.directory / name
             if match is None or match["ext"] != ext or path.is_symlink():
                 continue
-            key = key_of_file(match["key"])
-            sidecar = self.sidecar(key)
-            if sidecar is not None and sidecar.key == key:
-                found.append((key, path, sidecar))
+            its_key, sibling = key_of_file(match["key"]), sibling_of(match)
+            if key is not None and its_key != key:
+                continue
+            sidecar = self.sidecar(its_key, sibling)
+            if sidecar is not None and sidecar.key == its_key and sidecar.sibling == sibling:
+                found.append((its_key, path, sidecar))
         return found
+
+    def siblings(self, key: str) -> list[Sidecar]:
+        """The sidecars of ``key``'s files (one per sibling, each naming its own), newest first."""
+        found = [sidecar for _key, path, sidecar in self._own("bin", key) if path.is_file()]
+        now = time.time()
+        return sorted(found, key=lambda sidecar: last_use(sidecar.last_used, now=now) or 0.0, reverse=True)
 
     def commit(self, temp_name: str, key: str, sidecar: Sidecar) -> bool:
         """Move a finished save under its real name, private to this user, with its sidecar.
@@ -310,26 +353,28 @@ class SessionStore:
         # The sidecar first: a file is ours only with it, so a crash between the two
         # leaves a sidecar without its file (swept by prune), never a file nobody owns.
         self.write_sidecar(sidecar)
-        os.replace(temp, self.bin_path(key))
+        os.replace(temp, self.bin_path(key, sidecar.sibling))
         _fsync(self.directory)
 
     def discard(self, temp_name: str) -> None:
         (self.directory / temp_name).unlink(missing_ok=True)
 
     def write_sidecar(self, sidecar: Sidecar) -> None:
-        sidecar.write(self.sidecar_path(sidecar.key))
+        sidecar.write(self.sidecar_path(sidecar.key, sidecar.sibling))
 
-    def sidecar(self, key: str) -> Sidecar | None:
-        return Sidecar.read(self.sidecar_path(key))
+    def sidecar(self, key: str, sibling: int = 0) -> Sidecar | None:
+        return Sidecar.read(self.sidecar_path(key, sibling))
 
-    def sidecar_problem(self, key: str) -> str | None:
+    def sidecar_problem(self, key: str, sibling: int = 0) -> str | None:
         try:
-            sidecar = Sidecar.load(self.sidecar_path(key))
+            sidecar = Sidecar.load(self.sidecar_path(key, sibling))
         except FileNotFoundError:
             return None
         except (OSError, DamagedSidecar) as exc:
             return str(exc)
-        return None if sidecar.key == key else f"it names another conversation ({sidecar.key!r})"
+        if sidecar.key != key:
+            return f"it names another conversation ({sidecar.key!r})"
+        return None if sidecar.sibling == sibling else f"it names another sibling ({sidecar.sibling})"
 
     def damaged(self) -> list[tuple[str, Path, str]]:
         """``(key, path, why)`` of each ``auto-<name>.bin`` beside a sidecar that is refused:
@@ -341,23 +386,26 @@ class SessionStore:
             if match is None or match["ext"] != "bin" or path.is_symlink():
                 continue
             key = key_of_file(match["key"])
-            why = self.sidecar_problem(key)
+            why = self.sidecar_problem(key, sibling_of(match))
             if why is not None:
                 found.append((key, path, why))
         return found
 
-    def touch(self, key: str) -> None:
-        sidecar = self.sidecar(key)
+    def touch(self, key: str, sibling: int = 0) -> None:
+        sidecar = self.sidecar(key, sibling)
         if sidecar is not None:
             sidecar.last_used = time.time()
             self.write_sidecar(sidecar)
 
-    def remove(self, key: str) -> None:
-        self.bin_path(key).unlink(missing_ok=True)
-        self.sidecar_path(key).unlink(missing_ok=True)
+    def remove(self, key: str, sibling: int | None = None) -> None:
+        """Remove ``key``'s file ``sibling`` with its sidecar; every sibling's when None."""
+        numbers = [s.sibling for s in self.siblings(key)] + [0] if sibling is None else [sibling]
+        for number in numbers:
+            self.bin_path(key, number).unlink(missing_ok=True)
+            self.sidecar_path(key, number).unlink(missing_ok=True)
 
     def files(self) -> list[tuple[str, Path, int, float]]:
-        """``(key, path, bytes, last used)`` of every session file, newest first; a file
+        """``(key, path, bytes, last used)`` of every session file (one per sibling), newest first; a file
         whose every time is stamped ahead of the clock (:func:`last_use`) counts as used at
         0, the oldest."""
         found = []
@@ -372,8 +420,12 @@ class SessionStore:
         return sorted(found, key=lambda item: item[3], reverse=True)
 
     def sessions(self) -> list[tuple[str, Sidecar]]:
-        by_key = {key: sidecar for key, _path, sidecar in self._own("bin")}
-        return [(key, by_key[key]) for key, *_ in self.files() if key in by_key]
+        by_path = {path: (key, sidecar) for key, path, sidecar in self._own("bin")}
+        return [by_path[path] for _key, path, *_ in self.files() if path in by_path]
+
+    def _sibling_of_path(self, path: Path) -> int:
+        match = SESSION_NAME.fullmatch(path.name)
+        return 0 if match is None else sibling_of(match)
 
     def prune(self, keep: int, max_bytes: int, protect: frozenset[str] = frozenset()) -> list[tuple[str, int]]:
         """Keep the newest ``keep`` files within ``max_bytes``; returns ``(key, bytes)`` removed.
@@ -389,20 +441,38 @@ class SessionStore:
         files = self.files()
         total = sum(size for key, _p, size, _u in files if key in protect)
         kept = sum(1 for key, *_ in files if key in protect)
-        for key, _path, size, _used in files:
+        for key, path, size, _used in files:
             if key in protect:
                 continue
             total += size
             kept += 1
             if kept > keep or total > max_bytes:
-                self.remove(key)
+                self.remove(key, self._sibling_of_path(path))
                 removed.append((key, size))
                 total -= size
                 kept -= 1
-        for key, sidecar_path, _sidecar in self._own("json"):
-            if not self.bin_path(key).exists():
+        for key, sidecar_path, sidecar in self._own("json"):
+            if not self.bin_path(key, sidecar.sibling).exists():
                 sidecar_path.unlink(missing_ok=True)
         return removed
+
+    def prune_siblings(self, key: str, keep: int, spare: frozenset[int] = frozenset()) -> list[tuple[int, int]]:
+        """Keep ``key``'s ``keep`` most recently used siblings, and those in ``spare`` (which
+        count against ``keep``); returns ``(sibling, bytes)`` of each file removed."""
+        with self.lock():
+            removed = []
+            siblings = self.siblings(key)  # newest first
+            kept = sum(1 for sidecar in siblings if sidecar.sibling in spare)
+            for sidecar in siblings:
+                if sidecar.sibling in spare:
+                    continue
+                kept += 1
+                if kept > keep:
+                    size = self._size(key, sidecar.sibling)
+                    self.remove(key, sidecar.sibling)
+                    removed.append((sidecar.sibling, size))
+                    kept -= 1
+            return removed
 
     def usage(self) -> tuple[int, int]:
         files = self.files()

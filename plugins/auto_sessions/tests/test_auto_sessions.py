@@ -281,7 +281,9 @@ async def test_damaged_file_is_never_handed_to_the_engine(auto_client, llama_ser
 
 
 async def test_a_restore_of_a_changed_conversation_is_not_held_against_the_engine(auto_client, caplog):
-    client = await auto_client()
+    # One file a key: a changed conversation is restored from it (by default it would be
+    # a sibling of its own, started from none of it).
+    client = await auto_client(siblings=1)
     a, b = conversation("reuse-a"), conversation("reuse-b")
     await ask(client, a)
     await ask(client, b)

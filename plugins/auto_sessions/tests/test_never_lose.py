@@ -104,8 +104,11 @@ async def test_a_ram_cache_set_in_extra_args_is_not_assumed_on(auto_client):
 
 
 async def test_two_conversations_with_the_same_opening_never_stop_parking(auto_client):
-    """Both open with "Hello" (one default key): restores that go unused say nothing of the engine."""
-    client = await auto_client(strata_quirks_llama_cpp)
+    """Both open with "Hello" (one default key): restores that go unused say nothing of the engine.
+
+    Kept to one file a key (``siblings = 1``), each restores the other's state; by default
+    each would have a file of its own (``test_siblings.py``)."""
+    client = await auto_client(strata_quirks_llama_cpp, siblings=1)
     opening = [{"role": "user", "content": "Hello"}]
     x = more(opening, "Tell me about ships. " + " ".join(f"ship{n} sea" for n in range(120)))
     y = more(opening, "Tell me about trees. " + " ".join(f"tree{n} wood" for n in range(120)))

@@ -372,3 +372,45 @@ def test_sessions_ls_shows_no_age_for_a_file_stamped_ahead(tmp_path):
     table = CliRunner().invoke(cli, ["sessions", "--slot-dir", str(tmp_path), "ls"]).output
     (line,) = [line for line in table.splitlines() if line.startswith("ahead")]
     assert "stamped ahead of the clock" in line and " s ago" not in line, line
+
+
+def make_sibling(store, key, sibling, size, age):
+    path = store.bin_path(key, sibling)
+    path.write_bytes(b"x" * size)
+    then = time.time() - age
+    os.utime(path, (then, then))
+    store.write_sidecar(Sidecar(key=key, fingerprint={}, tokens=1, bytes=size, created=then, last_used=then,
+                                digest="", sibling=sibling))
+
+
+def test_siblings_have_files_of_their_own_and_prune_across_keys_file_by_file(tmp_path):
+    store = SessionStore(tmp_path)
+    for sibling, age in ((0, 40), (1, 10), (2, 30)):
+        make_sibling(store, "k", sibling, 100, age)
+    make_sibling(store, "other", 0, 100, 20)
+    assert sorted(p.name for p in tmp_path.glob("auto-k*.bin")) == ["auto-k.1.bin", "auto-k.2.bin", "auto-k.bin"]
+    assert [s.sibling for s in store.siblings("k")] == [1, 2, 0], "newest first"
+    assert [(k, s.sibling) for k, s in store.sessions()] == [("k", 1), ("other", 0), ("k", 2), ("k", 0)]
+    # A sidecar under a sibling's name that names another sibling is not that file's.
+    (tmp_path / "auto-k.2.json").write_text((tmp_path / "auto-k.1.json").read_text())
+    assert store.sidecar_problem("k", 2) == "it names another sibling (1)"
+    assert [s.sibling for s in store.siblings("k")] == [1, 0]
+    make_sibling(store, "k", 2, 100, 30)
+    assert store.prune(keep=2, max_bytes=10**9) == [("k", 100), ("k", 100)]
+    assert sorted(p.name for p in tmp_path.glob("auto-*.bin")) == ["auto-k.1.bin", "auto-other.bin"]
+    assert not (tmp_path / "auto-k.2.json").exists() and not (tmp_path / "auto-k.json").exists()
+    # protect spares every sibling of a key.
+    make_sibling(store, "k", 0, 100, 50)
+    assert store.prune(keep=1, max_bytes=10**9, protect=frozenset({"k"})) == [("other", 100)]
+
+
+def test_prune_siblings_keeps_the_most_recently_used_and_those_spared(tmp_path):
+    store = SessionStore(tmp_path)
+    for sibling, age in ((0, 40), (1, 10), (2, 30), (3, 20)):
+        make_sibling(store, "k", sibling, 100, age)
+    make_sibling(store, "other", 0, 100, 60)
+    assert sorted(store.prune_siblings("k", 2, spare=frozenset({0}))) == [(2, 100), (3, 100)]
+    assert sorted(s.sibling for s in store.siblings("k")) == [0, 1]
+    assert store.bin_path("other").exists(), "another key's file is not its sibling"
+    store.remove("k")
+    assert not list(tmp_path.glob("auto-k*")), "remove(key) takes every sibling"

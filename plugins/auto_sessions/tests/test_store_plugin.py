@@ -77,6 +77,27 @@ async def test_a_store_plugin_brings_back_a_file_the_slot_directory_lost(
     assert timings["cache_n"] > 600, "A came back from the second tier"
 
 
+async def test_a_store_written_before_siblings_keeps_one_file_a_key(strata_client_factory, strata_settings_factory,
+                                                                     tmp_path, caplog):
+    """Its ``stage(key)`` takes no sibling: conversations that share a key share its one
+    file, as before, and nothing fails."""
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    settings = strata_settings_factory(plugins={"auto_sessions": {"min_tokens": 100, "idle_save_s": 0}})
+    client = await strata_client_factory(strata_auto_sessions, MirrorPlugin(mirror), settings=settings)
+    opening = conversation("shared")
+    a = opening + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "a " * 200}]
+    b = opening + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "b " * 200}]
+    for messages in (a, b, a, b):
+        resp = await client.post("/v1/chat/completions", json=body(messages))
+        assert resp.status == 200, await resp.text()
+    await client.close()
+    directory = settings.engine.slot_save_path
+    assert [p.name for p in directory.glob("auto-*.bin")] == [p.name for p in mirror.glob("auto-*.bin")]
+    assert len(list(directory.glob("auto-*.bin"))) == 1
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], [r.getMessage() for r in caplog.records]
+
+
 def test_a_store_hook_without_auto_sessions_is_refused(strata_settings_factory, tmp_path):
     """The hook belongs to auto-sessions: without it, pluggy refuses the unknown hook."""
     from pluggy import PluginValidationError

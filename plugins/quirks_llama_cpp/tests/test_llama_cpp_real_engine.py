@@ -149,8 +149,11 @@ async def test_two_unreused_restores_pause_parking_for_the_model(parked_client, 
 
 
 async def test_an_edited_system_prompt_never_stops_parking(parked_client, caplog):
-    """Restores of a conversation that changed (same key) go unused; that says nothing of the engine."""
-    client = await parked_client(strata_quirks_llama_cpp)
+    """Restores of a conversation that changed (same key) go unused; that says nothing of the engine.
+
+    One file a key (``siblings = 1``): by default the edited conversation would be a
+    sibling of its own, and nothing of it restored from the other."""
+    client = await parked_client(strata_quirks_llama_cpp, auto_sessions={"min_tokens": MIN_TOKENS, "siblings": 1})
     parking = client.app[SERVICE].state["auto_sessions"]
     a, b = conversation("edit-a"), conversation("edit-b")
     await ask(client, a)

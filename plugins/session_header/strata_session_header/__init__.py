@@ -95,7 +95,14 @@ def on_config(settings):
 # built-in default), whatever order the plugins were installed in.
 @strata_serve.hookimpl(tryfirst=True)
 def conversation_key(request: StrataRequest, service) -> str | None:
-    config = service.plugin_config(NAME, SessionHeaderConfig)
+    key = _key(request, service.plugin_config(NAME, SessionHeaderConfig))
+    if key is not None:
+        # The client named it: one conversation (auto-sessions keeps one file for it).
+        request.conversation_named = True
+    return key
+
+
+def _key(request: StrataRequest, config: SessionHeaderConfig) -> str | None:
     for source in config.sources:
         if source in CLIENT_SOURCES:
             client_id = _client_id(source, request)

@@ -208,10 +208,10 @@ def parked(strata_client_factory, strata_settings_factory):
     the bundled keying plugins as ``make serve`` installs them (system_prompt_key
     registered last, so pluggy alone would ask it first)."""
 
-    async def make(*plugins, **server):
+    async def make(*plugins, siblings: int = 4, **server):
         settings = strata_settings_factory(
             server=server, engine={"cache_ram_mib": 0, "parallel": 1},
-            plugins={"auto_sessions": {"min_tokens": 100, "idle_save_s": 0}},
+            plugins={"auto_sessions": {"min_tokens": 100, "idle_save_s": 0, "siblings": siblings}},
         )
         reuse = Reuse()
         client = await strata_client_factory(strata_auto_sessions, strata_session_header,
@@ -292,14 +292,22 @@ async def test_two_sessions_that_open_alike_each_restore_their_own_state(parked,
     assert all(share >= OWN_STATE for share in returns), [round(s, 3) for s in returns]
     print(f"\n{client_shape}: returns with ids reused {[round(s, 3) for s in returns]}")
 
-    # The control: without the ids the two sessions share one key, and each return finds
-    # the other's state (only the common opening is reused). The test above would see that.
+    # The control: without the ids the two sessions share one key; kept to one file a key
+    # (siblings = 1), each return finds the other's state (only the common opening is
+    # reused). The test above would see that.
     await client.close()  # one server per slot directory
-    client, reuse = await parked()
+    client, reuse = await parked(siblings=1)
     keys, returns = await alternate(client, reuse, turns, request, with_ids=False)
     assert len(keys) == 1, keys
     assert all(share < OWN_STATE for share in returns), [round(s, 3) for s in returns]
-    print(f"{client_shape}: returns without ids reused {[round(s, 3) for s in returns]}")
+    print(f"{client_shape}: returns without ids, one file a key, reused {[round(s, 3) for s in returns]}")
+    # By default the key keeps a file for each (its siblings): each return finds its own.
+    await client.close()
+    client, reuse = await parked()
+    keys, returns = await alternate(client, reuse, turns, request, with_ids=False)
+    assert len(keys) == 1, keys
+    assert all(share >= OWN_STATE for share in returns), [round(s, 3) for s in returns]
+    print(f"{client_shape}: returns without ids, a file each under the key, reused {[round(s, 3) for s in returns]}")
 
 
 async def test_the_title_request_of_a_session_never_replaces_the_main_turns_state(parked):
