@@ -142,6 +142,12 @@ class AutoSessions:
     async def before(self, request: StrataRequest, service: Any) -> None:
         self.idle_saves.cancel(request.slot)
         self.record_in_use(service)
+        if getattr(service, "side_lane", False) and request.slot != 0:
+            # The main conversation stays in its slot while this request runs beside it, as a
+            # one-slot engine's parks it: its file is made current first, so an engine crash
+            # in the next ``idle_save_s`` loses nothing (the side lane holds the whole line,
+            # so the idle save cannot run meanwhile). Skipped when its file is current.
+            await self.park_slot(service, 0, reason="a side request runs beside it")
         in_slot = await service.slot(request.slot)
         if not request.pinned:
             # The engine picks the slot itself and may take any: park every other one

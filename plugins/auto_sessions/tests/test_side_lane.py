@@ -155,6 +155,49 @@ async def test_claude_code_title_at_the_same_instant_as_the_main_turn(auto_clien
     assert not any("purging slot" in line for line in engine_lines(caplog))
 
 
+async def test_an_engine_crash_right_after_a_side_request_loses_no_main_conversation(auto_client, caplog):
+    """The main conversation stays in its slot beside a side request, which holds the whole
+    line meanwhile (the idle save cannot run): its file is made current before the side
+    request goes to the engine, as a one-slot engine parks it. The engine killed at once
+    after the side request: the next main turn comes back from disk, whole (without that
+    save it was read again in full: found by the bench's agents, one in four lost)."""
+    import os
+    import signal
+
+    caplog.set_level(logging.INFO, logger="strata_auto_sessions")
+    client = await auto_client(engine=LANE, idle_save_s=600)
+    service = client.app[SERVICE]
+    chat = [{"role": "system", "content": SYSTEM * 4}, *conversation("crash", 2)]
+    timings, _ = await main_turn(client, chat)
+    held = prompt_of(timings)
+    assert service.slots[MAIN].key is not None and not service.slots[MAIN].file_current
+    await task_request(client, FOLLOW_UPS, chat[-2:])
+    assert service.slots[SIDE].key is not None, "it ran in the side slot"
+    assert service.slots[MAIN].file_current, "the main conversation's file was made current"
+    assert parking(client).stats.saves == 1
+
+    generation = service.engine.generation
+    os.kill(service.engine.pid, signal.SIGKILL)
+    deadline = asyncio.get_running_loop().time() + 60
+    while service.engine.generation == generation or not service.engine.ready:
+        assert asyncio.get_running_loop().time() < deadline, "the engine did not come back"
+        await asyncio.sleep(0.05)
+    timings, headers = await main_turn(client, chat)
+    assert headers["X-Strata-State"] == "disk", headers
+    assert timings["cache_n"] >= held - 2, (timings, held)
+
+    # The turn moved it on: the next side request saves it again; once current, no other does.
+    def main_saves() -> int:
+        return sum(1 for r in caplog.records if r.getMessage().startswith("[strata] auto sessions: saved ")
+                   and r.getMessage().endswith("(from slot 0)"))
+
+    before = main_saves()
+    await task_request(client, TITLE, chat[-2:])
+    assert main_saves() == before + 1 and service.slots[MAIN].file_current
+    await task_request(client, TAGS, chat[-2:])
+    assert main_saves() == before + 1
+
+
 async def test_a_side_request_too_big_for_the_side_slot_goes_the_old_way(auto_client):
     client = await auto_client(engine=LANE, idle_save_s=0)
     service = client.app[SERVICE]
