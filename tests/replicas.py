@@ -8,8 +8,11 @@ its configuration the one docs/several-servers.md shows (``docs/examples/haproxy
 given this machine's addresses by :func:`balancer_config` and nothing else. A replica
 can be killed (``kill -9``) and started again on its port and slot directory.
 
-What a turn after a failover reused is :func:`after_a_failover`'s answer; today's is
-:func:`reread_in_full` (no replica shares another's parked conversations yet).
+What a turn after a failover reused is :func:`after_a_failover`'s answer: without a
+shared tier, :func:`reread_in_full` (the replica taking the conversation over never saw
+it); with one (``{"plugins": {"auto_sessions": {"shared": {"url": ...}}}}``),
+:func:`restored_from` the state the lost replica uploaded
+(plugins/auto_sessions/tests/test_shared_replicas.py).
 
 Every wait has a deadline. ``async with Replicas(tmp_path, model) as replicas:``.
 """
@@ -370,8 +373,20 @@ async def after_a_failover(replicas: Replicas, messages: list[dict], headers: di
 
 
 def reread_in_full(reuse: Reuse) -> bool:
-    """Today's answer after a failover: the replica that takes the conversation over never
-    saw it and reads its whole prompt again. (With a shared tier the turn is restored from
-    it: ``reuse.state == "disk"``.) The few tokens every chat opens with (its template's
-    first ones, left in the slot by another conversation) are all it finds."""
+    """The answer after a failover without a shared tier: the replica that takes the
+    conversation over never saw it and reads its whole prompt again. The few tokens every
+    chat opens with (its template's first ones, left in the slot by another conversation)
+    are all it finds."""
     return reuse.state == "none" and reuse.cached < 0.05 * (reuse.cached + reuse.prompt)
+
+
+#: Tokens a restored state may fall short of what was saved: the engine re-reads the last
+#: few to sample the next one.
+RESTORE_SLACK = 3
+
+
+def restored_from(reuse: Reuse, tokens: int) -> bool:
+    """Whether the turn was restored from a saved state of ``tokens`` tokens (the answer
+    after a failover with a shared tier, or of a replica restoring its own copy), and reused
+    it all but the last few: a state of fewer tokens (an older turn) is not it."""
+    return reuse.state == "disk" and tokens - RESTORE_SLACK <= reuse.cached <= tokens
