@@ -217,8 +217,11 @@ class PictureMatchesTheEngine(RuleBasedStateMachine):
                                              f"{possible.stop - 1:,} tokens; the slot holds {engine_held:,}", held)
         if held.file_current and held.key is not None:
             parking = service.state["auto_sessions"]
-            sidecar = parking.store.sidecar(held.key)
-            assert sidecar is not None and sidecar.tokens == engine_held, (held, sidecar)
+            # The file of the sibling the slot holds: a conversation restarted from its first
+            # turn under a key parked further on does not continue it, and is a sibling of its own.
+            sidecar = parking.store.sidecar(held.key, held.sibling)
+            assert sidecar is not None and sidecar.sibling == held.sibling and sidecar.tokens == engine_held, (
+                held, sidecar)
 
 
 def test_the_picture_matches_the_engine_after_every_step(server):
