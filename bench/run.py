@@ -174,7 +174,7 @@ AGENT_PLANS = {
     ],
     "full": [
         {"model": "bench", "name": "bench model", "args": {
-            "label": "bench", "repeats": 2, "limited_mib": 16, "min_tokens": 256,
+            "label": "bench", "repeats": 3, "limited_mib": 16, "min_tokens": 256,
             "shape": workloads.Workload(steps=4, opening=384, grow=64, sub=128, side=16, stall_s=30),
             "variants": {
                 "separate conversations": workloads.Workload(steps=4, opening=384, grow=64, sub=128, side=16,
@@ -183,7 +183,7 @@ AGENT_PLANS = {
                                                              system_prompt=512, stall_s=30),
             }}},
         {"model": "smollm2", "name": "SmolLM2-135M", "args": {
-            "label": "smollm2", "repeats": 2, "limited_mib": 8, "min_tokens": 128,
+            "label": "smollm2", "repeats": 3, "limited_mib": 8, "min_tokens": 128,
             "only": ["bare-default", "bare-limited", "bare-off", "bare-np4", "strata-default", "strata-limited",
                      "strata-off", "strata-np4", "hearth"],
             "shape": workloads.Workload(steps=2, opening=192, grow=32, sub=64, side=16, real=True)}},

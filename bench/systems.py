@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -30,6 +31,8 @@ from bench.harness import BENCH_ENGINE_KEY
 from strata_serve.config import EngineSettings
 from strata_serve.engine.llama_server import build_command, free_port, library_dirs, resolve_binary
 
+#: The engine's line after its RAM prompt cache work before a task.
+RAM_CACHE_LINE = re.compile(r"prompt cache update took ([0-9.]+) ms")
 #: How long a system may take to answer /health after a start or a restart.
 START_DEADLINE_S = 300.0
 
@@ -53,6 +56,11 @@ class System:
     parallel: int = 1
     plugins: dict[str, Any] = field(default_factory=dict)
     server: dict[str, Any] = field(default_factory=dict)
+    #: Arguments added to the engine's command line (any system).
+    extra_args: tuple[str, ...] | list[str] = ()
+    #: strata-serve run from another checkout of its tree (an earlier revision, to compare):
+    #: its core and bundled plugins come first on the process's path.
+    source: str | None = None
 
 
 def engine_env() -> dict[str, str]:
@@ -126,6 +134,22 @@ class Running:
         """strata-serve's ``/stats`` (None for the others)."""
         return None
 
+    def layer_cpu_s(self) -> float | None:
+        """CPU seconds of the layer in front of the engine (its own process), None for the bare engine."""
+        return None
+
+    #: Where the engine's output goes (``ram_cache_ms`` reads it).
+    log: Path
+
+    def ram_cache_ms(self) -> list[float]:
+        """The engine's own RAM prompt cache work before each task, as it logs it ("prompt cache
+        update took N ms"): empty when its log does not say."""
+        try:
+            text = self.log.read_text(errors="replace")
+        except OSError:
+            return []
+        return [float(found) for found in RAM_CACHE_LINE.findall(text)]
+
 
 class BareEngine(Running):
     def __init__(self, system: System, model: Path, ctx: int, work: Path, extra_args: list[str]) -> None:
@@ -166,7 +190,7 @@ class StrataServe(Running):
         self.slot_dir = work / "slots"
         port = free_port("127.0.0.1")
         engine: dict[str, Any] = {"model": str(model), "ctx_size": ctx, "slot_save_path": str(self.slot_dir),
-                                  "parallel": system.parallel, "extra_args": extra_args, "log_level": "DEBUG"}
+                                  "parallel": system.parallel, "extra_args": extra_args}
         if system.cache_ram_mib is not None:
             engine["cache_ram_mib"] = system.cache_ram_mib
         config = {"server": {"port": port, "queue_limit": 256, **system.server}, "engine": engine, "plugins": system.plugins}
@@ -175,8 +199,13 @@ class StrataServe(Running):
         self.url = f"http://127.0.0.1:{port}"
         self.log = work / "strata.log"
         strata = Path(sys.executable).parent / "strata-serve"
+        env = engine_env()
+        if system.source is not None:
+            tree = Path(system.source)
+            paths = [tree, *sorted(p.parent for p in tree.glob("plugins/*/pyproject.toml"))]
+            env["PYTHONPATH"] = os.pathsep.join(str(p) for p in paths)
         with open(self.log, "ab") as log:
-            self.process = subprocess.Popen([str(strata), "run", "--config", str(path)], env=engine_env(),
+            self.process = subprocess.Popen([str(strata), "run", "--config", str(path)], env=env,
                                             stdout=log, stderr=subprocess.STDOUT)
         wait_healthy(self.url, process=self.process, log=self.log)
         self._engine = self._wait_engine(None)
@@ -201,6 +230,11 @@ class StrataServe(Running):
 
     def stop(self) -> None:
         stop_process(self.process)
+
+    def layer_cpu_s(self) -> float | None:
+        from bench.layer_cost import cpu_seconds
+
+        return cpu_seconds(self.process.pid) if self.process.poll() is None else None
 
     def stats(self) -> dict[str, Any] | None:
         try:
@@ -264,7 +298,7 @@ def start(system: System, model: Path, ctx: int, work: Path) -> Running:
         if system.kind != "strata":
             extra = ["--kv-unified"]
     kind = {"bare": BareEngine, "strata": StrataServe, "hearth": Hearth}[system.kind]
-    return kind(system, model, ctx, work, extra)
+    return kind(system, model, ctx, work, [*extra, *system.extra_args])
 
 
 def hearth_installed() -> bool:

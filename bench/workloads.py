@@ -289,6 +289,7 @@ def run_once(system: System, model: Path, shape: Workload, work: Path) -> dict[s
             if shape.system_prompt else None
         disk = DiskWrites(running.slot_dir, running.file_patterns)
         busy = BusySlots(lambda: running.url)
+        cpu_before = running.layer_cpu_s()
         began = time.perf_counter()
         agents = [Agent(n, lambda: running.url, shape, system_text, halfway, turns, restarted, errors)
                   for n in range(shape.agents)]
@@ -300,6 +301,8 @@ def run_once(system: System, model: Path, shape: Workload, work: Path) -> dict[s
         samples = busy.stop()
         stats = running.stats()
         on_disk = disk.on_disk()
+        cpu_after = running.layer_cpu_s()
+        layer_cpu_s = cpu_after - cpu_before if cpu_before is not None and cpu_after is not None else None
     finally:
         running.stop()
     return {
@@ -312,6 +315,10 @@ def run_once(system: System, model: Path, shape: Workload, work: Path) -> dict[s
         "bytes_on_disk": on_disk,
         "timeline": per_second(turns, samples, began, ended),
         "auto_sessions": ((stats or {}).get("plugins") or {}).get("auto_sessions"),
+        # strata-serve's own spans (strata_serve.timing) and CPU, and the engine's RAM-cache work
+        "phases": (stats or {}).get("phases"),
+        "layer_cpu_s": layer_cpu_s,
+        "ram_cache_ms": running.ram_cache_ms(),
     }
 
 
@@ -339,12 +346,14 @@ def systems(limited_mib: int, min_tokens: int, with_hearth: bool = True) -> list
 
 def agent_comparison(model: Path, work: Path, *, shape: Workload, variants: dict[str, Workload] | None = None,
                      repeats: int, limited_mib: int, min_tokens: int, label: str,
-                     only: list[str] | None = None) -> dict[str, Any]:
-    """Every system (or those whose key is in ``only``), every variant, ``repeats`` rounds; the
-    order of the systems turns each round, so the machine's noise spreads over all of them."""
+                     only: list[str] | None = None, chosen: list[System] | None = None) -> dict[str, Any]:
+    """Every system (or those whose key is in ``only``; or the systems ``chosen``), every
+    variant, ``repeats`` rounds; the order of the systems turns each round, so the machine's
+    noise spreads over all of them."""
     variants = variants or {"agents": shape}
-    chosen = [s for s in systems(limited_mib, min_tokens, with_hearth=hearth_installed())
-              if only is None or s.key in only]
+    if chosen is None:
+        chosen = [s for s in systems(limited_mib, min_tokens, with_hearth=hearth_installed())
+                  if only is None or s.key in only]
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {v: {s.name: [] for s in chosen} for v in variants}
     for repeat in range(repeats):
         order = chosen[repeat % len(chosen):] + chosen[:repeat % len(chosen)]
@@ -367,6 +376,7 @@ def agent_comparison(model: Path, work: Path, *, shape: Workload, variants: dict
                     for v, by_system in runs.items()},
         "timelines": {v: {name: found[-1]["timeline"] for name, found in by_system.items() if found}
                       for v, by_system in runs.items()},
+        "runs": runs,
     }
 
 

@@ -62,6 +62,8 @@ _LAZY = {
     "in_tenant": "strata_serve.tenants",
     "PRIVATE_FILE_MODE": "strata_serve.files",
     "make_private_dir": "strata_serve.files",
+    "span": "strata_serve.timing",
+    "Timeline": "strata_serve.timing",
 }
 
 __all__ = ["hookimpl", "EngineError", "KeyRefused", "Outcome", "StrataRequest", "Timings", "Verdict", *_LAZY]

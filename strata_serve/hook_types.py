@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 from collections.abc import Mapping
 
+from strata_serve.timing import Timeline
+
 if TYPE_CHECKING:
     from strata_serve.api.registry import Api
 
@@ -67,6 +69,9 @@ class StrataRequest:
     state_source: str | None = None
     #: The API the request came through: how its conversation opens, its prompt's units.
     api: Api | None = field(default=None, repr=False, compare=False)
+    #: Where its time went outside the engine (:mod:`strata_serve.timing`): the core's spans
+    #: and the plugins' (:func:`strata_serve.span`), sent back in ``Server-Timing``.
+    timeline: Timeline = field(default_factory=Timeline, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.api is not None:

@@ -6,6 +6,7 @@ import importlib.metadata
 import inspect
 import logging
 import os
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,7 @@ import pluggy
 
 from strata_serve import hookspecs
 from strata_serve.config import ConfigError, Settings
+from strata_serve.timing import TIMED_HOOKS, current_timeline, span_name
 
 log = logging.getLogger("strata_serve.plugins")
 
@@ -179,15 +181,20 @@ async def broadcast(pm: pluggy.PluginManager, hook_name: str, *,
     """
     results = []
     hook = getattr(pm.hook, hook_name)
+    # A request's own steps are timed per plugin (strata_serve.timing), outside one not at all.
+    timeline = current_timeline() if hook_name in TIMED_HOOKS else None
     # pluggy calls the last registered first (tryfirst/trylast already sorted in).
     for impl in reversed(hook.get_hookimpls()):
         name = impl.plugin_name
+        began = time.perf_counter()
         try:
             result = call_impl(impl, kwargs)
             # Most implementations are plain functions that return None: await only what
             # needs it, without a coroutine of our own around every call.
             if result is not None and inspect.isawaitable(result):
                 result = await result
+            if timeline is not None:
+                timeline.add(f"{hook_name}.{span_name(name)}", (time.perf_counter() - began) * 1000)
             _trace(pm, hook_name, name, result)
             results.append((name, result))
         except passthrough:

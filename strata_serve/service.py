@@ -24,6 +24,7 @@ from strata_serve.side_lane import MAIN, SIDE, bound_generation, choose_lane, po
 from strata_serve.slot_choice import Claim, SlotChooser, choose_slot, claim_for, last_tasks, locate, slot_for
 from strata_serve.slot_state import SlotRegistry, SlotState, tokens_after
 from strata_serve.tenants import TENANT_SEPARATOR, tenant_key
+from strata_serve.timing import PhaseTotals, span, timeline_of
 
 log = logging.getLogger("strata_serve.service")
 
@@ -251,6 +252,11 @@ class Service:
         self.slots = SlotRegistry.for_engine(settings.engine.engine_slots)
         #: Engine facts measured once, here, for everyone: prefill speed, bytes per token.
         self.measures = EngineMeasures()
+        #: Every request's spans added up (:mod:`strata_serve.timing`): ``GET /stats``' ``phases``.
+        self.phases = PhaseTotals()
+        #: When the engine's last answer ended, on an engine that runs one request at a time
+        #: (the ``gap`` span is measured from it).
+        self._line_free_at: float | None = None
         self.closing = False
         self.started_at = time.time()
         self._tasks: set[asyncio.Task] = set()
@@ -346,55 +352,74 @@ class Service:
         task = asyncio.current_task()
         if task is not None:
             self._tasks.add(task)
+        arrived = time.perf_counter()
         try:
-            multi = len(self.slots) > 1
-            lane = self.side_lane
-            async with self.fifo.hold(claim_for(request, self.engine, len(self.slots), one_at_a_time=lane)) as granted:
+            with timeline_of(request.timeline):
+                return await self._process(request, send, arrived)
+        finally:
+            self.phases.add(request.timeline)
+            if task is not None:
+                self._tasks.discard(task)
+
+    async def _process(self, request: StrataRequest, send: Callable[[Outcome], Awaitable[None]],
+                       arrived: float) -> Outcome:
+        multi = len(self.slots) > 1
+        lane = self.side_lane
+        timeline = request.timeline
+        async with self.fifo.hold(claim_for(request, self.engine, len(self.slots), one_at_a_time=lane)) as granted:
+            timeline.add("queue", (time.perf_counter() - arrived) * 1000)
+            with span("ready"):
                 await self._ready_to_act(multi)
                 limit = None
                 if lane:
                     limit = await self._place_in_lane(request)
                 else:
                     request.slot = slot_for(self.slots, request, granted)
-                if multi and request.pinned:
-                    request.body["id_slot"] = request.slot  # the engine runs it in the slot chosen here
-                began = time.monotonic()
-                outcome = Outcome(status="error", error="not sent")
-                try:
+            if multi and request.pinned:
+                request.body["id_slot"] = request.slot  # the engine runs it in the slot chosen here
+            began = time.monotonic()
+            outcome = Outcome(status="error", error="not sent")
+            try:
+                with span("pre_request"):
                     await _shielded(broadcast(self.pm, "pre_request", request=request, service=self))
                     # A request the engine places itself: what each slot last ran, to tell after
                     # which slots it used.
                     tasks_before = await last_tasks(self.engine, len(self.slots)) if not request.pinned else None
-                except asyncio.CancelledError:
-                    outcome.status, outcome.error = "cancelled", "the client went away before the engine was asked"
+            except asyncio.CancelledError:
+                outcome.status, outcome.error = "cancelled", "the client went away before the engine was asked"
+                await _shielded(self._post(request, outcome, began))
+                raise
+            if limit is not None and bound_generation(request, limit):
+                # After the plugins' steps, which may change the body: the bound holds.
+                log.info("[strata] request %d runs in the side slot: its generation is bounded to %d tokens",
+                         request.id, limit)
+            before = self._sent(request)
+            one_line = lane or not multi
+            if one_line and self._line_free_at is not None and arrived <= self._line_free_at:
+                # It waited for the engine's previous answer: from that answer's end until now
+                # the engine stood idle, for strata-serve's work between the two.
+                timeline.add("gap", (time.perf_counter() - self._line_free_at) * 1000)
+            try:
+                await send(outcome)
+            except asyncio.CancelledError:
+                outcome.status = "cancelled"
+                outcome.error = outcome.error if self.closing else "the client went away"
+                raise
+            except Exception as exc:
+                outcome.status = "error"
+                outcome.error = str(exc)
+                raise
+            finally:
+                if one_line:
+                    self._line_free_at = time.perf_counter()
+                self._answered(request, outcome, before)
+                if not request.pinned:
+                    await _shielded(locate(self.engine, self.slots, request, tasks_before))
+                if lane:
+                    self._after_in_lane(request)
+                with span("post_request"):
                     await _shielded(self._post(request, outcome, began))
-                    raise
-                if limit is not None and bound_generation(request, limit):
-                    # After the plugins' steps, which may change the body: the bound holds.
-                    log.info("[strata] request %d runs in the side slot: its generation is bounded to %d tokens",
-                             request.id, limit)
-                before = self._sent(request)
-                try:
-                    await send(outcome)
-                except asyncio.CancelledError:
-                    outcome.status = "cancelled"
-                    outcome.error = outcome.error if self.closing else "the client went away"
-                    raise
-                except Exception as exc:
-                    outcome.status = "error"
-                    outcome.error = str(exc)
-                    raise
-                finally:
-                    self._answered(request, outcome, before)
-                    if not request.pinned:
-                        await _shielded(locate(self.engine, self.slots, request, tasks_before))
-                    if lane:
-                        self._after_in_lane(request)
-                    await _shielded(self._post(request, outcome, began))
-                return outcome
-        finally:
-            if task is not None:
-                self._tasks.discard(task)
+            return outcome
 
     @property
     def side_lane(self) -> bool:
@@ -593,7 +618,8 @@ class Service:
     async def check_slots(self) -> None:
         """Compare the picture with the engine's ``GET /slots`` (its token counts win)."""
         try:
-            answer = await self.engine.slots()
+            with span("slots"):
+                answer = await self.engine.slots()
         except (EngineError, EngineUnavailable) as exc:
             log.info("[strata] could not ask the engine what its slots hold: %s", exc)
             return
@@ -602,7 +628,8 @@ class Service:
 
     async def save_slot(self, filename: str, *, slot: int = 0) -> SlotSaved:
         """Save a slot to ``filename`` in the slot directory, and record it."""
-        answer = await self.engine.save(filename, slot)
+        with span("engine_save"):
+            answer = await self.engine.save(filename, slot)
         self.slots.saved(slot, answer.tokens)
         self.measures.state_file(answer.tokens, answer.bytes)
         return answer
@@ -616,7 +643,8 @@ class Service:
         ``request``, when given, is the request the restore is made for.
         """
         try:
-            answer = await self.engine.restore(filename, slot)
+            with span("engine_restore"):
+                answer = await self.engine.restore(filename, slot)
         except BaseException:
             # A failed restore may have cleared the slot, or not: nothing nameable is held.
             self.slots.unknown(slot, nameable=False)
@@ -629,7 +657,8 @@ class Service:
 
     async def erase_slot(self, slot: int = 0) -> SlotErased:
         try:
-            answer = await self.engine.erase(slot)
+            with span("engine_erase"):
+                answer = await self.engine.erase(slot)
         except BaseException:
             self.slots.unknown(slot)
             raise

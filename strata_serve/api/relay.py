@@ -309,6 +309,10 @@ def state_headers(request: StrataRequest) -> dict[str, str]:
     # A stream's headers leave before the service learns which slot the engine chose
     # for a request it could not place itself: then no slot is named.
     slot = {"X-Strata-Slot": str(request.slot)} if request.pinned or not request.stream else {}
+    # Where its time went outside the engine, as far as known now (a stream's: before its answer).
+    timing = request.timeline.server_timing()
+    if timing:
+        slot["Server-Timing"] = timing
     if request.conversation_key is None:
         return {"X-Strata-State": "unkeyed", **slot}
     return {

@@ -120,6 +120,7 @@ async def on_shutdown(service):
         if parking.mode.parks:
             for slot in range(len(service.slots)):
                 await parking.park_slot(service, slot, reason="shutdown")
+        await parking.synced()  # every save's fsyncs, before the server says it stopped
         if parking.shared is not None:
             await parking.shared.close(min(parking.shared.config.transfer_timeout_s, SHARED_STOP_WAIT_S))
         parking.stop()

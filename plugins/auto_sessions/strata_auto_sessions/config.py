@@ -95,6 +95,12 @@ class AutoSessionsConfig(BaseModel):
     #: ``strata-serve sessions`` may hold; then the save, restore or prune is given up
     #: (logged) and the request goes on without it.
     lock_wait_s: float = Field(10.0, gt=0)
+    #: When a save's file, its sidecar and the directory are fsynced: ``background`` (the
+    #: default) right after the save, beside the next request, so a switch does not wait
+    #: for the disk; ``at_save`` before the save is reported, as earlier versions did. A
+    #: normal stop waits for them either way; after a power cut a file whose data had not
+    #: reached the disk is refused by its size and digest, never handed to the engine.
+    fsync: Literal["background", "at_save"] = "background"
     #: A tier of parked conversations several servers share (``[plugins.auto_sessions.shared]``);
     #: None: the slot directory alone.
     shared: SharedConfig | None = None

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from collections.abc import AsyncIterator, Iterator
 
-from strata_serve import PRIVATE_FILE_MODE
+from strata_serve import PRIVATE_FILE_MODE, span
 
 from strata_auto_sessions.naming import SERVER_LOCK_NAME
 
@@ -65,7 +65,8 @@ class DirectoryLock:
         if self._depth == 0:
             fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
             try:
-                taken = await self._take_lock(fd, timeout_s)
+                with span("auto_sessions.lock"):
+                    taken = await self._take_lock(fd, timeout_s)
             except BaseException:
                 os.close(fd)
                 raise

@@ -14,6 +14,7 @@ mode (``mode``), saving (``saving``), restoring (``restoring``) and its fallback
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import logging
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from strata_serve import ConfigError, EngineMeasures, Outcome, StrataRequest, first_result, make_private_dir
+from strata_serve import ConfigError, EngineMeasures, Outcome, StrataRequest, first_result, make_private_dir, span
 
 from strata_auto_sessions import restoring
 from strata_auto_sessions.config import GB, NAME, AutoSessionsConfig, size_text
@@ -68,6 +69,9 @@ class AutoSessions:
         self._recorded_in_use: list[str] | None = None
         #: The tier shared with other servers (``plugins.auto_sessions.shared``), or None.
         self.shared: SharedParking | None = None
+        #: The fsyncs of saves made without them (``fsync = "background"``), under way.
+        self._syncing: asyncio.Task[None] | None = None
+        self._sync_again = False
 
     @classmethod
     async def start(cls, config: AutoSessionsConfig, service: Any) -> AutoSessions:
@@ -89,6 +93,8 @@ class AutoSessions:
         if removed:
             log.info("[strata] auto sessions: removed %d unfinished temporary file(s)", removed)
         parking = cls(config, store, engine_fingerprint(info), service.measures)
+        if config.fsync == "background" and callable(getattr(store, "sync_written", None)):
+            store.sync_later = True
         parking.describe_engine()
         parking.judge_engine()
         refresh_usage(store, parking.stats, report=True)
@@ -172,11 +178,13 @@ class AutoSessions:
         # key): the held conversation leaves the slot.
         choice = None
         if key is not None and self.shared is not None:
-            await self.shared.bring_in(key)  # a newer state another server saved, where it pays
+            with span("auto_sessions.shared"):
+                await self.shared.bring_in(key)  # a newer state another server saved, where it pays
             self.siblings.forget(key)  # the key's files, as the shared tier left them
         if key is not None:
             held = Sibling(in_slot.sibling, self.prompts.get(key), time.time()) if same_key else None
-            choice = self.siblings.choose(key, request, held, one=self.one_file_a_key)
+            with span("auto_sessions.siblings"):
+                choice = self.siblings.choose(key, request, held, one=self.one_file_a_key)
             request.state.setdefault(NAME, {})["sibling"] = choice.sibling
             if choice.new:
                 self.stats.siblings_started += 1
@@ -281,6 +289,36 @@ class AutoSessions:
                         self.store.directory, exc)  # type: ignore[union-attr]
             return
         self._recorded_in_use = keys
+
+    # -- durability off the request's path ----------------------------------------
+
+    def sync_soon(self) -> None:
+        """fsync what the last saves committed without it, in a thread, beside the requests
+        that follow (one at a time; a call while one runs makes it run once more)."""
+        if not getattr(self.store, "sync_later", False):
+            return
+        if self._syncing is not None and not self._syncing.done():
+            self._sync_again = True
+            return
+        self._syncing = asyncio.get_running_loop().create_task(self._sync(), name="auto-sessions fsync")
+
+    async def _sync(self) -> None:
+        while True:
+            self._sync_again = False
+            try:
+                await asyncio.to_thread(self.store.sync_written)  # type: ignore[union-attr]
+            except OSError as exc:
+                self.stats.sync_failures += 1
+                log.warning("[strata] auto sessions: syncing saved files to disk failed: %s", exc)
+            if not self._sync_again:
+                return
+
+    async def synced(self) -> None:
+        """Until every save so far is on disk (a normal stop waits for it)."""
+        if self._syncing is not None:
+            await asyncio.shield(self._syncing)
+        if getattr(self.store, "sync_later", False) and self.store.unsynced:  # type: ignore[union-attr]
+            await self._sync()
 
     # -- estimates for a fallback plugin ---------------------------------------
 

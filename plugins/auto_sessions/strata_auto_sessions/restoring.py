@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from strata_serve import EngineError, EngineUnavailable, Outcome, StrataRequest, Verdict, first_result
+from strata_serve import EngineError, EngineUnavailable, Outcome, StrataRequest, Verdict, first_result, span
 
 from strata_auto_sessions import fallback
 from strata_auto_sessions.config import NAME, from_slot
@@ -68,11 +68,12 @@ async def restore(parking: AutoSessions, key: str, request: StrataRequest, servi
 
 async def _restore_locked(parking: AutoSessions, key: str, request: StrataRequest, service: Any,
                           choice: Choice | None) -> bool:
-    chosen = _file_to_restore(parking, key, request, service, choice)
-    if chosen is None:
-        return False
-    source, sibling, path = chosen  # whose file is restored: the conversation's own, or a fallback's
-    sidecar = _restorable(parking, source, sibling, path)
+    with span("auto_sessions.restore_checks"):
+        chosen = _file_to_restore(parking, key, request, service, choice)
+        if chosen is None:
+            return False
+        source, sibling, path = chosen  # whose file is restored: the conversation's own, or a fallback's
+        sidecar = _restorable(parking, source, sibling, path)
     if sidecar is None:
         return False
     verdict = service.verdict("restore", None, service.slots[request.slot].tokens)
@@ -96,7 +97,8 @@ async def _restore_locked(parking: AutoSessions, key: str, request: StrataReques
     if sidecar.prompt is not None:
         parking.prompts[key] = sidecar.prompt  # what the slot holds now
     try:
-        of_sibling(parking.store.touch, key, sibling)  # type: ignore[union-attr]
+        with span("auto_sessions.touch"):
+            of_sibling(parking.store.touch, key, sibling)  # type: ignore[union-attr]
     except OSError as exc:
         log.warning("[strata] auto sessions: could not update %s's sidecar: %s", key, exc)
     parking.siblings.used(key, sibling)

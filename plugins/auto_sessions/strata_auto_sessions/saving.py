@@ -7,7 +7,7 @@ import time
 from enum import Enum
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from strata_serve import EngineError, EngineUnavailable, Verdict
+from strata_serve import EngineError, EngineUnavailable, Verdict, span
 
 from strata_auto_sessions.config import from_slot, size_text
 from strata_auto_sessions.mode import ParkingMode
@@ -70,6 +70,7 @@ async def park_slot(parking: AutoSessions, service: Any, slot: int = 0, *, reaso
     if isinstance(saved, Parked):
         return saved
     service.slots.file_written(slot, key)
+    parking.sync_soon()  # its fsyncs, beside the next request (fsync = "background")
     if parking.shared is not None:
         parking.shared.saved(of_sibling(parking.store.bin_name, key, sibling))  # uploaded in the background
     parking.stats.saves += 1
@@ -80,9 +81,10 @@ async def park_slot(parking: AutoSessions, service: Any, slot: int = 0, *, reaso
              f"{saved.tokens:,}", size_text(saved.bytes), of_sibling(parking.store.bin_name, key, sibling), saved.ms,
              "" if reason == "switch" else f" ({reason})", from_slot(service, slot))
     spare = {sibling} | ({incoming_sibling} if incoming == key and incoming_sibling is not None else set())
-    await prune_siblings(parking, key, frozenset(spare))
-    await prune(parking.store, parking.config, parking.stats, protect=in_use(service, key, incoming),
-                index=parking.siblings)
+    with span("auto_sessions.prune"):
+        await prune_siblings(parking, key, frozenset(spare))
+        await prune(parking.store, parking.config, parking.stats, protect=in_use(service, key, incoming),
+                    index=parking.siblings)
     return Parked.SAVED
 
 
@@ -168,8 +170,9 @@ async def _commit(parking: AutoSessions, temp: str, key: str, in_slot: SlotState
         created=sidecar.created if sidecar else (in_slot.since or now), last_used=now,
         digest="", prompt=prompt, tenant=in_slot.tenant, version=SIDECAR_VERSION, sibling=in_slot.sibling,
     )
-    async with parking.store.lock_without_blocking(parking.config.lock_wait_s):
-        kept = parking.store.commit(temp, key, written)
+    with span("auto_sessions.commit"):
+        async with parking.store.lock_without_blocking(parking.config.lock_wait_s):
+            kept = parking.store.commit(temp, key, written)
     if kept is not False:
         parking.siblings.written(key, written)
     return kept

@@ -80,9 +80,10 @@ class Sidecar:
         fields = {name: data[name] for name in cls.__dataclass_fields__ if name in data}
         return cls(**fields)
 
-    def write(self, path: Path) -> None:
+    def write(self, path: Path, *, sync: bool = True) -> None:
         """Write it at ``path``, private to this user, whole or not at all: through a
-        temporary beside it, synced, then renamed over the old one."""
+        temporary beside it, synced (unless ``sync`` is False: the caller syncs it later),
+        then renamed over the old one."""
         temp = path.with_name(fresh_temp_name(self.key, ".json"))
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
         try:
@@ -90,7 +91,8 @@ class Sidecar:
             with os.fdopen(fd, "w") as handle:
                 json.dump(asdict(self), handle)
                 handle.flush()
-                os.fsync(handle.fileno())
+                if sync:
+                    os.fsync(handle.fileno())
             os.replace(temp, path)
         except BaseException:
             # A full disk fails the write: the temporary would stay until the next start.

@@ -26,6 +26,7 @@ class AutoSessionsStats:
     saved_bytes: int = counter("Bytes written by saves", unit="bytes")
     save_ms: float = counter("Time spent saving", name="save_seconds", unit="seconds", scale=1e-3)
     save_failures: int = counter("Saves that failed")
+    sync_failures: int = counter("Background fsyncs of saved files that failed")
     save_skips_below_min: int = counter(_SAVE_SKIPS, name="save_skips", labels={"reason": "below_min_tokens"})
     save_skips_verdict: int = counter(_SAVE_SKIPS, name="save_skips", labels={"reason": "engine_verdict"})
     save_skips_unchanged: int = counter(_SAVE_SKIPS, name="save_skips", labels={"reason": "unchanged"})

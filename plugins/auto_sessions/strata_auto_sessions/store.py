@@ -14,11 +14,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from strata_serve import PRIVATE_FILE_MODE, make_private_dir
+from strata_serve import PRIVATE_FILE_MODE, make_private_dir, span
 
 from strata_auto_sessions.clock import CLOCK_SLACK_S, as_of, last_use
 from strata_auto_sessions.compat import BUILD_RANGE, REFUSAL_REASONS, Refusal, incompatibility, swa_unusable
@@ -159,6 +160,12 @@ class SessionStore:
         self._lock = DirectoryLock(directory)
         #: The server lock (:meth:`claim`).
         self._claim = ServerClaim(directory)
+        #: True: a commit leaves its fsyncs to :meth:`sync_written` (auto-sessions' ``fsync =
+        #: "background"``), called off the request's path; False: it fsyncs before it returns.
+        self.sync_later = False
+        #: Files and sidecars committed since the last :meth:`sync_written`, not yet fsynced.
+        self._unsynced: list[Path] = []
+        self._unsynced_lock = threading.Lock()
 
     def lock(self) -> contextlib.AbstractContextManager[None]:
         """An exclusive ``flock`` on the slot directory itself (reentrant in this process),
@@ -348,13 +355,52 @@ class SessionStore:
         if sidecar.bytes and size != sidecar.bytes:
             raise OSError(f"{temp_name} holds {size:,} bytes; the engine reported {sidecar.bytes:,}")
         os.chmod(temp, PRIVATE_FILE_MODE)
-        sidecar.digest = sample_digest(temp)
-        _fsync(temp)  # the data is on disk before the name says it is there
+        with span("auto_sessions.digest"):
+            sidecar.digest = sample_digest(temp)
+        target = self.bin_path(key, sidecar.sibling)
+        with span("auto_sessions.sidecar"):
+            self._put_in_place(temp, target, key, sidecar)
+
+    def _put_in_place(self, temp: Path, target: Path, key: str, sidecar: Sidecar) -> None:
+        if self.sync_later:
+            # Made durable by sync_written, beside the next request. Until then a power cut
+            # may leave the name over data that never reached the disk: the size and digest
+            # in the sidecar refuse such a file at its restore.
+            sidecar.write(self.sidecar_path(key, sidecar.sibling), sync=False)
+            os.replace(temp, target)
+            with self._unsynced_lock:
+                self._unsynced += [target, self.sidecar_path(key, sidecar.sibling)]
+            return
+        with span("auto_sessions.fsync"):
+            _fsync(temp)  # the data is on disk before the name says it is there
         # The sidecar first: a file is ours only with it, so a crash between the two
         # leaves a sidecar without its file (swept by prune), never a file nobody owns.
         self.write_sidecar(sidecar)
-        os.replace(temp, self.bin_path(key, sidecar.sibling))
-        _fsync(self.directory)
+        os.replace(temp, target)
+        with span("auto_sessions.fsync"):
+            _fsync(self.directory)
+
+    def sync_written(self) -> int:
+        """fsync what was committed without it (``sync_later``), then the directory: the
+        number of files synced. Blocking: run it in a thread. A file gone since (pruned,
+        replaced by a newer save, which is listed itself) is passed over."""
+        with self._unsynced_lock:
+            paths, self._unsynced = self._unsynced, []
+        synced = 0
+        for path in dict.fromkeys(paths):
+            try:
+                _fsync(path)
+                synced += 1
+            except FileNotFoundError:
+                continue
+        if paths:
+            _fsync(self.directory)
+        return synced
+
+    @property
+    def unsynced(self) -> int:
+        """Files committed and not yet fsynced."""
+        return len(self._unsynced)
 
     def discard(self, temp_name: str) -> None:
         (self.directory / temp_name).unlink(missing_ok=True)
@@ -395,7 +441,11 @@ class SessionStore:
         sidecar = self.sidecar(key, sibling)
         if sidecar is not None:
             sidecar.last_used = time.time()
-            self.write_sidecar(sidecar)
+            path = self.sidecar_path(key, sibling)
+            sidecar.write(path, sync=not self.sync_later)
+            if self.sync_later:
+                with self._unsynced_lock:
+                    self._unsynced.append(path)
 
     def remove(self, key: str, sibling: int | None = None) -> None:
         """Remove ``key``'s file ``sibling`` with its sidecar; every sibling's when None."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -508,9 +509,10 @@ async def test_a_failed_idle_save_still_leaves_the_shutdown_save(auto_client, ca
 
 
 async def test_a_save_is_on_disk_before_its_name_appears(auto_client, monkeypatch):
-    """The file's data is fsynced before the rename gives it its name, and the directory
-    after it (so the rename itself survives a power cut) before the save is reported."""
-    client = await auto_client()
+    """With ``fsync = "at_save"``: the file's data is fsynced before the rename gives it its
+    name, and the directory after it (so the rename itself survives a power cut) before the
+    save is reported."""
+    client = await auto_client(fsync="at_save")
     a, b = conversation("sync-a"), conversation("sync-b")
     await ask(client, a)
     directory = slot_dir(client).resolve()
@@ -541,3 +543,45 @@ async def test_a_save_is_on_disk_before_its_name_appears(auto_client, monkeypatc
     sidecar_renames = [n for n, call in enumerate(calls) if call[0] == "replace" and call[2] == sidecar]
     assert sidecar_renames and all(n < rename for n in sidecar_renames), "the sidecar is in place first"
     assert ("fsync", calls[sidecar_renames[0]][1]) in calls[:sidecar_renames[0]], calls
+
+
+#: How long each fsync takes in the test of a slow disk.
+SLOW_FSYNC_S = 2.0
+
+
+@pytest.mark.parametrize("fsync", ["background", "at_save"])
+async def test_a_switch_does_not_wait_for_the_disk_and_a_stop_waits_for_every_fsync(auto_client, monkeypatch,
+                                                                                      fsync):
+    """With ``fsync = "background"`` (the default) the save's fsyncs run beside the next
+    request: on a disk slow to sync (every fsync takes 2 s here) the switch is answered
+    without waiting for them, and a normal stop waits until the file, its sidecar and the
+    directory are synced. The control, ``at_save``, answers only after its three fsyncs."""
+    client = await auto_client(fsync=fsync)
+    a, b = conversation("disk-a"), conversation("disk-b")
+    await ask(client, a)
+    store = parking(client).store
+    real_fsync = os.fsync
+    synced: list[str] = []
+
+    def slow_fsync(fd):
+        time.sleep(SLOW_FSYNC_S)  # in a worker thread (background) or on the loop (at_save)
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    began = time.monotonic()
+    await ask(client, b)  # the switch saves A
+    answered_s = time.monotonic() - began
+    target = str(store.bin_path(key_of(client, a)).resolve())
+    if fsync == "background":
+        assert answered_s < SLOW_FSYNC_S, f"the switch waited {answered_s:.1f} s for the disk"
+        await asyncio.wait_for(client.app[SERVICE].shutdown(), 60)
+    else:
+        assert answered_s >= 3 * SLOW_FSYNC_S, f"the control answered after {answered_s:.1f} s, before its fsyncs"
+    monkeypatch.undo()
+    sidecar = str(store.sidecar_path(key_of(client, a)).resolve())
+    assert target in synced or any(Path(p).name.startswith("tmp-auto-") for p in synced), synced
+    assert str(slot_dir(client).resolve()) in synced, synced
+    if fsync == "background":
+        assert target in synced and sidecar in synced, synced
+    assert store.unsynced == 0

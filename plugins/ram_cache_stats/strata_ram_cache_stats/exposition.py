@@ -199,4 +199,6 @@ async def stats(request: web.Request) -> web.Response:
         **ledger.snapshot(),
         "conversations": ledger.recent_conversations(tenant),
         "plugins": plugin_numbers(request.app[SERVICE]),
+        # Where requests' time went outside the engine, in all (strata_serve.timing).
+        "phases": request.app[SERVICE].phases.snapshot(),
     })

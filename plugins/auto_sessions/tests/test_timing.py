@@ -1,0 +1,82 @@
+"""Where a request's time goes outside the engine (strata_serve.timing), on the real engine:
+what a switch's answer says it spent, against an answer from the slot, and the engine's
+idle time between two answers when a request waited."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from strata_serve import span
+from strata_serve.api import SERVICE
+from strata_serve.testing import conversation
+from strata_serve.timing import PhaseTotals, Timeline, timeline_of
+
+
+def spans(header: str) -> dict[str, float]:
+    """``Server-Timing``'s ``name;dur=ms`` entries."""
+    found = {}
+    for entry in header.split(","):
+        name, _, duration = entry.strip().partition(";dur=")
+        found[name] = float(duration)
+    return found
+
+
+async def chat(client, messages: list[dict], **more) -> dict[str, float]:
+    resp = await client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4, **more})
+    assert resp.status == 200, await resp.text()
+    await resp.read()
+    return spans(resp.headers["Server-Timing"])
+
+
+async def test_a_switch_names_its_save_and_an_answer_from_the_slot_names_none(auto_client):
+    client = await auto_client(idle_save_s=0)
+    a, b = conversation("timed-a"), conversation("timed-b")
+    first = await chat(client, a)
+    assert "engine_save" not in first and first["queue"] >= 0 and "pre_request" in first
+    again = await chat(client, a + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}])
+    assert "engine_save" not in again and "engine_restore" not in again, again  # the control: from its slot
+    switch = await chat(client, b, stream=True)  # a stream's header leaves after the steps before the engine
+    for name in ("engine_save", "auto_sessions.commit", "auto_sessions.digest", "pre_request.auto_sessions"):
+        assert switch.get(name, 0) > 0, (name, switch)
+    assert switch["engine_save"] + switch["auto_sessions.commit"] <= switch["pre_request"] + 0.01, switch
+    back = await chat(client, a)
+    assert back.get("engine_restore", 0) > 0 and back.get("auto_sessions.restore_checks", 0) > 0, back
+    totals = client.app[SERVICE].phases.snapshot()
+    assert totals["requests"] == 4 and totals["count"]["engine_save"] == 2, totals  # B's save at the return
+
+
+async def test_the_engine_idle_between_two_answers_is_the_gap_of_the_request_that_waited(auto_client):
+    client = await auto_client(idle_save_s=0)
+    a, b = conversation("gap-a"), conversation("gap-b")
+    await chat(client, a)
+    service = client.app[SERVICE]
+    assert service.phases.snapshot()["count"].get("gap", 0) == 0  # nobody waited
+    long = asyncio.ensure_future(chat(client, a + [{"role": "user", "content": "go on"}], max_tokens=64))
+    while service.fifo.idle:
+        await asyncio.sleep(0.001)
+    waited = await chat(client, b)  # waits for A's answer, then B's switch saves A
+    await long
+    assert waited["gap"] >= waited["pre_request"] > 0, waited
+    assert waited["gap"] >= waited["engine_save"] > 0, waited
+
+
+def test_spans_outside_a_request_cost_nothing_and_names_are_checked():
+    with span("nothing.to.see"):
+        pass  # no timeline: nothing recorded, nothing raised
+    timeline = Timeline()
+    with timeline_of(timeline):
+        with span("mine.fetch"):
+            pass
+        with span("mine.fetch"):
+            pass
+        with pytest.raises(ValueError, match="span's name"):
+            with span("no spaces"):
+                pass
+    assert timeline.spans["mine.fetch"][1] == 2
+    assert timeline.server_timing().startswith("mine.fetch;dur=")
+    totals = PhaseTotals()
+    totals.add(timeline)
+    totals.add(timeline)
+    assert totals.snapshot()["count"]["mine.fetch"] == 4 and totals.snapshot()["requests"] == 2
