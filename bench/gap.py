@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import workloads
-from bench.systems import System
+from bench.systems import System, hearth_installed
 from strata_serve.demo_model import write_demo_model
 from strata_serve.models import packaged_model_path
 
@@ -73,7 +73,11 @@ def systems(min_tokens: int, limited_mib: int, before: Path | None) -> list[Syst
                cache_ram_mib=limited_mib, plugins=auto),
         System("llama-server, RAM cache off", "bare", "bare-off", cache_ram_mib=0),
         System("strata + auto-sessions, RAM cache off", "strata", "strata-off", cache_ram_mib=0, plugins=auto),
+        System("llama-server -np 4, RAM cache default", "bare", "bare-np4", parallel=4),
+        System("strata -np 4 + auto-sessions, RAM cache default", "strata", "strata-np4", parallel=4, plugins=auto),
     ]
+    if hearth_installed():
+        chosen.append(System("hearth-llm (its defaults: -np 1, RAM cache default)", "hearth", "hearth"))
     if before is not None:
         chosen += [replace(s, name=s.name.replace("strata", "strata before"), key=s.key + "-before",
                            source=str(before)) for s in chosen if s.kind == "strata" and "at-save" not in s.key]
