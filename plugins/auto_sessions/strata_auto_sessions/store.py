@@ -165,6 +165,9 @@ class SessionStore:
         self.sync_later = False
         #: Files and sidecars committed since the last :meth:`sync_written`, not yet fsynced.
         self._unsynced: list[Path] = []
+        #: Earlier versions of files replaced since, under a temporary's name: removed by
+        #: :meth:`sync_written` (freeing a file's blocks takes milliseconds on some disks).
+        self._retired: list[Path] = []
         self._unsynced_lock = threading.Lock()
 
     def lock(self) -> contextlib.AbstractContextManager[None]:
@@ -367,9 +370,12 @@ class SessionStore:
             # may leave the name over data that never reached the disk: the size and digest
             # in the sidecar refuse such a file at its restore.
             sidecar.write(self.sidecar_path(key, sidecar.sibling), sync=False)
+            retired = self._retire(target, key)
             os.replace(temp, target)
             with self._unsynced_lock:
                 self._unsynced += [target, self.sidecar_path(key, sidecar.sibling)]
+                if retired is not None:
+                    self._retired.append(retired)
             return
         with span("auto_sessions.fsync"):
             _fsync(temp)  # the data is on disk before the name says it is there
@@ -380,12 +386,27 @@ class SessionStore:
         with span("auto_sessions.fsync"):
             _fsync(self.directory)
 
+    def _retire(self, target: Path, key: str) -> Path | None:
+        """A second name for the file ``target`` is about to replace, under a temporary's
+        name (removed at a start if left), so the replace frees nothing: its blocks are
+        freed by :meth:`sync_written`, beside the next request. None when there is none,
+        or the file system takes no hard link (the replace then frees it)."""
+        retired = self.directory / fresh_temp_name(key, ".bin")
+        try:
+            os.link(target, retired, follow_symlinks=False)
+        except OSError:
+            return None
+        return retired
+
     def sync_written(self) -> int:
         """fsync what was committed without it (``sync_later``), then the directory: the
         number of files synced. Blocking: run it in a thread. A file gone since (pruned,
         replaced by a newer save, which is listed itself) is passed over."""
         with self._unsynced_lock:
             paths, self._unsynced = self._unsynced, []
+            retired, self._retired = self._retired, []
+        for path in retired:
+            path.unlink(missing_ok=True)
         synced = 0
         for path in dict.fromkeys(paths):
             try:
@@ -393,14 +414,14 @@ class SessionStore:
                 synced += 1
             except FileNotFoundError:
                 continue
-        if paths:
+        if paths or retired:
             _fsync(self.directory)
         return synced
 
     @property
     def unsynced(self) -> int:
         """Files committed and not yet fsynced."""
-        return len(self._unsynced)
+        return len(self._unsynced) + len(self._retired)
 
     def discard(self, temp_name: str) -> None:
         (self.directory / temp_name).unlink(missing_ok=True)

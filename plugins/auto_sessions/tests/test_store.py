@@ -414,3 +414,35 @@ def test_prune_siblings_keeps_the_most_recently_used_and_those_spared(tmp_path):
     assert store.bin_path("other").exists(), "another key's file is not its sibling"
     store.remove("k")
     assert not list(tmp_path.glob("auto-k*")), "remove(key) takes every sibling"
+
+
+def test_a_background_commit_replaces_without_freeing_and_its_sync_frees_the_old_file(tmp_path):
+    """With ``sync_later`` (``fsync = "background"``) a commit over an earlier file keeps
+    that file under a temporary's name, so the replace frees nothing on the request's path;
+    :meth:`SessionStore.sync_written` removes it after syncing, and a start removes one a
+    crash left. Nothing is ever missing under the conversation's name meanwhile."""
+    store = SessionStore(tmp_path)
+    store.prepare()
+    store.sync_later = True
+
+    def commit(data: bytes) -> None:
+        (tmp_path / "tmp-auto-k-1.bin").write_bytes(data)
+        store.commit("tmp-auto-k-1.bin", "k", Sidecar(key="k", fingerprint={}, tokens=3, bytes=len(data),
+                                                      created=0, last_used=0, digest=""))
+
+    commit(b"old" * 1000)
+    assert not list(tmp_path.glob("tmp-auto-*"))  # nothing replaced: nothing retired
+    commit(b"new" * 2000)
+    assert store.bin_path("k").read_bytes() == b"new" * 2000 and store.intact("k", store.sidecar("k"))
+    retired = list(tmp_path.glob("tmp-auto-*.bin"))
+    assert [p.read_bytes() for p in retired] == [b"old" * 1000], retired
+    assert store.unsynced == 5  # the file and its sidecar, twice, and the old file
+    assert store.sync_written() == 2 and store.unsynced == 0
+    assert not list(tmp_path.glob("tmp-auto-*")) and store.bin_path("k").read_bytes() == b"new" * 2000
+
+    commit(b"newer" * 100)
+    assert list(tmp_path.glob("tmp-auto-*.bin"))  # a crash now leaves it...
+    store.release()
+    again = SessionStore(tmp_path)
+    again.prepare()  # ...and the next start removes it
+    assert not list(tmp_path.glob("tmp-auto-*")) and again.intact("k", again.sidecar("k"))
