@@ -118,7 +118,8 @@ def report(found: dict[str, Any], per_system: dict[str, dict[str, Any]], model_n
     lines = ["# Where the time goes between the engine's answers", "",
              f"Made by `{command}`; {model_name}. Every figure per request (mean over every request of "
              f"every round), milliseconds. A part within another is indented or said so.", ""]
-    names = list(per_system)
+    # Only the systems with something to show: strata-serve's (the others have no spans).
+    names = [n for n, v in per_system.items() if v["per_request_ms"] or v["layer_cpu_ms_per_request"] is not None]
     lines += ["| part | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for span, label in PARTS:
         cells = []

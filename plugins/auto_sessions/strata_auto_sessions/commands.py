@@ -27,7 +27,7 @@ from strata_auto_sessions.parking import GB, NAME, AutoSessionsConfig
 from strata_auto_sessions.config import SharedConfig
 from strata_auto_sessions.clock import as_of
 from strata_auto_sessions.compat import incompatibility
-from strata_auto_sessions.digests import sample_digest
+from strata_auto_sessions.digests import digest_matches
 from strata_auto_sessions.sidecar import Sidecar
 from strata_auto_sessions.store import SessionStore
 
@@ -213,7 +213,7 @@ def register(cli: click.Group) -> None:
             shown = []
             for sidecar in sorted(sidecars, key=lambda s: s.sibling):
                 path = found.store.bin_path(key, sidecar.sibling)
-                intact = path.stat().st_size == sidecar.bytes and sample_digest(path) == sidecar.digest
+                intact = path.stat().st_size == sidecar.bytes and digest_matches(path, sidecar.digest)
                 shown.append((sidecar, path, intact, found.compatible(sidecar, engine)))
         for n, (sidecar, path, intact, compatible) in enumerate(shown):
             record = json.loads(json.dumps(sidecar.__dict__))

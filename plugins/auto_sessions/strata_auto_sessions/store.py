@@ -23,7 +23,7 @@ from strata_serve import PRIVATE_FILE_MODE, make_private_dir, span
 
 from strata_auto_sessions.clock import CLOCK_SLACK_S, as_of, last_use
 from strata_auto_sessions.compat import BUILD_RANGE, REFUSAL_REASONS, Refusal, incompatibility, swa_unusable
-from strata_auto_sessions.digests import DIGEST_BLOCK_BYTES, DIGEST_BLOCKS, sample_digest
+from strata_auto_sessions.digests import DIGEST_BLOCK_BYTES, DIGEST_BLOCKS, digest_matches, sample_digest
 from strata_auto_sessions.fingerprint import (
     FINGERPRINT_BYTES, WEIGHT_BLOCK_BYTES, WEIGHT_SPREAD_BLOCKS, WEIGHT_WHOLE_BYTES, engine_fingerprint,
     fingerprint, same_model, sliding_window, weights_digest,
@@ -202,7 +202,7 @@ class SessionStore:
     def intact(self, key: str, sidecar: Sidecar) -> bool:
         """The file is the one that was saved: same size, same sampled digest."""
         path = self.bin_path(key, sidecar.sibling)
-        return path.stat().st_size == sidecar.bytes and sample_digest(path) == sidecar.digest
+        return path.stat().st_size == sidecar.bytes and digest_matches(path, sidecar.digest)
 
     def sidecar_path(self, key: str, sibling: int = 0) -> Path:
         return self.directory / session_name(key, "json", sibling)

@@ -446,3 +446,23 @@ def test_a_background_commit_replaces_without_freeing_and_its_sync_frees_the_old
     again = SessionStore(tmp_path)
     again.prepare()  # ...and the next start removes it
     assert not list(tmp_path.glob("tmp-auto-*")) and again.intact("k", again.sidecar("k"))
+
+
+def test_digests_of_either_scheme_check_the_file_and_new_ones_are_crc32(tmp_path):
+    """New sidecars carry ``crc32:...`` (the check on a restore's path reads 4 MiB at
+    several GB/s); a sidecar an earlier version wrote (BLAKE2b, no scheme named) still
+    checks its file, and damage fails both; an unknown scheme is never taken for a match."""
+    from strata_auto_sessions.digests import FIRST_SCHEME, digest_matches, sample_digest
+
+    for size in (300_000, 10_000_000):  # read whole; sampled
+        path = tmp_path / f"state-{size}.bin"
+        data = bytes(range(256)) * (size // 256)
+        path.write_bytes(data)
+        new, old = sample_digest(path), sample_digest(path, FIRST_SCHEME)
+        assert new.startswith("crc32:") and len(new) == len("crc32:") + 8 and ":" not in old
+        assert digest_matches(path, new) and digest_matches(path, old)
+        assert not digest_matches(path, "sha9:" + old) and not digest_matches(path, "")
+        damaged = bytearray(data)
+        damaged[size // 2: size // 2 + 100_000] = b"\0" * 100_000
+        path.write_bytes(bytes(damaged))
+        assert not digest_matches(path, new) and not digest_matches(path, old)

@@ -42,7 +42,7 @@ from strata_serve import first_result
 
 from strata_auto_sessions.compat import incompatibility
 from strata_auto_sessions.config import SharedConfig, size_text
-from strata_auto_sessions.digests import sample_digest
+from strata_auto_sessions.digests import digest_matches, sample_digest
 from strata_auto_sessions.naming import PREFIX, TEMP_PREFIX, file_key
 from strata_auto_sessions.shared.tier import (
     ConditionFailed, ConditionsIgnored, Head, SharedTier, SharedTierError, check_conditions, new_upload, object_name,
@@ -417,8 +417,8 @@ class SharedParking:
                 await self._set_aside_if_stale(name)
                 return
             n = await self._call(self.tier.fetch(objects[0], bin_temp), self.config.transfer_timeout_s)
-            digest = await asyncio.to_thread(sample_digest, bin_temp)
-            if n != head.bytes or digest != head.digest:
+            matches = await asyncio.to_thread(digest_matches, bin_temp, head.digest)
+            if n != head.bytes or not matches:
                 raise SharedTierError(f"{objects[0]} is not the file its head describes "
                                       f"({n:,} bytes, {head.bytes:,} expected)")
             assert self.parking.store is not None
