@@ -348,11 +348,13 @@ class Replicas:
     # -- clients ------------------------------------------------------------------
 
     async def ask(self, messages: list[dict[str, Any]], headers: Mapping[str, str] | None = None,
-                  timeout: float = 120, **extra: Any) -> Answer:
-        """One greedy chat turn through the balancer."""
+                  timeout: float = 120, via: str | None = None, **extra: Any) -> Answer:
+        """One greedy chat turn through the balancer, or straight to the replica ``via``
+        (its answer then names no replica)."""
         body = {"messages": messages, "max_tokens": 8, "temperature": 0, **extra}
+        url = self.url if via is None else self[via].url
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
-            async with session.post(self.url + "/v1/chat/completions", json=body, headers=dict(headers or {})) as resp:
+            async with session.post(url + "/v1/chat/completions", json=body, headers=dict(headers or {})) as resp:
                 text = await resp.text()
                 try:
                     answer: Any = json.loads(text)

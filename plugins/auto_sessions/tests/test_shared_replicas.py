@@ -8,20 +8,24 @@ copy."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from strata_auto_sessions.naming import session_name
+from strata_auto_sessions.digests import digest_matches
+from strata_auto_sessions.naming import PREFIX, SESSION_NAME, key_of_file, session_name, sibling_of
 from strata_auto_sessions.shared import DirectoryTier, Head, S3Tier, SharedTier
 from strata_auto_sessions.sidecar import Sidecar
 from strata_serve.testing import conversation
 from tests.replicas import Answer, Replicas, after_a_failover, reread_in_full, restored_from
 
+from . import head_gate as head_gate_plugin
 from .shared_fixtures import new_bucket
 
 #: How long a save and its upload may take before a test gives up on it.
@@ -41,29 +45,44 @@ class Tier:
     handle: SharedTier | None
 
 
+async def open_tier(kind: str, tmp_path: Path, s3_endpoint: str) -> Tier:
+    """A shared tier of ``kind`` (``directory``, ``s3``) for replicas to be given."""
+    if kind == "directory":
+        root = tmp_path / "shared"
+        root.mkdir()
+        return Tier(kind, f"file://{root}", DirectoryTier(root))
+    bucket = await new_bucket(s3_endpoint)
+    return Tier(kind, f"s3://{bucket}/strata", S3Tier(bucket, "strata", endpoint_url=s3_endpoint))
+
+
 @pytest.fixture(params=["none", "directory", "s3"])
 async def tier(request, tmp_path, s3_env) -> AsyncIterator[Tier]:
     if request.param == "none":
         yield Tier("none", None, None)
         return
-    if request.param == "directory":
-        root = tmp_path / "shared"
-        root.mkdir()
-        handle: SharedTier = DirectoryTier(root)
-        url = f"file://{root}"
-    else:
-        bucket = await new_bucket(s3_env)
-        handle, url = S3Tier(bucket, "strata", endpoint_url=s3_env), f"s3://{bucket}/strata"
+    found = await open_tier(request.param, tmp_path, s3_env)
+    assert found.handle is not None
     try:
-        yield Tier(request.param, url, handle)
+        yield found
     finally:
-        await handle.close()
+        await found.handle.close()
 
 
-def config_for(url: str | None) -> dict:
-    parking: dict = {"idle_save_s": IDLE_SAVE_S}
+@pytest.fixture(params=["directory", "s3"])
+async def shared(request, tmp_path, s3_env) -> AsyncIterator[Tier]:
+    """A shared tier, each kind in turn (no control)."""
+    found = await open_tier(request.param, tmp_path, s3_env)
+    assert found.handle is not None
+    try:
+        yield found
+    finally:
+        await found.handle.close()
+
+
+def config_for(url: str | None, idle_save_s: float = IDLE_SAVE_S, **shared: Any) -> dict:
+    parking: dict = {"idle_save_s": idle_save_s}
     if url is not None:
-        parking["shared"] = {"url": url, "retry_s": 0.5}
+        parking["shared"] = {"url": url, "retry_s": 0.5, **shared}
     return {"plugins": {"auto_sessions": parking}}
 
 
@@ -171,3 +190,146 @@ async def test_kill_9_of_a_replica_then_its_return_with_a_shared_tier(tmp_path, 
             assert restored_from(fifth.reuse, newer.tokens), (fifth.reuse, newer)
             assert (await parking_stats(replicas, holder))["shared_fetches"] == 1
             assert re.search(rf"shared tier: fetched {re.escape(name)} .*generation {shared.generation}\b", log), log
+
+
+# -- the same turn on both replicas at once ----------------------------------------------
+
+
+@pytest.fixture
+def head_gate(tmp_path, monkeypatch) -> Path:
+    """The head gate (head_gate.py) in the replicas started after this: a directory that,
+    armed, holds each replica's upload at its head write until both reached it."""
+    site = head_gate_plugin.install(tmp_path / "gate-site")
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv(head_gate_plugin.GATE_VARIABLE, str(gate))
+    return gate
+
+
+async def until(what: str, check: Any, timeout: float = UPLOAD_TIMEOUT_S) -> Any:
+    """Until the coroutine function ``check`` answers something true; that answer."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = await check()
+        if found:
+            return found
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:g} s"
+        await asyncio.sleep(0.1)
+
+
+async def no_state_under_another_name(slot_dirs: list[Path], tier: SharedTier, scratch: Path) -> int:
+    """Every conversation file, in each slot directory and in the shared tier, is the one its
+    name says: its sidecar names the key the file's name does, and the file is the size
+    and sampled digest its sidecar (in the tier: its head) records. Returns the files seen."""
+    seen = 0
+    for directory in slot_dirs:
+        for side in directory.glob(f"{PREFIX}*.json"):
+            match = SESSION_NAME.fullmatch(side.name)
+            if match is None:
+                continue  # the store's own files (auto-.engine.json, ...)
+            sidecar = Sidecar.load(side)
+            state = side.with_suffix(".bin")
+            assert sidecar.key == key_of_file(match["key"]) and sidecar.sibling == sibling_of(match), (side, sidecar)
+            assert state.stat().st_size == sidecar.bytes and digest_matches(state, sidecar.digest), state
+            seen += 1
+    for name in await tier.heads(PREFIX):
+        match = SESSION_NAME.fullmatch(name)
+        if match is None or match["ext"] != "bin":
+            continue
+        current = await tier.head(name)
+        assert current is not None
+        head = current[0]
+        objects = head.objects(name, name[: -len(".bin")] + ".json")
+        if objects is None:
+            continue  # a tombstone
+        state, side = scratch / f"{name}.{head.upload}", scratch / f"{name}.{head.upload}.json"
+        assert await tier.fetch(objects[0], state) == head.bytes
+        await tier.fetch(objects[1], side)
+        sidecar = Sidecar.load(side)
+        assert sidecar.key == key_of_file(match["key"]) and sidecar.tokens == head.tokens, (name, sidecar, head)
+        assert digest_matches(state, head.digest), name
+        seen += 1
+    return seen
+
+
+async def test_the_same_turn_on_both_replicas_at_once_one_save_wins(tmp_path, strata_demo_model, shared,
+                                                                    head_gate):
+    """A conversation's same next turn reaches both replicas at once (a client retrying on
+    the other, a balancer's redispatch): both answer it and save it, both uploads read the
+    same head, and the compare-and-swap lets one land. The other is refused, logged and
+    counted; its objects are deleted; the next turn on the losing replica fetches and
+    restores the winner's state, not its own; and no file anywhere holds one
+    conversation's state under another's name."""
+    assert shared.handle is not None
+    headers = {HEADER: "duel"}
+    # One slot per engine (no side slot): another conversation takes the slot's place.
+    config = {**config_for(shared.url, timeout_s=head_gate_plugin.WAIT_S + 10), "engine": {"side_slot_tokens": 0}}
+    async with Replicas(tmp_path, strata_demo_model, count=2, config=config) as replicas:
+        turn1 = conversation("duel")
+        first = await served(replicas, turn1, headers)
+        holder = first.replica
+        assert holder is not None and first.key is not None
+        other = next(name for name in replicas.names if name != holder)
+        name = session_name(first.key, "bin")
+        before = await uploaded(shared.handle, name, total(first))
+        assert before.generation == 1
+
+        (head_gate / "armed").write_text("2")
+        turn2 = then(turn1, first, "And then?")
+        answers = await asyncio.gather(*(replicas.ask(turn2, headers, via=via) for via in (holder, other)))
+        assert [answer.status for answer in answers] == [200, 200], [answer.body for answer in answers]
+        # The holder went on from its slot; the other fetched the shared state and restored it.
+        assert answers[0].reuse.state == "slot" and restored_from(answers[1].reuse, before.tokens), answers
+        tokens = total(answers[0])
+        assert total(answers[1]) == tokens
+
+        async def both_settled() -> dict[str, dict] | None:
+            counts = {name: await parking_stats(replicas, name) for name in replicas.names}
+            done = sum(c["shared_uploads"] + c["shared_uploads_lost"] for c in counts.values())
+            return counts if done >= 3 else None  # the first turn's upload, and one each since
+
+        counts = await until("both saves of the second turn shared or refused", both_settled)
+        (head_gate / "armed").unlink()
+        arrivals = sorted(path.name for path in head_gate.glob(f"{name}.*"))
+        assert len(arrivals) == 2, f"both uploads met at the head: {arrivals}"
+        lost = {name: c["shared_uploads_lost"] for name, c in counts.items()}
+        assert sorted(lost.values()) == [0, 1], counts
+        winner = next(name for name, n in lost.items() if n == 0)
+        loser = next(name for name, n in lost.items() if n == 1)
+        assert sum(c["shared_uploads"] for c in counts.values()) == 2, counts
+        loser_log = replicas[loser].log_file.read_text()
+        assert f"shared tier: {name}: another server saved it at the same time and won" in loser_log, loser_log
+        after = (await shared.handle.head(name))
+        assert after is not None
+        head = after[0]
+        assert head.generation == 2 and head.tokens >= tokens, head  # the prompt, and what was answered
+        winner_pid = replicas[winner].proc.pid  # type: ignore[union-attr]
+        assert head.writer.endswith(f":{winner_pid}"), (head.writer, winner_pid)
+        # Objects: the first turn's, and the winner's; the loser's are deleted.
+        handle = shared.handle
+
+        async def the_losers_deleted() -> bool:
+            uploads = {item.name.rsplit(".", 1)[1] for item in await handle.list(name[: -len(".bin")])}
+            return uploads == {before.upload, head.upload}
+
+        await until("the losing upload's objects deleted", the_losers_deleted)
+
+        # The loser's next turn of the conversation: the slot taken by another first (its own
+        # copy of the second turn stays on its disk), then the winner's state is fetched.
+        interlude = await replicas.ask(conversation("interlude"), via=loser)
+        assert interlude.status == 200, interlude.body
+        turn3 = then(turn2, answers[0], "And after that?")
+        third = await replicas.ask(turn3, headers, via=loser)
+        assert third.status == 200, third.body
+        assert restored_from(third.reuse, head.tokens), (third.reuse, head)
+        # The other fetched once already, for the second turn.
+        assert (await parking_stats(replicas, loser))["shared_fetches"] == (2 if loser == other else 1)
+        fetched = rf"shared tier: fetched {re.escape(name)} .*generation 2, saved by {re.escape(head.writer)}\)"
+        assert re.search(fetched, replicas[loser].log_file.read_text()), replicas[loser].log_file.read_text()
+
+        scratch = tmp_path / "scratch"
+        scratch.mkdir()
+        seen = await no_state_under_another_name([replicas[n].slot_dir for n in replicas.names], shared.handle,
+                                                 scratch)
+        assert seen >= 3, seen  # the conversation on both disks and in the tier, at least
