@@ -136,6 +136,44 @@ def _shared_keys(found: Sessions, keys: list[str]) -> set[str]:
     return _run_shared(found, look)
 
 
+def _shared_rows(found: Sessions) -> list[dict[str, Any]]:
+    """One row per conversation file the shared tier holds a head for, newest first: its
+    key, sibling, tenant, generation, and either its tokens, size and who saved it when,
+    or when it was removed (a tombstone)."""
+    from strata_auto_sessions.naming import PREFIX, SESSION_NAME, key_of_file, sibling_of
+
+    assert found.shared is not None
+    timeout = found.shared.timeout_s
+
+    async def look(tier: Any) -> list[dict[str, Any]]:
+        rows = []
+        now = time.time()
+        for name in await asyncio.wait_for(tier.heads(PREFIX), timeout):
+            match = SESSION_NAME.fullmatch(name)
+            if match is None or match["ext"] != "bin":
+                continue  # the start check's probe, or no conversation file
+            current = await asyncio.wait_for(tier.head(name), timeout)
+            if current is None:
+                continue  # removed since it was listed
+            head, key = current[0], key_of_file(match["key"])
+            rows.append({
+                "shared": True, "key": key, "sibling": sibling_of(match), "tenant": strata_serve.tenant_of(key),
+                "generation": head.generation, "tokens": None if head.tombstone else head.tokens,
+                "bytes": None if head.tombstone else head.bytes, "saved_s": _age(head.written, now),
+                "removed_s": None if head.removed is None else _age(head.removed, now),
+                "writer": head.writer or None, "name": name,
+            })
+        return sorted(rows, key=lambda row: (row["saved_s"] is None, row["saved_s"] or 0))
+
+    return _run_shared(found, look)
+
+
+def _age(stamp: float, now: float) -> float | None:
+    """Seconds since ``stamp`` (another server's clock wrote it); None when it is ahead of this one."""
+    taken = as_of(stamp, now)
+    return None if taken is None else now - taken
+
+
 def _remove_shared(found: Sessions, keys: list[str]) -> list[str]:
     from strata_auto_sessions.shared.sync import remove_by_hand
 
@@ -155,6 +193,25 @@ def _ago(seconds: float | None, suffix: str = "", ahead: bool = False) -> str:
         if seconds >= length:
             return f"{seconds / length:.0f} {unit}{suffix}"
     return f"{max(seconds, 0):.0f} s{suffix}"
+
+
+def _echo_shared(url: str, rows: list[dict[str, Any]]) -> None:
+    """The shared tier's table, under the slot directory's."""
+    click.echo("")
+    table = [("KEY", "SIBLING", "TENANT", "TOKENS", "SIZE", "GENERATION", "SAVED", "BY")]
+    for row in rows:
+        if row["removed_s"] is not None or row["tokens"] is None:
+            kept = ("-", "-", str(row["generation"]), f"removed {_ago(row['removed_s'], ' ago')}", row["writer"] or "-")
+        else:
+            kept = (f"{row['tokens']:,}", _size(row["bytes"]), str(row["generation"]), _ago(row["saved_s"], " ago"),
+                    row["writer"] or "-")
+        table.append((row["key"], str(row["sibling"]), row["tenant"] or "-", *kept))
+    widths = [max(len(line[c]) for line in table) for c in range(len(table[0]))]
+    for line in table:
+        click.echo("  ".join(cell.ljust(widths[c]) for c, cell in enumerate(line)).rstrip())
+    held = [row for row in rows if row["tokens"] is not None]
+    click.echo(f"{len(held)} conversation file(s), {_size(sum(row['bytes'] for row in held))} in the shared tier "
+               f"{url}; {len(rows) - len(held)} removed by hand")
 
 
 def register(cli: click.Group) -> None:
@@ -177,11 +234,16 @@ def register(cli: click.Group) -> None:
     @click.pass_obj
     def ls(found: Sessions, as_json: bool) -> None:
         """List them: key, sibling, tenant, tokens, size, age, last used, and whether the engine
-        can use them. A key's siblings (conversations that share it, a file each) have a row each."""
+        can use them. A key's siblings (conversations that share it, a file each) have a row each.
+
+        With a shared tier (``plugins.auto_sessions.shared``), what it holds follows: each
+        conversation file's generation, tokens, size, and which server saved it when, or
+        when it was removed by hand (``--json``: those rows have ``"shared": true``)."""
         with found.store.lock():
             rows = found.rows()
+        shared = _shared_rows(found) if found.shared is not None else []
         if as_json:
-            for row in rows:
+            for row in rows + shared:
                 click.echo(json.dumps(row))
             return
         table = [("KEY", "SIBLING", "TENANT", "TOKENS", "SIZE", "AGE", "LAST USED", "COMPATIBLE")]
@@ -195,6 +257,8 @@ def register(cli: click.Group) -> None:
         for line in table:
             click.echo("  ".join(cell.ljust(widths[c]) for c, cell in enumerate(line[:last])) + "  " + line[last])
         click.echo(f"{len(rows)} session(s), {_size(sum(row['bytes'] for row in rows))} in {found.store.directory}")
+        if found.shared is not None:
+            _echo_shared(found.shared.url, shared)
 
     @sessions.command()
     @click.argument("key")

@@ -8,8 +8,11 @@ copy."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -23,7 +26,7 @@ from strata_auto_sessions.naming import PREFIX, SESSION_NAME, key_of_file, sessi
 from strata_auto_sessions.shared import DirectoryTier, Head, S3Tier, SharedTier
 from strata_auto_sessions.sidecar import Sidecar
 from strata_serve.testing import conversation
-from tests.replicas import Answer, Replicas, after_a_failover, reread_in_full, restored_from
+from tests.replicas import Answer, Replica, Replicas, after_a_failover, reread_in_full, restored_from
 
 from . import head_gate as head_gate_plugin
 from .shared_fixtures import new_bucket
@@ -333,3 +336,90 @@ async def test_the_same_turn_on_both_replicas_at_once_one_save_wins(tmp_path, st
         seen = await no_state_under_another_name([replicas[n].slot_dir for n in replicas.names], shared.handle,
                                                  scratch)
         assert seen >= 3, seen  # the conversation on both disks and in the tier, at least
+
+
+# -- sessions ls and rm beside the replicas -------------------------------------------------
+
+
+async def sessions_command(replica: Replica, *args: str) -> str:
+    """``strata-serve sessions ARGS`` in a process of its own, with the replica's config
+    (its shared tier) and slot directory, as an operator runs it on that machine."""
+    done = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "strata_serve.cli", "sessions", "--config", str(replica.config_file),
+                         "--slot-dir", str(replica.slot_dir), *args],
+        capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+async def listed(replica: Replica) -> list[dict]:
+    """``sessions ls --json``: the slot directory's rows, then the shared tier's."""
+    return [json.loads(line) for line in (await sessions_command(replica, "ls", "--json")).splitlines()]
+
+
+async def test_sessions_ls_and_rm_through_the_shared_tier_beside_two_replicas(tmp_path, strata_demo_model, shared):
+    """With both replicas running, ``strata-serve sessions ls`` (a process of its own, the
+    shared tier in its config) lists what the shared tier holds, and ``rm`` removes a
+    conversation from it: the replica still holding it in its slot does not upload it
+    back when it saves it, and neither replica restores it afterwards."""
+    assert shared.handle is not None
+    headers = {HEADER: "erase"}
+    # Saves at switches only, and one slot per engine: what each replica saves, and when, is
+    # the test's doing.
+    config = {**config_for(shared.url, idle_save_s=0), "engine": {"side_slot_tokens": 0}}
+    async with Replicas(tmp_path, strata_demo_model, count=2, config=config) as replicas:
+        turn1 = conversation("erase")
+        first = await served(replicas, turn1, headers)
+        holder = first.replica
+        assert holder is not None and first.key is not None
+        other = next(name for name in replicas.names if name != holder)
+        key, name = first.key, session_name(first.key, "bin")
+        await replicas.ask(conversation("keep-one"), via=holder)  # a switch: the conversation saved, uploaded
+        head = await uploaded(shared.handle, name, total(first))
+        second = await replicas.ask(then(turn1, first, "And then?"), headers, via=other)
+        assert restored_from(second.reuse, head.tokens), second.reuse  # the other holds it now, not saved there
+
+        rows = await listed(replicas[holder])
+        shared_rows = {row["key"]: row for row in rows if row.get("shared")}
+        assert set(shared_rows) == {key}, rows  # keep-one is in the holder's slot, not saved yet
+        row = shared_rows[key]
+        assert (row["generation"], row["tokens"], row["bytes"], row["removed_s"]) == (
+            head.generation, head.tokens, head.bytes, None), row
+        assert row["writer"] == head.writer and row["writer"].endswith(f":{replicas[holder].proc.pid}")  # type: ignore[union-attr]
+        assert [r["key"] for r in rows if not r.get("shared")] == [key]  # the holder's own copy
+        table = await sessions_command(replicas[holder], "ls")
+        assert re.search(rf"^{re.escape(key)}\s+0\s+-\s+{head.tokens:,}\s.*\s{head.generation}\s", table, re.M), table
+        assert f"1 conversation file(s), {head.bytes / 1024**2:.2f} MB in the shared tier {shared.url}" in table
+
+        removed = await sessions_command(replicas[holder], "rm", key)
+        assert f"removed {name} from the shared tier" in removed, removed
+        assert not (replicas[holder].slot_dir / name).exists()
+        rows = await listed(replicas[holder])
+        row = next(r for r in rows if r.get("shared") and r["key"] == key)
+        assert row["removed_s"] is not None and row["tokens"] is None and row["generation"] == head.generation + 1
+        assert not [r for r in rows if not r.get("shared")]
+        assert "removed " in (await sessions_command(replicas[holder], "ls"))
+
+        # The other saves the state it held from before the removal: not uploaded, its copy removed.
+        await replicas.ask(conversation("keep-two"), via=other)
+        stats = await until("the other's save refused", lambda: _refused(replicas, other))
+        assert stats["shared_uploads"] == 0 and stats["shared_fetches"] == 1, stats
+        assert not (replicas[other].slot_dir / name).exists()
+        current = await shared.handle.head(name)
+        assert current is not None and current[0].tombstone, current
+
+        # Its next turn, on either replica: read again, never restored, never fetched.
+        turn3 = then(then(turn1, first, "And then?"), second, "Still there?")
+        for via in (other, holder):
+            restores = (await parking_stats(replicas, via))["restores"]
+            again = await replicas.ask(turn3, headers, via=via)
+            assert again.status == 200 and reread_in_full(again.reuse), (via, again.reuse)
+            after = await parking_stats(replicas, via)
+            assert after["restores"] == restores and after["shared_fetches"] == (1 if via == other else 0), after
+        current = await shared.handle.head(name)
+        assert current is not None and current[0].tombstone, current
+
+
+async def _refused(replicas: Replicas, name: str) -> dict | None:
+    stats = await parking_stats(replicas, name)
+    return stats if stats["shared_uploads_removed"] == 1 else None
