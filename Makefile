@@ -52,14 +52,14 @@ CLAUDE_CODE_VERSION := 2.1.332
 CODEX_VERSION := 0.171.0
 NODE_STAMP := $(NODE_DIR)/.installed-$(CLAUDE_CODE_VERSION)-$(CODEX_VERSION)
 
-.PHONY: help setup clients haproxy serve lint test test-pythons bench bench-quick bench-side soak clean
+.PHONY: help setup clients haproxy serve lint test test-pythons bench bench-quick bench-side bench-replicas soak clean
 
 help:
 	@echo "make serve   set up (first time: ~10 min to build the engine) and run strata-serve on SmolLM2-135M"
 	@echo "make test    set up (the client tests' Claude Code and Codex CLI from npm, and HAProxy, too), lint and run every test"
 	@echo "make lint    ruff and mypy alone"
 	@echo "make test-pythons  a quick subset on Python $(TEST_PYTHONS) too"
-	@echo "make bench   run the benchmarks (bench-quick: a short version; bench-side: side requests alone)"
+	@echo "make bench   run the benchmarks (bench-quick: a short version; bench-side: side requests alone; bench-replicas: several servers alone)"
 	@echo "make soak    strata-serve under faults for $(SOAK_MINUTES) minutes (SOAK_MINUTES=5 to shorten; needs root)"
 
 $(BIN)/python:
@@ -206,11 +206,18 @@ test-pythons: $(foreach v,$(TEST_PYTHONS),.venv-$(v)/.installed .venv-$(v)/.exam
 	  if [ $$rc -ne 0 ]; then exit $$rc; fi; \
 	done
 
-bench: setup
+# The benchmarks of several servers run two replicas behind HAProxy: the test set-up's haproxy.
+bench: setup haproxy
 	$(BIN)/python -m bench.run
 
-bench-quick: setup
+bench-quick: setup haproxy
 	$(BIN)/python -m bench.run --quick
+
+# On its own: two replicas behind HAProxy with a shared tier (none, a directory, S3 on moto's
+# server), the turn after a kill -9 of a conversation's replica, and each tier's fetch speed;
+# its table in bench/results/several-servers.md.
+bench-replicas: setup haproxy
+	$(BIN)/python -m bench.replicas
 
 # On its own: what side requests (titles, tags, follow-ups) cost the main conversation, four
 # set-ups, Open WebUI's and Claude Code's patterns; its table in bench/results/side-requests.md.
