@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 
-from bench import prefix, profile, readme, switchback, workloads
+from bench import prefix, profile, readme, replicas, switchback, workloads
 from bench.harness import bare_engine, chat, client_session, conversation, spread, strata
 from bench.layer_cost import HEADER as LAYER_HEADER, layer_cost, sizes as layer_sizes, summary as layer_summary
 from strata_serve.demo_model import write_demo_model
@@ -146,6 +146,8 @@ def report(results: dict[str, Any], quick: bool, command: str) -> str:
         lines.append(f"| {name} | {spread(v['save_mbps'], 0)} | {spread(v['restore_mbps'], 0)} |")
     lines.append(f"| the disk, sequential (write with fsync / read) | {speed['disk']['write_mbps']:.0f} | "
                  f"{speed['disk']['read_mbps']:.0f} |")
+    if results.get("replicas"):
+        lines += ["", *replicas.report(results["replicas"])]
     lines += readme.report(results)
     if results.get("seconds"):
         taken = results["seconds"]
@@ -249,6 +251,8 @@ async def main(quick: bool, out: Path, sizes: list[int] | None = None, command: 
                                                     name="tiny" if quick else "bench")
         lap("save/restore throughput...")
         results["save_restore"] = await save_restore_speed(bench_model, work, 512 if quick else 4096)
+        lap("several servers, a failover...")
+        results["replicas"] = await replicas.measure(bench_model, _made(work / "replicas"), quick)
         lap("done.")
         results["seconds"] = {"sections": seconds, "total": round(time.perf_counter() - began, 1),
                               "load_average": os.getloadavg()}

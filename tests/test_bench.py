@@ -57,6 +57,17 @@ async def test_quick_benchmark_writes_its_tables(tmp_path):
     assert found["stream_cpu_ms bare relay"] > 0 and found["stream_cpu_ms strata"] > 0
     assert found["profile"]["total"] > 0 and "strata-serve core" in found["profile"]["categories"]
     assert "Where the layer's time goes" in report and "| bare relay |" in report
+
+    # Several servers: after the kill, the control re-read the conversation; each shared
+    # tier's replica restored what the lost one uploaded, every byte of it fetched.
+    assert "Several servers: the turn after a failover" in report and "Fetch throughput from each tier" in report
+    failover = results["replicas"]["failover"]
+    (control,) = failover["none"]
+    assert control["after"]["cache_n"] < 0.05 * control["after"]["prompt_n"], control
+    for kind in ("directory", "s3"):
+        (row,) = failover[kind]
+        assert row["after"]["state"] == "disk" and row["after"]["cache_n"] > 10 * row["after"]["prompt_n"], row
+        assert row["fetched_bytes"] == row["uploaded_bytes"] == row["saved_bytes"] > 0, row
     print(f"bench-quick took {results['seconds']['total']:.0f} s")
 
 
