@@ -51,12 +51,16 @@ NODE_DIR := .node
 CLAUDE_CODE_VERSION := 2.1.332
 CODEX_VERSION := 0.171.0
 NODE_STAMP := $(NODE_DIR)/.installed-$(CLAUDE_CODE_VERSION)-$(CODEX_VERSION)
+# Aider, from PyPI, pinned, in a virtual environment of its own (its pins are not ours).
+AIDER_DIR := .aider
+AIDER_VERSION := 0.86.2
+AIDER_STAMP := $(AIDER_DIR)/.installed-$(AIDER_VERSION)
 
 .PHONY: help setup clients haproxy serve lint test test-pythons bench bench-quick bench-side bench-replicas soak clean
 
 help:
 	@echo "make serve   set up (first time: ~10 min to build the engine) and run strata-serve on SmolLM2-135M"
-	@echo "make test    set up (the client tests' Claude Code and Codex CLI from npm, and HAProxy, too), lint and run every test"
+	@echo "make test    set up (the client tests' Claude Code and Codex CLI from npm, Aider from PyPI, and HAProxy, too), lint and run every test"
 	@echo "make lint    ruff and mypy alone"
 	@echo "make test-pythons  a quick subset on Python $(TEST_PYTHONS) too"
 	@echo "make bench   run the benchmarks (bench-quick: a short version; bench-side: side requests alone; bench-replicas: several servers alone)"
@@ -138,7 +142,16 @@ $(NODE_STAMP):
 	  || { echo "[strata] $(NODE_DIR)/node_modules/.bin/codex does not run as Codex CLI $(CODEX_VERSION)"; exit 1; }
 	touch $@
 
-clients: $(NODE_STAMP)
+$(AIDER_STAMP):
+	rm -rf $(AIDER_DIR)
+	$(PYTHON) -m venv $(AIDER_DIR)
+	$(AIDER_DIR)/bin/python -m pip install -q --disable-pip-version-check aider-chat==$(AIDER_VERSION) \
+	  || { echo "[strata] pip could not install aider-chat==$(AIDER_VERSION) into $(AIDER_DIR)"; exit 1; }
+	$(AIDER_DIR)/bin/aider --version | grep -q '^aider $(AIDER_VERSION)$$' \
+	  || { echo "[strata] $(AIDER_DIR)/bin/aider does not run as aider $(AIDER_VERSION)"; exit 1; }
+	touch $@
+
+clients: $(NODE_STAMP) $(AIDER_STAMP)
 
 # The balancer the tests of several replicas put in front of them (tests/replicas.py):
 # Debian's haproxy, installed as root like the rest of the test set-up; without root, the
@@ -158,7 +171,7 @@ lint: setup
 	$(BIN)/mypy
 
 # pytest's exit code 5 means no tests ran: a broken set-up, never a pass.
-test: lint setup $(VENV)/.examples $(NODE_STAMP) haproxy
+test: lint setup $(VENV)/.examples $(NODE_STAMP) $(AIDER_STAMP) haproxy
 	rc=0; $(BIN)/python -m pytest $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "[strata] no tests were collected: failing"; exit 1; fi; exit $$rc
 
@@ -231,4 +244,4 @@ soak: setup
 	$(BIN)/python -m bench.soak --minutes $(SOAK_MINUTES)
 
 clean:
-	rm -rf $(VENV) $(foreach v,$(TEST_PYTHONS),.venv-$(v)) $(NODE_DIR) models build *.egg-info
+	rm -rf $(VENV) $(foreach v,$(TEST_PYTHONS),.venv-$(v)) $(NODE_DIR) $(AIDER_DIR) models build *.egg-info

@@ -1,6 +1,7 @@
-"""The real Claude Code and Codex CLIs against strata-serve, end to end.
+"""The real Claude Code, Codex and Aider CLIs against strata-serve, end to end.
 
-``make test`` installs both from npm at pinned versions into ``.node/`` (``make clients``).
+``make test`` installs Claude Code and Codex from npm at pinned versions into ``.node/``,
+and Aider from PyPI into a virtual environment of its own, ``.aider/`` (``make clients``).
 Each CLI runs two sessions that open the same way (one prompt, one working directory),
 taking turns: A, B, then A resumed, then B resumed. Every resumed turn is a switch, so
 auto-sessions parks the other session and restores this one from its file (the engine's
@@ -16,6 +17,11 @@ answer early (a random model never ends by itself; Claude Code asks for 32,000 t
 Codex for no limit); the prompts go as sent. The clients get a private HOME, a private
 CODEX_HOME, the server's address, and the settings that keep them off the network (no
 update check, telemetry or error reports); every process has a deadline.
+
+Aider sends no id at all, and every Aider session opens with the same system prompt and
+the same worked example: two sessions get one key, and auto-sessions tells them apart as
+two conversations of that key (siblings), each resumed (``--restore-chat-history``) from
+its own file.
 
 A second part serves a context too small for them, as ``make serve``'s SmolLM2 has, and
 checks what the user sees: the refusal in the API's own shape, naming the context, the
@@ -38,10 +44,12 @@ from typing import Any
 import pytest
 
 import strata_serve
+from strata_serve.api import SERVICE
 from strata_serve.config import EngineSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 NODE_BIN = ROOT / ".node" / "node_modules" / ".bin"
+AIDER = ROOT / ".aider" / "bin" / "aider"
 #: Holds either client's whole request on the demo model (one token per character).
 CTX_SIZE = 65536
 #: Each answer's length (the test's plugin sets it): the clients ask for up to 32,000.
@@ -71,6 +79,8 @@ class Seen:
     prompt_tokens: int | None
     reused: int | None
     at: float
+    #: A chat request's messages, as the client sent them.
+    messages: list[Any] | None = None
 
 
 class RequestLog:
@@ -91,6 +101,8 @@ class RequestLog:
         # empty, and Claude Code sends the request once more: its own behaviour).
         if request.route == "responses":
             request.body["max_output_tokens"] = ANSWER_TOKENS
+        elif request.route == "chat":  # Aider asks for no limit
+            request.body["max_tokens"] = ANSWER_TOKENS
         elif request.route == "messages":
             request.body["stop_sequences"] = STOP_LETTERS
             request.body["max_tokens"] = min(request.body.get("max_tokens") or 4 * ANSWER_TOKENS, 4 * ANSWER_TOKENS)
@@ -104,7 +116,7 @@ class RequestLog:
             route=request.route, key=request.conversation_key, client_id=client_id,
             restored=request.restored_tokens, http_status=outcome.http_status, status=outcome.status,
             prompt_tokens=timings.prompt_tokens if timings else None, reused=timings.reused if timings else None,
-            at=time.monotonic(),
+            at=time.monotonic(), messages=request.body.get("messages") if request.route == "chat" else None,
         ))
 
 
@@ -324,6 +336,98 @@ async def test_codex_two_sessions_resumed_in_turn_each_restore_their_own_state(c
         return run, codex_thread(run)
 
     await alternate_sessions(log, "responses", turn_of)
+
+
+def aider_binary() -> Path:
+    if not os.access(AIDER, os.X_OK):
+        pytest.fail(f"{AIDER} is missing: `make test` installs Aider there with pip (`make clients` alone does that)")
+    return AIDER
+
+
+def aider_env(home: Path, url: str) -> dict[str, str]:
+    return {
+        **base_env(home),
+        "OPENAI_API_BASE": f"{url}/v1",
+        "OPENAI_API_KEY": "sk-local",
+        # Off the network: litellm's model list is read from the package, not fetched.
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+    }
+
+
+def aider_argv(question: str, *, resume: bool) -> list[str]:
+    # No repository map (it needs git and tree-sitter) and no file added to the chat: Aider
+    # puts the chat's files after the history, so a file in the chat would leave only the
+    # opening reusable at any resume, whichever server is in front.
+    return [str(aider_binary()), "--model", "openai/local", "--no-git", "--yes-always", "--no-check-update",
+            "--analytics-disable", "--no-show-model-warnings", "--no-show-release-notes", "--no-pretty",
+            "--no-fancy-input", "--map-tokens", "0", *(["--restore-chat-history"] if resume else []),
+            "--message", question]
+
+
+async def test_aider_sessions_share_one_key_keep_their_own_files_and_every_turn_reuses_the_opening(
+        cli_server, tmp_path):
+    """Two Aider sessions taking turns (A, B, A resumed, B resumed, each resumed with
+    ``--restore-chat-history``), as sent by the real client.
+
+    Aider sends no id, and every session opens with the same system prompt and worked
+    example: one key. Aider puts the history before its message about the chat's files,
+    so a resumed turn continues none of its session's earlier prompts: it shares the
+    opening with every state parked under the key, and no more (shown here from the
+    requests themselves). What strata-serve owes it: every turn after the first reuses
+    the whole opening, and no session's state is saved over another's (each is a file of
+    its own under the key, where one file a key was overwritten at every turn).
+    """
+    client, log, url = await cli_server(CTX_SIZE)
+    home = tmp_path / "home"
+    home.mkdir()
+    questions = {"a": "What does calc.py do?", "b": "Which shapes does shapes.py draw?"}
+    projects = {}
+    for session in questions:
+        projects[session] = tmp_path / f"project-{session}"
+        projects[session].mkdir()
+    lines, firsts = [], []
+    for label, session in SESSIONS:
+        since = len(log.seen)
+        resume = label.endswith("resumed")
+        run = await run_cli(aider_argv("And what else?" if resume else questions[session], resume=resume),
+                            cwd=projects[session], env=aider_env(home, url))
+        turn = log.seen[since:]
+        lines.append(report(label, run, turn))
+        assert run.returncode == 0, f"aider exited {run.returncode}\nstdout: {run.stdout[-3000:]}\nstderr: {run.stderr[-3000:]}"
+        assert turn and all(s.http_status == 200 and s.status == "ok" and s.route == "chat" for s in turn), turn
+        assert all(s.client_id is None for s in turn), "Aider sends no id of its own"
+        firsts.append(turn[0])
+    print("\n".join(lines))
+    (key,) = {s.key for s in firsts}
+    assert key is not None
+
+    # The client's own layout: the messages every request shares, then each goes its way.
+    prompts = [s.messages for s in firsts]
+    assert all(prompts), firsts
+    opening = 0
+    while all(len(p) > opening and p[opening] == prompts[0][opening] for p in prompts):
+        opening += 1
+    assert opening >= 3 and prompts[0][0]["role"] == "system", prompts[0][:opening]
+    for first, resumed in ((prompts[0], prompts[2]), (prompts[1], prompts[3])):
+        assert resumed[opening] != first[opening], "a resumed Aider turn continues its first prompt"
+    # The opening in tokens, as the engine reads it (the template's prompt for the next
+    # turn, which the opening's own messages end before, is left out with the slack).
+    rendered = await client.post("/apply-template", json={"messages": prompts[0][:opening]})
+    assert rendered.status == 200, await rendered.text()
+    tokens = await client.post("/tokenize", json={"content": (await rendered.json())["prompt"]})
+    opening_tokens = len((await tokens.json())["tokens"])
+    assert opening_tokens > 1000, opening_tokens
+    for label, seen in zip([label for label, _ in SESSIONS][1:], firsts[1:]):
+        assert seen.reused is not None and seen.reused >= opening_tokens - 16, (
+            f"{label} reused {seen.reused} tokens, less than the {opening_tokens:,}-token opening: {seen}")
+
+    # Each turn's state kept under the key, none saved over another's: A's first turn, B's
+    # and A's second, each saved as the next came (B's second is still in the slot).
+    store = client.app[SERVICE].state["auto_sessions"].store
+    files = sorted(store.siblings(key), key=lambda sidecar: sidecar.sibling)
+    assert [f.sibling for f in files] == [0, 1, 2], files
+    for sidecar, seen in zip(files, firsts):
+        assert 0 <= sidecar.tokens - seen.prompt_tokens <= ANSWER_TOKENS + 1, (sidecar, seen)
 
 
 # A context too small for an agent: what the user sees.
