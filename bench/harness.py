@@ -7,10 +7,10 @@ import contextlib
 import json
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 import aiohttp
 from aiohttp import web
@@ -30,6 +30,8 @@ class Reply:
     total_s: float
     timings: dict[str, Any]
     text: str
+    #: The answer's headers (strata-serve's ``X-Strata-*`` among them), any case.
+    headers: Mapping[str, str] = field(default_factory=dict)
 
 
 @contextlib.asynccontextmanager
@@ -78,14 +80,14 @@ def client_session() -> aiohttp.ClientSession:
 
 
 async def chat(session: aiohttp.ClientSession, url: str, messages: list[dict], max_tokens: int = 1,
-               **extra: Any) -> Reply:
+               headers: dict[str, str] | None = None, **extra: Any) -> Reply:
     """One streamed chat request: time to first token, total time, the engine's timings."""
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True, **extra}
     began = time.perf_counter()
     first = None
     timings: dict[str, Any] = {}
     text = []
-    async with session.post(url + "/v1/chat/completions", json=body) as resp:
+    async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{url}: HTTP {resp.status}: {await resp.text()}")
         async for raw in resp.content:
@@ -100,8 +102,10 @@ async def chat(session: aiohttp.ClientSession, url: str, messages: list[dict], m
                     if first is None:
                         first = time.perf_counter()
             timings = event.get("timings") or timings
+        answered = resp.headers
     end = time.perf_counter()
-    return Reply(ttft_s=(first or end) - began, total_s=end - began, timings=timings, text="".join(text))
+    return Reply(ttft_s=(first or end) - began, total_s=end - began, timings=timings, text="".join(text),
+                 headers=answered)
 
 
 def conversation(name: str, tokens: int) -> list[dict]:

@@ -39,7 +39,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.harness import conversation, follow_up, spread
+from bench.harness import chat, conversation, follow_up, spread
 from strata_auto_sessions.shared import DirectoryTier, S3Tier, SharedTier
 from strata_serve.demo_model import write_demo_model
 from tests.replicas import Replicas, free_port
@@ -73,30 +73,11 @@ class Turn:
 
 async def turn(url: str, messages: list[dict], session_id: str) -> Turn:
     """One streamed greedy turn through the balancer."""
-    body = {"messages": messages, "max_tokens": 4, "temperature": 0, "stream": True}
-    began = time.perf_counter()
-    first = None
-    timings: dict[str, Any] = {}
-    text = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session, \
-            session.post(url + "/v1/chat/completions", json=body, headers={HEADER: session_id}) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data:") or line == b"data: [DONE]":
-                continue
-            event = json.loads(line[5:])
-            for choice in event.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    first = first or time.perf_counter()
-                    text.append(piece)
-            timings = event.get("timings") or timings
-        headers = resp.headers
-    end = time.perf_counter()
-    return Turn((first or end) - began, end - began, timings.get("prompt_n", 0), timings.get("cache_n", 0),
-                headers.get("X-Strata-State", "?"), headers.get("X-Strata-Replica", "?"), "".join(text))
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        reply = await chat(session, url, messages, max_tokens=4, headers={HEADER: session_id})
+    timings, headers = reply.timings, reply.headers
+    return Turn(reply.ttft_s, reply.total_s, timings.get("prompt_n", 0), timings.get("cache_n", 0),
+                headers.get("X-Strata-State", "?"), headers.get("X-Strata-Replica", "?"), reply.text)
 
 
 @contextlib.contextmanager

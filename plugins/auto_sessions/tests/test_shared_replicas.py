@@ -8,6 +8,7 @@ copy."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -58,28 +59,31 @@ async def open_tier(kind: str, tmp_path: Path, s3_endpoint: str) -> Tier:
     return Tier(kind, f"s3://{bucket}/strata", S3Tier(bucket, "strata", endpoint_url=s3_endpoint))
 
 
+@contextlib.asynccontextmanager
+async def opened(kind: str, tmp_path, s3_env) -> AsyncIterator[Tier]:
+    """A shared tier of ``kind``, closed after use."""
+    found = await open_tier(kind, tmp_path, s3_env)
+    assert found.handle is not None
+    try:
+        yield found
+    finally:
+        await found.handle.close()
+
+
 @pytest.fixture(params=["none", "directory", "s3"])
 async def tier(request, tmp_path, s3_env) -> AsyncIterator[Tier]:
     if request.param == "none":
         yield Tier("none", None, None)
         return
-    found = await open_tier(request.param, tmp_path, s3_env)
-    assert found.handle is not None
-    try:
+    async with opened(request.param, tmp_path, s3_env) as found:
         yield found
-    finally:
-        await found.handle.close()
 
 
 @pytest.fixture(params=["directory", "s3"])
 async def shared(request, tmp_path, s3_env) -> AsyncIterator[Tier]:
     """A shared tier, each kind in turn (no control)."""
-    found = await open_tier(request.param, tmp_path, s3_env)
-    assert found.handle is not None
-    try:
+    async with opened(request.param, tmp_path, s3_env) as found:
         yield found
-    finally:
-        await found.handle.close()
 
 
 def config_for(url: str | None, idle_save_s: float = IDLE_SAVE_S, **shared: Any) -> dict:
