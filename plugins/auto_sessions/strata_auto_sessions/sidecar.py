@@ -88,8 +88,8 @@ class Sidecar:
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
         try:
             os.fchmod(fd, PRIVATE_FILE_MODE)  # the mode given to open passes through the umask
-            with os.fdopen(fd, "w") as handle:
-                json.dump(asdict(self), handle)
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(json.dumps(asdict(self)).encode())  # one C call; json.dump writes piece by piece
                 handle.flush()
                 if sync:
                     os.fsync(handle.fileno())

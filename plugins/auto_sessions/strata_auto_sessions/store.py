@@ -28,6 +28,7 @@ from strata_auto_sessions.fingerprint import (
     FINGERPRINT_BYTES, WEIGHT_BLOCK_BYTES, WEIGHT_SPREAD_BLOCKS, WEIGHT_WHOLE_BYTES, engine_fingerprint,
     fingerprint, same_model, sliding_window, weights_digest,
 )
+from strata_auto_sessions.known import KnownFiles
 from strata_auto_sessions.locks import DirectoryInUse, DirectoryLock, LockTimeout, ServerClaim
 from strata_auto_sessions.naming import (
     ENGINE_NAME, HELD_NAME, PREFIX, REMOVED_NAME, SERVER_LOCK_NAME, SESSION_NAME, TEMP_NAME, TEMP_PREFIX,
@@ -169,6 +170,8 @@ class SessionStore:
         #: :meth:`sync_written` (freeing a file's blocks takes milliseconds on some disks).
         self._retired: list[Path] = []
         self._unsynced_lock = threading.Lock()
+        #: Sidecars read and digests checked, while their files are unchanged.
+        self._known = KnownFiles()
 
     def lock(self) -> contextlib.AbstractContextManager[None]:
         """An exclusive ``flock`` on the slot directory itself (reentrant in this process),
@@ -200,9 +203,18 @@ class SessionStore:
         return self.restorable(key, sibling)
 
     def intact(self, key: str, sidecar: Sidecar) -> bool:
-        """The file is the one that was saved: same size, same sampled digest."""
+        """The file is the one that was saved: same size, same sampled digest (read again
+        unless this very file was digested since it last changed)."""
         path = self.bin_path(key, sidecar.sibling)
-        return path.stat().st_size == sidecar.bytes and digest_matches(path, sidecar.digest)
+        stat = path.stat()
+        if stat.st_size != sidecar.bytes:
+            return False
+        if self._known.digest_known(path, stat, sidecar.digest):
+            return True
+        if not digest_matches(path, sidecar.digest):
+            return False
+        self._known.remember_digest(path, sidecar.digest)
+        return True
 
     def sidecar_path(self, key: str, sibling: int = 0) -> Path:
         return self.directory / session_name(key, "json", sibling)
@@ -372,6 +384,7 @@ class SessionStore:
             sidecar.write(self.sidecar_path(key, sidecar.sibling), sync=False)
             retired = self._retire(target, key)
             os.replace(temp, target)
+            self._known.remember_digest(target, sidecar.digest)
             with self._unsynced_lock:
                 self._unsynced += [target, self.sidecar_path(key, sidecar.sibling)]
                 if retired is not None:
@@ -383,6 +396,7 @@ class SessionStore:
         # leaves a sidecar without its file (swept by prune), never a file nobody owns.
         self.write_sidecar(sidecar)
         os.replace(temp, target)
+        self._known.remember_digest(target, sidecar.digest)
         with span("auto_sessions.fsync"):
             _fsync(self.directory)
 
@@ -430,11 +444,14 @@ class SessionStore:
         sidecar.write(self.sidecar_path(sidecar.key, sidecar.sibling))
 
     def sidecar(self, key: str, sibling: int = 0) -> Sidecar | None:
-        return Sidecar.read(self.sidecar_path(key, sibling))
+        try:
+            return self._known.sidecar(self.sidecar_path(key, sibling))
+        except (OSError, DamagedSidecar):
+            return None
 
     def sidecar_problem(self, key: str, sibling: int = 0) -> str | None:
         try:
-            sidecar = Sidecar.load(self.sidecar_path(key, sibling))
+            sidecar = self._known.sidecar(self.sidecar_path(key, sibling))
         except FileNotFoundError:
             return None
         except (OSError, DamagedSidecar) as exc:
@@ -555,8 +572,8 @@ def _write_private_json(target: Path, data: Any) -> None:
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
     try:
         os.fchmod(fd, PRIVATE_FILE_MODE)
-        with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(json.dumps(data).encode())  # one C call; json.dump writes piece by piece
         os.replace(temp, target)
     except BaseException:
         temp.unlink(missing_ok=True)  # a full disk must not leave one temporary per write

@@ -466,3 +466,47 @@ def test_digests_of_either_scheme_check_the_file_and_new_ones_are_crc32(tmp_path
         damaged[size // 2: size // 2 + 100_000] = b"\0" * 100_000
         path.write_bytes(bytes(damaged))
         assert not digest_matches(path, new) and not digest_matches(path, old)
+
+
+def test_a_file_digested_since_it_changed_is_not_read_again_and_any_change_is_seen(tmp_path, monkeypatch):
+    """A restore right after the save does not read the file again for its digest; a file
+    changed since (in place with its times set back, or replaced by a rename) is read and
+    refused. The same for sidecars: one rewritten by another process is read anew."""
+    import strata_auto_sessions.store as store_module
+
+    store = SessionStore(tmp_path)
+    data = bytes(range(256)) * 4_000
+    (tmp_path / "tmp-auto-k-1.bin").write_bytes(data)
+    store.commit("tmp-auto-k-1.bin", "k", Sidecar(key="k", fingerprint={}, tokens=3, bytes=len(data),
+                                                  created=0, last_used=0, digest=""))
+    reads = []
+    real = store_module.digest_matches
+    monkeypatch.setattr(store_module, "digest_matches", lambda path, digest: reads.append(path) or real(path, digest))
+    assert store.intact("k", store.sidecar("k")) and store.intact("k", store.sidecar("k"))
+    assert reads == [], "the digest the commit computed stands for the file it put in place"
+
+    path = store.bin_path("k")
+    before = path.stat()
+    with open(path, "r+b") as handle:  # same size, one byte changed, the times set back
+        handle.seek(len(data) // 3)
+        handle.write(b"\xff")
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert not store.intact("k", store.sidecar("k")) and reads == [path]
+    (tmp_path / "other.bin").write_bytes(data)
+    os.replace(tmp_path / "other.bin", path)  # the saved bytes again, under another inode: read, then known
+    assert store.intact("k", store.sidecar("k")) and store.intact("k", store.sidecar("k")) and len(reads) == 2
+
+    sidecar_path = store.sidecar_path("k")
+    stamp = sidecar_path.stat()
+    text = sidecar_path.read_text()
+    sidecar_path.write_text(text.replace('"tokens": 3', '"tokens": 4'))  # same length: another process's
+    os.utime(sidecar_path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    assert store.sidecar("k").tokens == 4
+    sidecar_path.write_text(text.replace('"tokens": 3', '"tokens": "3"'))
+    assert store.sidecar("k") is None and "'tokens' is a string" in store.sidecar_problem("k")
+    mine = store.sidecar
+    got = SessionStore(tmp_path).sidecar  # a caller may change what it is given: never the memory
+    sidecar_path.write_text(text)
+    first = mine("k")
+    first.tokens = 99
+    assert mine("k").tokens == 3 and got("k").tokens == 3
