@@ -55,7 +55,7 @@ PARTS = [
     ("auto_sessions.prune", "auto-sessions' save: pruning"),
     ("auto_sessions.restore_checks", "auto-sessions' restore: choosing and checking the file"),
     ("engine_restore", "auto-sessions' restore: the engine reading the file"),
-    ("auto_sessions.touch", "auto-sessions' restore: its sidecar's last use"),
+    ("auto_sessions.touch", "auto-sessions: a restored file's last use, written as it goes back unchanged"),
     ("post_request", "every plugin's step after the answer (in all)"),
 ]
 

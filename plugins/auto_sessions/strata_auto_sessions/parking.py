@@ -62,6 +62,11 @@ class AutoSessions:
         #: The prompt signature of what the slot holding each conversation key holds: of
         #: the last request that ran, or of the file restored since.
         self.prompts: dict[str, dict[str, Any]] = {}
+        #: Files restored since their sidecar's ``last_used`` was written: ``(key, sibling)``.
+        #: A save rewrites the sidecar (its last use now); a file that goes back to disk
+        #: unchanged has its sidecar touched then (:func:`strata_auto_sessions.saving.park_slot`),
+        #: not on the restore's path.
+        self.used_since_written: set[tuple[str, int]] = set()
         #: The files of each key (its siblings), as their choice needs them.
         self.siblings = SiblingIndex(store)
         self.idle_saves = IdleSaves(self)

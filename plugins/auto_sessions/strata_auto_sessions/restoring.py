@@ -96,11 +96,10 @@ async def _restore_locked(parking: AutoSessions, key: str, request: StrataReques
     request.state.setdefault(NAME, {}).update(restore_ms=ms, continues=continues(sidecar.prompt, request))
     if sidecar.prompt is not None:
         parking.prompts[key] = sidecar.prompt  # what the slot holds now
-    try:
-        with span("auto_sessions.touch"):
-            of_sibling(parking.store.touch, key, sibling)  # type: ignore[union-attr]
-    except OSError as exc:
-        log.warning("[strata] auto sessions: could not update %s's sidecar: %s", key, exc)
+    # Its sidecar's last use is written when the conversation leaves the slot (by its next
+    # save, or a touch if it goes back unchanged); meanwhile the slot holds it, and
+    # pruning spares what a slot holds.
+    parking.used_since_written.add((key, sibling))
     parking.siblings.used(key, sibling)
     if choice is not None and choice.sibling != sibling:
         log.info("[strata] auto sessions: restored %s tokens from %s in %.0f ms%s, whose first %d message(s) "

@@ -94,6 +94,7 @@ def _not_to_save(parking: AutoSessions, service: Any, key: str, in_slot: SlotSta
     if in_slot.file_current:
         if _file_kept(parking, key, in_slot.sibling):
             parking.stats.save_skips_unchanged += 1
+            _touch_if_used(parking, key, in_slot.sibling)
             return Parked.ALREADY_CURRENT
         # Its file went since it was made (`strata-serve sessions prune`, or by hand):
         # the slot holds the only copy, so it is saved like any other.
@@ -175,7 +176,21 @@ async def _commit(parking: AutoSessions, temp: str, key: str, in_slot: SlotState
             kept = parking.store.commit(temp, key, written)
     if kept is not False:
         parking.siblings.written(key, written)
+        parking.used_since_written.discard((key, in_slot.sibling))  # its last use: now
     return kept
+
+
+def _touch_if_used(parking: AutoSessions, key: str, sibling: int) -> None:
+    """The file goes back to disk unchanged: if it was restored since its sidecar was
+    written, the sidecar now says it was used (pruning goes by it)."""
+    if (key, sibling) not in parking.used_since_written:
+        return
+    parking.used_since_written.discard((key, sibling))
+    try:
+        with span("auto_sessions.touch"):
+            of_sibling(parking.store.touch, key, sibling)  # type: ignore[union-attr]
+    except OSError as exc:
+        log.warning("[strata] auto sessions: could not update %s's sidecar: %s", key, exc)
 
 
 def _file_kept(parking: AutoSessions, key: str, sibling: int) -> bool:

@@ -130,6 +130,37 @@ async def test_a_request_without_a_key_parks_the_held_conversation_first(auto_cl
     assert stats.saves == 2, "the restored conversation ran again, so its file was saved anew"
 
 
+async def test_a_restore_writes_no_sidecar_and_the_last_use_is_written_as_the_file_goes_back(auto_client):
+    """The restore's path writes nothing: the restored conversation's sidecar says when it
+    was last used once it leaves the slot, by its next save when its turn changed it, by
+    a touch when it goes back unchanged (its request refused by the engine)."""
+    client = await auto_client()
+    a, b = conversation("used-a"), conversation("used-b")
+    await ask(client, a)
+    await ask(client, b)  # A saved
+    store, key_a = parking(client).store, key_of(client, a)
+    saved_at, held_tokens = store.sidecar(key_a).last_used, store.sidecar(key_a).tokens
+    sidecar_written = store.sidecar_path(key_a).stat().st_mtime_ns
+    await asyncio.sleep(0.05)
+
+    refused = await client.post("/v1/chat/completions",
+                                json={"messages": a, "max_tokens": 4, "grammar": "root ::= ((( not a grammar"})
+    assert 400 <= refused.status < 500, await refused.text()
+    stats = parking(client).stats
+    assert stats.restores == 1 and held(client).key == key_a and held(client).file_current
+    assert store.sidecar_path(key_a).stat().st_mtime_ns == sidecar_written, "nothing written on the restore's path"
+    saves = stats.saves  # B's, as A came back
+    await ask(client, b)  # A goes back unchanged: its file is current, its sidecar touched
+    assert stats.saves == saves and stats.save_skips_unchanged == 1
+    touched = store.sidecar(key_a).last_used
+    assert touched > saved_at and store.sidecar(key_a).tokens == held_tokens
+
+    await ask(client, conversation("used-a", turns=2))  # restored, and its next turn changes it
+    await ask(client, b)
+    assert stats.restores == 4 and stats.save_skips_unchanged == 1, "A's changed state saved, with its last use"
+    assert store.sidecar(key_a).last_used > touched and store.sidecar(key_a).tokens > held_tokens
+
+
 @pytest.mark.parametrize("cache_ram_mib", [0, 256])
 async def test_shutdown_saves_and_next_start_restores(auto_client, caplog, cache_ram_mib):
     client = await auto_client(engine={"cache_ram_mib": cache_ram_mib})
