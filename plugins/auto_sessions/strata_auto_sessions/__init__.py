@@ -84,7 +84,8 @@ def on_engine_start(service, restarted):
 async def pre_request(request, service):
     parking = _parking(service)
     if parking is not None and parking.mode.parks:
-        await parking.before(request, service)
+        with parking.syncs_held():
+            await parking.before(request, service)
 
 
 @strata_serve.hookimpl

@@ -15,10 +15,12 @@ mode (``mode``), saving (``saving``), restoring (``restoring``) and its fallback
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +79,9 @@ class AutoSessions:
         #: The fsyncs of saves made without them (``fsync = "background"``), under way.
         self._syncing: asyncio.Task[None] | None = None
         self._sync_again = False
+        #: Requests within :meth:`syncs_held`; a sync asked for meanwhile.
+        self._holding_syncs = 0
+        self._sync_held = False
 
     @classmethod
     async def start(cls, config: AutoSessionsConfig, service: Any) -> AutoSessions:
@@ -297,10 +302,28 @@ class AutoSessions:
 
     # -- durability off the request's path ----------------------------------------
 
+    @contextlib.contextmanager
+    def syncs_held(self) -> Iterator[None]:
+        """The fsyncs of saves made meanwhile start at the end (a request's steps before the
+        engine): they then run beside the engine's work on the request, not beside the
+        renames, writes and removals of the switch itself, which the file system would
+        make wait for them (its journal commits)."""
+        self._holding_syncs += 1  # one per request in its steps before the engine
+        try:
+            yield
+        finally:
+            self._holding_syncs -= 1
+            if self._sync_held and not self._holding_syncs:
+                self._sync_held = False
+                self.sync_soon()
+
     def sync_soon(self) -> None:
         """fsync what the last saves committed without it, in a thread, beside the requests
         that follow (one at a time; a call while one runs makes it run once more)."""
         if not getattr(self.store, "sync_later", False):
+            return
+        if self._holding_syncs:
+            self._sync_held = True
             return
         if self._syncing is not None and not self._syncing.done():
             self._sync_again = True

@@ -416,14 +416,24 @@ def test_prune_siblings_keeps_the_most_recently_used_and_those_spared(tmp_path):
     assert not list(tmp_path.glob("auto-k*")), "remove(key) takes every sibling"
 
 
-def test_a_background_commit_replaces_without_freeing_and_its_sync_frees_the_old_file(tmp_path):
-    """With ``sync_later`` (``fsync = "background"``) a commit over an earlier file keeps
-    that file under a temporary's name, so the replace frees nothing on the request's path;
-    :meth:`SessionStore.sync_written` removes it after syncing, and a start removes one a
-    crash left. Nothing is ever missing under the conversation's name meanwhile."""
+def test_a_background_commit_replaces_without_freeing_and_its_sync_frees_the_old_file(tmp_path, monkeypatch):
+    """With ``sync_later`` (``fsync = "background"``) a commit over an earlier file moves
+    that file to a temporary's name, so the new file's rename frees nothing and takes a
+    free name (a rename over a file makes ext4 write the new data out on the request's
+    path); :meth:`SessionStore.sync_written` removes the old one after syncing, and a start
+    removes one a crash left."""
     store = SessionStore(tmp_path)
     store.prepare()
     store.sync_later = True
+    over_a_file = []
+    real_replace = os.replace
+
+    def replace(source, target):
+        if str(target).endswith(".bin"):
+            over_a_file.append(os.path.lexists(target))
+        real_replace(source, target)
+
+    monkeypatch.setattr(os, "replace", replace)
 
     def commit(data: bytes) -> None:
         (tmp_path / "tmp-auto-k-1.bin").write_bytes(data)
@@ -437,6 +447,7 @@ def test_a_background_commit_replaces_without_freeing_and_its_sync_frees_the_old
     retired = list(tmp_path.glob("tmp-auto-*.bin"))
     assert [p.read_bytes() for p in retired] == [b"old" * 1000], retired
     assert store.unsynced == 5  # the file and its sidecar, twice, and the old file
+    assert over_a_file == [False, False], "each new file's rename took a free name"
     assert store.sync_written() == 2 and store.unsynced == 0
     assert not list(tmp_path.glob("tmp-auto-*")) and store.bin_path("k").read_bytes() == b"new" * 2000
 
