@@ -258,16 +258,26 @@ class SessionStore:
         return self._claim.server_running()
 
     def record_held(self, keys: list[str]) -> None:
-        _write_private_json(self.directory / HELD_NAME, {"keys": sorted(keys), "pid": os.getpid()})
+        # Written at every switch: onto a free name (see _write_private_json), read with
+        # that in mind (held_by_server).
+        _write_private_json(self.directory / HELD_NAME, {"keys": sorted(keys), "pid": os.getpid()},
+                            onto_a_free_name=True)
 
     def held_by_server(self) -> list[str]:
         """The conversations a live server holds in its slots or is running (recorded by
         :meth:`record_held`); none when no server runs."""
         if not self.server_running():
             return []  # what a killed server recorded is held by no one
-        try:
-            data = json.loads((self.directory / HELD_NAME).read_text())
-        except (OSError, ValueError):
+        for _attempt in range(HELD_READ_TRIES):
+            try:
+                data = json.loads((self.directory / HELD_NAME).read_text())
+                break
+            except FileNotFoundError:
+                # Between the two renames of record_held, for microseconds.
+                time.sleep(0.001)
+            except (OSError, ValueError):
+                return []
+        else:
             return []
         keys = data.get("keys") if isinstance(data, dict) else None
         return [key for key in keys if isinstance(key, str)] if isinstance(keys, list) else []
@@ -577,17 +587,41 @@ class SessionStore:
         return len(files), sum(size for _key, _path, size, _used in files)
 
 
-def _write_private_json(target: Path, data: Any) -> None:
+def _write_private_json(target: Path, data: Any, *, onto_a_free_name: bool = False) -> None:
+    """Write ``data`` at ``target``, whole or not at all (a temporary, then a rename).
+
+    ``onto_a_free_name``: the earlier file is moved away first, so the rename takes a free
+    name (a rename over a file makes ext4 write the new one out at once, a few tenths of
+    a millisecond even for a few bytes); ``target`` is then missing for microseconds, which
+    its reader allows for.
+    """
     temp = target.with_name(fresh_json_temp_name())
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
+    moved: Path | None = None
     try:
         os.fchmod(fd, PRIVATE_FILE_MODE)
         with os.fdopen(fd, "wb") as handle:
             handle.write(json.dumps(data).encode())  # one C call; json.dump writes piece by piece
+        if onto_a_free_name:
+            moved = target.with_name(fresh_json_temp_name())  # a temporary's name: removed at a start if left
+            try:
+                os.rename(target, moved)
+            except FileNotFoundError:
+                moved = None
         os.replace(temp, target)
     except BaseException:
         temp.unlink(missing_ok=True)  # a full disk must not leave one temporary per write
+        if moved is not None:
+            with contextlib.suppress(OSError):
+                os.rename(moved, target)  # the earlier one back, rather than none
         raise
+    if moved is not None:
+        moved.unlink(missing_ok=True)
+
+
+#: Reads of the held conversations' record that find it missing (being replaced) before
+#: taking it for none, a millisecond apart.
+HELD_READ_TRIES = 20
 
 
 def _fsync(path: Path) -> None:

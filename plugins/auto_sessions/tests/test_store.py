@@ -521,3 +521,36 @@ def test_a_file_digested_since_it_changed_is_not_read_again_and_any_change_is_se
     first = mine("k")
     first.tokens = 99
     assert mine("k").tokens == 3 and got("k").tokens == 3
+
+
+def test_the_held_record_is_renamed_onto_a_free_name_and_read_through_its_replacement(tmp_path, monkeypatch):
+    """Written at every switch, the record of the conversations the server holds never
+    replaces a file by its rename (ext4 would write it out on the switch's path); ``rm``,
+    reading it while it is being replaced, finds it on a next try rather than nothing."""
+    import pathlib
+
+    store = SessionStore(tmp_path)
+    store.prepare()
+    renamed_over = []
+    real_replace = os.replace
+
+    def replace(source, target):
+        renamed_over.append((os.path.basename(target), os.path.lexists(target)))
+        real_replace(source, target)
+
+    monkeypatch.setattr(os, "replace", replace)
+    store.record_held(["a"])
+    store.record_held(["a", "b"])
+    assert renamed_over == [("auto-.held.json", False)] * 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["auto-.held.json", "auto-.server.json"]
+
+    missing = iter([True, True])
+    real_read = pathlib.Path.read_text
+
+    def read_text(path, *args, **kwargs):
+        if path.name == "auto-.held.json" and next(missing, False):
+            raise FileNotFoundError(path)  # between the two renames
+        return real_read(path, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "read_text", read_text)
+    assert store.held_by_server() == ["a", "b"]
