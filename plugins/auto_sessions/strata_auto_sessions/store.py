@@ -394,7 +394,13 @@ class SessionStore:
             # in the sidecar refuse such a file at its restore.
             sidecar.write(self.sidecar_path(key, sidecar.sibling), sync=False)
             retired = self._retire(target, key)
-            os.replace(temp, target)
+            try:
+                os.replace(temp, target)
+            except OSError:
+                if retired is not None:
+                    with contextlib.suppress(OSError):
+                        os.rename(retired, target)  # the earlier file back under its name
+                raise
             self._known.remember_digest(target, sidecar.digest)
             with self._unsynced_lock:
                 self._unsynced += [target, self.sidecar_path(key, sidecar.sibling)]
@@ -418,8 +424,10 @@ class SessionStore:
         free name. (A rename over an existing file makes ext4 start writing the new file's
         data out at once, its ``auto_da_alloc``: measured here, 2-20 ms on the switch's path
         for a few MB; :meth:`sync_written` writes it beside the next request instead.) A
-        crash between the two renames leaves the sidecar without its file, refused and
-        swept like one whose rename never happened. None when there is no regular file."""
+        crash between the two renames leaves the new sidecar without a file: the
+        conversation is read anew, as after a crash just before the rename (the earlier
+        file, which the new sidecar does not describe, is refused). None when there is no
+        regular file."""
         try:
             if not S_ISREG(os.lstat(target).st_mode):
                 return None  # a symlink or anything else is replaced as it is

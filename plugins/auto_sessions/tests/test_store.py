@@ -554,3 +554,27 @@ def test_the_held_record_is_renamed_onto_a_free_name_and_read_through_its_replac
 
     monkeypatch.setattr(pathlib.Path, "read_text", read_text)
     assert store.held_by_server() == ["a", "b"]
+
+
+def test_a_background_commit_whose_rename_fails_leaves_the_earlier_file_under_its_name(tmp_path, monkeypatch):
+    """The earlier file is moved away before the new one's rename; when that rename fails,
+    the earlier file goes back under its name rather than leaving none."""
+    store = SessionStore(tmp_path)
+    store.prepare()
+    store.sync_later = True
+    (tmp_path / "tmp-auto-k-1.bin").write_bytes(b"old" * 1000)
+    store.commit("tmp-auto-k-1.bin", "k", Sidecar(key="k", fingerprint={}, tokens=3, bytes=3000,
+                                                  created=0, last_used=0, digest=""))
+    real_replace = os.replace
+
+    def failing(source, target):
+        if str(target).endswith("auto-k.bin"):
+            raise OSError(5, "Input/output error")
+        real_replace(source, target)
+
+    monkeypatch.setattr(os, "replace", failing)
+    (tmp_path / "tmp-auto-k-2.bin").write_bytes(b"new" * 2000)
+    with pytest.raises(OSError, match="Input/output"):
+        store.commit("tmp-auto-k-2.bin", "k", Sidecar(key="k", fingerprint={}, tokens=3, bytes=6000,
+                                                      created=0, last_used=0, digest=""))
+    assert store.bin_path("k").read_bytes() == b"old" * 1000
