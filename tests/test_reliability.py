@@ -84,12 +84,14 @@ PARTIAL_BYTES = 64 * 1024
 
 
 def unread_bytes_at(port: int) -> int:
-    """Bytes sent to ``port`` on this machine that its process has not read yet."""
+    """Bytes sent to ``port`` on this machine that its process has not read yet (IPv4 or
+    IPv6; on a connection established, or one its client has closed since)."""
     total = 0
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":  # ESTABLISHED
-            total += int(fields[4].split(":")[1], 16)
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] in ("01", "08"):  # ESTABLISHED, CLOSE_WAIT
+                total += int(fields[4].split(":")[1], 16)
     return total
 
 
