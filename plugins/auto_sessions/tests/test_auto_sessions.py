@@ -580,6 +580,34 @@ async def test_a_save_is_on_disk_before_its_name_appears(auto_client, monkeypatc
 SLOW_FSYNC_S = 2.0
 
 
+
+async def test_the_background_fsyncs_start_once_the_switch_is_done(auto_client, monkeypatch):
+    """The fsyncs of the save a switch made start after that request's steps before the
+    engine (the renames and the restore), beside the engine's work, never during them:
+    a file system's journal commit would make the switch's own renames wait."""
+    client = await auto_client()
+    a, b = conversation("order-a"), conversation("order-b")
+    await ask(client, a)
+    store, steps = parking(client).store, []
+    real_sync, real_restore = store.sync_written, client.app[SERVICE].engine.restore
+
+    def sync_written():
+        steps.append("fsync")
+        return real_sync()
+
+    async def restore(*args, **kwargs):
+        await asyncio.sleep(0.3)  # time enough for an fsync begun with the save to run
+        answer = await real_restore(*args, **kwargs)
+        steps.append("restored")
+        return answer
+
+    monkeypatch.setattr(store, "sync_written", sync_written)
+    monkeypatch.setattr(client.app[SERVICE].engine, "restore", restore)
+    await ask(client, b)  # A saved
+    await ask(client, a)  # B saved, A restored
+    await parking(client).synced()
+    assert steps[:2] == ["fsync", "restored"] and steps[2:] and set(steps[2:]) == {"fsync"}, steps
+
 @pytest.mark.parametrize("fsync", ["background", "at_save"])
 async def test_a_switch_does_not_wait_for_the_disk_and_a_stop_waits_for_every_fsync(auto_client, monkeypatch,
                                                                                       fsync):
