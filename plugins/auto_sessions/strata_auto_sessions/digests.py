@@ -61,13 +61,12 @@ def _blocks(path: Path, size: int) -> Iterator[bytes | mmap.mmap]:
         if size <= DIGEST_BLOCKS * DIGEST_BLOCK_BYTES:
             try:
                 # The whole file, mapped rather than copied (a fifth less time for 2.5 MB here).
-                with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as whole:
-                    yield whole
-                    return
+                whole = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
             except (ValueError, OSError):  # empty, or a file system that maps nothing
-                pass
-            handle.seek(0)
-            yield handle.read()
+                yield handle.read()
+                return
+            with whole:
+                yield whole
             return
         step = (size - DIGEST_BLOCK_BYTES) // (DIGEST_BLOCKS - 1)
         for index in range(DIGEST_BLOCKS):

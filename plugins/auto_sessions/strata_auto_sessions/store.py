@@ -393,14 +393,8 @@ class SessionStore:
             # may leave the name over data that never reached the disk: the size and digest
             # in the sidecar refuse such a file at its restore.
             sidecar.write(self.sidecar_path(key, sidecar.sibling), sync=False)
-            retired = self._retire(target, key)
-            try:
-                os.replace(temp, target)
-            except OSError:
-                if retired is not None:
-                    with contextlib.suppress(OSError):
-                        os.rename(retired, target)  # the earlier file back under its name
-                raise
+            # The earlier file is moved aside, its blocks freed by sync_written, not here.
+            retired = _rename_onto_a_free_name(temp, target, self.directory / fresh_temp_name(key, ".bin"))
             self._known.remember_digest(target, sidecar.digest)
             with self._unsynced_lock:
                 self._unsynced += [target, self.sidecar_path(key, sidecar.sibling)]
@@ -416,29 +410,6 @@ class SessionStore:
         self._known.remember_digest(target, sidecar.digest)
         with span("auto_sessions.fsync"):
             _fsync(self.directory)
-
-    def _retire(self, target: Path, key: str) -> Path | None:
-        """Move the file ``target`` names out of the way, under a temporary's name (removed
-        at a start if left), just before the new one takes the name: its blocks are freed
-        by :meth:`sync_written`, beside the next request, and the new file's rename takes a
-        free name. (A rename over an existing file makes ext4 start writing the new file's
-        data out at once, its ``auto_da_alloc``: measured here, 2-20 ms on the switch's path
-        for a few MB; :meth:`sync_written` writes it beside the next request instead.) A
-        crash between the two renames leaves the new sidecar without a file: the
-        conversation is read anew, as after a crash just before the rename (the earlier
-        file, which the new sidecar does not describe, is refused). None when there is no
-        regular file."""
-        try:
-            if not S_ISREG(os.lstat(target).st_mode):
-                return None  # a symlink or anything else is replaced as it is
-        except FileNotFoundError:
-            return None
-        retired = self.directory / fresh_temp_name(key, ".bin")
-        try:
-            os.rename(target, retired)
-        except OSError:
-            return None
-        return retired
 
     def sync_written(self) -> int:
         """fsync what was committed without it (``sync_later``), then the directory: the
@@ -605,26 +576,49 @@ def _write_private_json(target: Path, data: Any, *, onto_a_free_name: bool = Fal
     """
     temp = target.with_name(fresh_json_temp_name())
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
-    moved: Path | None = None
     try:
         os.fchmod(fd, PRIVATE_FILE_MODE)
         with os.fdopen(fd, "wb") as handle:
             handle.write(json.dumps(data).encode())  # one C call; json.dump writes piece by piece
-        if onto_a_free_name:
-            moved = target.with_name(fresh_json_temp_name())  # a temporary's name: removed at a start if left
-            try:
-                os.rename(target, moved)
-            except FileNotFoundError:
-                moved = None
-        os.replace(temp, target)
+        if not onto_a_free_name:
+            os.replace(temp, target)
+            return
+        moved = _rename_onto_a_free_name(temp, target, target.with_name(fresh_json_temp_name()))
     except BaseException:
         temp.unlink(missing_ok=True)  # a full disk must not leave one temporary per write
-        if moved is not None:
-            with contextlib.suppress(OSError):
-                os.rename(moved, target)  # the earlier one back, rather than none
         raise
     if moved is not None:
         moved.unlink(missing_ok=True)
+
+
+def _rename_onto_a_free_name(temp: Path, target: Path, moved: Path) -> Path | None:
+    """Rename ``temp`` to ``target`` after moving the regular file ``target`` names, if
+    any, to ``moved`` (a temporary's name, removed at a start if left): the rename then
+    takes a free name. A rename over an existing file makes ext4 write the new file's
+    data out at once (``auto_da_alloc``): measured here, 2-20 ms on a switch's path for a
+    few MB, a few tenths of a millisecond for a few bytes. ``target`` is missing for the
+    microseconds between the two renames; a crash there leaves the new sidecar without a
+    file, and the conversation is read anew, as after a crash just before the rename.
+
+    :returns: ``moved`` when a file was moved there (the caller removes it), else None.
+    :raises OSError: when the rename fails; the earlier file is back under ``target``.
+    """
+    try:
+        if not S_ISREG(os.lstat(target).st_mode):
+            moved_away = None  # a symlink or anything else is replaced as it is
+        else:
+            os.rename(target, moved)
+            moved_away = moved
+    except OSError:
+        moved_away = None  # gone already, or not ours to move: replaced as it is
+    try:
+        os.replace(temp, target)
+    except OSError:
+        if moved_away is not None:
+            with contextlib.suppress(OSError):
+                os.rename(moved_away, target)  # the earlier file back under its name
+        raise
+    return moved_away
 
 
 #: Reads of the held conversations' record that find it missing (being replaced) before
