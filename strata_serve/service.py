@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import logging
 import re
 import time
+import types
 from dataclasses import replace
 from typing import Any, Literal, TypeVar
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator
 
 import pluggy
 from pydantic import BaseModel
@@ -335,14 +337,19 @@ class Service:
             return None
 
     async def process(
-        self, request: StrataRequest, send: Callable[[Outcome], Awaitable[None]]
+        self, request: StrataRequest, send: Callable[[Outcome], Awaitable[None]],
+        deliver: Callable[[], Awaitable[None]] | None = None,
     ) -> Outcome:
         """Run one request through the FIFO: ``pre_request``, ``send``, ``post_request``.
 
         ``send`` forwards to the engine and fills in the outcome as it learns it.
-        The plugin steps around it run to their end even when the client goes away
-        meanwhile: a save cut in half would leave a temporary file and a wrong
-        picture of the slot. ``post_request`` runs for every request that got its turn.
+        ``deliver``, when given, hands a complete answer to the client once ``send``
+        succeeded and the slot's picture is updated, before ``post_request``: the
+        client does not wait for the plugins' work after its answer (a stream's answer
+        is complete when ``send`` returns). The plugin steps around it run to their end
+        even when the client goes away meanwhile: a save cut in half would leave a
+        temporary file and a wrong picture of the slot. ``post_request`` runs for every
+        request that got its turn.
 
         :raises QueueFull: when the line is full.
         :raises ShuttingDown: when the server is stopping.
@@ -355,14 +362,14 @@ class Service:
         arrived = time.perf_counter()
         try:
             with timeline_of(request.timeline):
-                return await self._process(request, send, arrived)
+                return await self._process(request, send, deliver, arrived)
         finally:
             self.phases.add(request.timeline)
             if task is not None:
                 self._tasks.discard(task)
 
     async def _process(self, request: StrataRequest, send: Callable[[Outcome], Awaitable[None]],
-                       arrived: float) -> Outcome:
+                       deliver: Callable[[], Awaitable[None]] | None, arrived: float) -> Outcome:
         multi = len(self.slots) > 1
         lane = self.side_lane
         timeline = request.timeline
@@ -399,8 +406,10 @@ class Service:
                 # It waited for the engine's previous answer: from that answer's end until now
                 # the engine stood idle, for strata-serve's work between the two.
                 timeline.add("gap", (time.perf_counter() - self._line_free_at) * 1000)
+            sent = False
             try:
                 await send(outcome)
+                sent = True
             except asyncio.CancelledError:
                 outcome.status = "cancelled"
                 outcome.error = outcome.error if self.closing else "the client went away"
@@ -417,8 +426,12 @@ class Service:
                     await _shielded(locate(self.engine, self.slots, request, tasks_before))
                 if lane:
                     self._after_in_lane(request)
-                with span("post_request"):
-                    await _shielded(self._post(request, outcome, began))
+                try:
+                    if sent and deliver is not None:
+                        await deliver()
+                finally:
+                    with span("post_request"):
+                        await _shielded(self._post(request, outcome, began))
             return outcome
 
     @property
@@ -764,9 +777,23 @@ class Service:
 async def _shielded(step: Awaitable[Any]) -> Any:
     """Await ``step`` shielded: it runs to its end even if the awaiting task is cancelled meanwhile.
 
-    The cancel is re-raised once the step has finished.
+    The cancel is re-raised once the step has finished. A step that finishes without
+    waiting for anything (most plugin steps of a request, when there is nothing to save
+    or restore) runs right here: no cancel can reach it, so no task of its own is made
+    for it (two turns of the event loop a step, on every request). One that waits goes
+    on in a task of its own from where it stopped.
     """
-    inner = asyncio.ensure_future(step)
+    if isinstance(step, types.CoroutineType):
+        # In a context of its own, as a task's: what it sets there (a context variable
+        # set before it waits and reset after) stays its own, all through.
+        context = contextvars.copy_context()
+        try:
+            waiting = context.run(step.send, None)
+        except StopIteration as finished:
+            return finished.value
+        inner = asyncio.get_running_loop().create_task(_go_on(step, waiting), context=context)
+    else:
+        inner = asyncio.ensure_future(step)
     cancelled = False
     while True:
         try:
@@ -780,3 +807,35 @@ async def _shielded(step: Awaitable[Any]) -> Any:
         raise asyncio.CancelledError()
     return result
 
+
+async def _go_on(coro: Coroutine[Any, Any, Any], waiting: Any) -> Any:
+    """The rest of ``coro``, begun outside any task, which stopped to wait for ``waiting``."""
+    return await _Rest(coro, waiting)
+
+
+class _Rest:
+    """Awaiting it drives a begun coroutine on, as the task awaiting it would have driven it
+    from its start: what it waits for is passed up to that task, and what the task sends or
+    throws (a cancel) is passed down to it."""
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], waiting: Any):
+        self.coro, self.waiting = coro, waiting
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        coro, waiting = self.coro, self.waiting
+        while True:
+            try:
+                sent = yield waiting
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:  # noqa: BLE001 - thrown in by the task: the coroutine's to handle
+                try:
+                    waiting = coro.throw(exc)
+                except StopIteration as finished:
+                    return finished.value
+            else:
+                try:
+                    waiting = coro.send(sent)
+                except StopIteration as finished:
+                    return finished.value

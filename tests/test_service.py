@@ -1,6 +1,8 @@
 """The service FIFO end to end: one request at a time, bounds, disconnects, normal stop."""
 
 import asyncio
+import contextlib
+import contextvars
 import logging
 import time
 
@@ -124,6 +126,121 @@ async def test_disconnect_mid_stream_cancels_and_post_request_sees_it(strata_cli
     assert recorder.outcomes[-1].status == "cancelled"
     after = await client.post("/v1/chat/completions", json=chat_body("next"))
     assert after.status == 200
+
+
+class SlowSteps:
+    """A plugin whose ``pre_request`` does some work that waits (as a save does), and whose
+    ``post_request`` waits until told to go on."""
+
+    strata_name = "slow_steps"
+
+    def __init__(self, pre_s: float = 0.0):
+        self.pre_s = pre_s
+        self.pre_steps: list[str] = []
+        self.post_entered = asyncio.Event()
+        self.post_release = asyncio.Event()
+        self.post_release.set()
+        self.posts_done = 0
+
+    @strata_serve.hookimpl
+    async def pre_request(self, request):
+        self.pre_steps.append("begun")
+        if self.pre_s:
+            await asyncio.sleep(self.pre_s)
+        self.pre_steps.append("finished")
+
+    @strata_serve.hookimpl
+    async def post_request(self, request, outcome):
+        self.post_entered.set()
+        await self.post_release.wait()
+        self.posts_done += 1
+
+
+async def test_a_plain_answer_leaves_before_post_request_and_the_next_request_waits_for_it(
+        strata_client_factory, recorder):
+    plugin = SlowSteps()
+    client = await strata_client_factory(plugin, recorder)
+    plugin.post_release.clear()
+    # The answer arrives while post_request still waits: the client does not pay for it.
+    try:
+        first = await asyncio.wait_for(client.post("/v1/chat/completions", json=chat_body("one")), 10)
+    except BaseException:
+        plugin.post_release.set()  # failing, the server still stops in time
+        raise
+    assert first.status == 200
+    assert first.headers["X-Strata-State"] and first.headers["X-Strata-Slot"] == "0"
+    assert (await first.json())["choices"], "the whole answer"
+    assert plugin.post_entered.is_set() and plugin.posts_done == 0, "post_request is still at work"
+    # The request's turn lasts until post_request has finished: the next one waits for it.
+    second = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body("two")))
+    await asyncio.sleep(0.3)
+    assert not second.done() and [e[0] for e in recorder.events].count("pre") == 1
+    plugin.post_release.set()
+    assert (await asyncio.wait_for(second, 30)).status == 200
+    assert plugin.posts_done == 2
+    assert [e[0] for e in recorder.events if e[0] in ("pre", "post")] == ["pre", "post", "pre", "post"]
+
+
+async def test_a_plugin_step_that_waits_runs_to_its_end_when_the_client_leaves_meanwhile(
+        strata_client_factory, recorder):
+    plugin = SlowSteps(pre_s=0.6)
+    client = await strata_client_factory(plugin, recorder)
+    url = client.make_url("/v1/chat/completions")
+    async with aiohttp.ClientSession() as session:
+        with contextlib.suppress(TimeoutError):
+            await session.post(url, json=chat_body("leaves"), timeout=aiohttp.ClientTimeout(total=0.2))
+            raise AssertionError("the answer came before the client left")
+    assert plugin.pre_steps == ["begun"], "the client left while the step was at work"
+    deadline = time.monotonic() + 10
+    while not recorder.outcomes:
+        assert time.monotonic() < deadline, "post_request never ran"
+        await asyncio.sleep(0.02)
+    assert plugin.pre_steps == ["begun", "finished"], "the step was cut"
+    assert recorder.outcomes[-1].status == "cancelled"
+    plugin.pre_s = 0  # a step that never waits runs in place, and the server goes on as before
+    assert (await client.post("/v1/chat/completions", json=chat_body("next"))).status == 200
+    assert plugin.pre_steps[-2:] == ["begun", "finished"]
+
+
+_VAR: contextvars.ContextVar[str] = contextvars.ContextVar("test_service_var", default="caller's")
+
+
+async def test_a_shielded_step_runs_in_place_until_it_waits_and_keeps_its_context_all_through():
+    from strata_serve.service import _shielded
+
+    caller = asyncio.current_task()
+    seen = []
+
+    async def never_waits():
+        seen.append(asyncio.current_task() is caller)
+        _VAR.set("the step's")
+        return 1
+
+    async def waits():
+        token = _VAR.set("the step's")
+        seen.append(asyncio.current_task() is caller)
+        await asyncio.sleep(0.01)
+        seen.append(asyncio.current_task() is caller)
+        seen.append(_VAR.get())
+        _VAR.reset(token)  # a token made before the wait, used after it
+        return 2
+
+    assert await _shielded(never_waits()) == 1
+    assert await _shielded(waits()) == 2
+    assert seen == [True, True, False, "the step's"], seen
+    assert _VAR.get() == "caller's", "the step's context stays its own"
+
+    async def caught():
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            return "its own cancel reached it"
+
+    outer = asyncio.ensure_future(_shielded(caught()))
+    await asyncio.sleep(0.01)
+    (inner,) = asyncio.all_tasks() - {caller, outer}
+    inner.cancel()
+    assert await asyncio.wait_for(outer, 5) == "its own cancel reached it"
 
 
 class Broken:

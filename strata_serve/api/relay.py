@@ -276,9 +276,19 @@ async def relay(request: web.Request, api: Api, body: dict[str, Any]) -> web.Str
         else:
             answer = await _relay_json(service, api, strata_request.body, outcome)
 
+    async def deliver() -> None:
+        # A plain answer leaves as soon as it is complete: the client does not wait for
+        # the plugins' post_request steps (a stream's has left by then already).
+        if strata_request.stream or answer is None:
+            return
+        answer.headers.update(state_headers(strata_request))
+        with contextlib.suppress(ConnectionError):
+            await answer.prepare(request)
+            await answer.write_eof()
+
     try:
         with service_errors(service):
-            await service.process(strata_request, send)
+            await service.process(strata_request, send, deliver)
     except asyncio.CancelledError:
         # Cut by a stop before its answer began (queued, or waiting on the engine): it gets
         # the stop's answer, not a connection closed without one. A stream already answering
@@ -290,9 +300,6 @@ async def relay(request: web.Request, api: Api, body: dict[str, Any]) -> web.Str
             task.uncancel()
         raise APIError(503, "the server is shutting down", code="shutting_down") from None
     assert answer is not None
-    if not strata_request.stream:
-        # Once the request is done: a route the engine placed itself is located by then.
-        answer.headers.update(state_headers(strata_request))
     return answer
 
 
