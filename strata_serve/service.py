@@ -5,14 +5,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import contextvars
 import logging
 import re
 import time
-import types
 from dataclasses import replace
 from typing import Any, Literal, TypeVar
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pluggy
 from pydantic import BaseModel
@@ -777,23 +775,9 @@ class Service:
 async def _shielded(step: Awaitable[Any]) -> Any:
     """Await ``step`` shielded: it runs to its end even if the awaiting task is cancelled meanwhile.
 
-    The cancel is re-raised once the step has finished. A step that finishes without
-    waiting for anything (most plugin steps of a request, when there is nothing to save
-    or restore) runs right here: no cancel can reach it, so no task of its own is made
-    for it (two turns of the event loop a step, on every request). One that waits goes
-    on in a task of its own from where it stopped.
+    The cancel is re-raised once the step has finished.
     """
-    if isinstance(step, types.CoroutineType):
-        # In a context of its own, as a task's: what it sets there (a context variable
-        # set before it waits and reset after) stays its own, all through.
-        context = contextvars.copy_context()
-        try:
-            waiting = context.run(step.send, None)
-        except StopIteration as finished:
-            return finished.value
-        inner = asyncio.get_running_loop().create_task(_go_on(step, waiting), context=context)
-    else:
-        inner = asyncio.ensure_future(step)
+    inner = asyncio.ensure_future(step)
     cancelled = False
     while True:
         try:
@@ -806,36 +790,3 @@ async def _shielded(step: Awaitable[Any]) -> Any:
     if cancelled:
         raise asyncio.CancelledError()
     return result
-
-
-async def _go_on(coro: Coroutine[Any, Any, Any], waiting: Any) -> Any:
-    """The rest of ``coro``, begun outside any task, which stopped to wait for ``waiting``."""
-    return await _Rest(coro, waiting)
-
-
-class _Rest:
-    """Awaiting it drives a begun coroutine on, as the task awaiting it would have driven it
-    from its start: what it waits for is passed up to that task, and what the task sends or
-    throws (a cancel) is passed down to it."""
-
-    def __init__(self, coro: Coroutine[Any, Any, Any], waiting: Any):
-        self.coro, self.waiting = coro, waiting
-
-    def __await__(self) -> Generator[Any, Any, Any]:
-        coro, waiting = self.coro, self.waiting
-        while True:
-            try:
-                sent = yield waiting
-            except GeneratorExit:
-                coro.close()
-                raise
-            except BaseException as exc:  # noqa: BLE001 - thrown in by the task: the coroutine's to handle
-                try:
-                    waiting = coro.throw(exc)
-                except StopIteration as finished:
-                    return finished.value
-            else:
-                try:
-                    waiting = coro.send(sent)
-                except StopIteration as finished:
-                    return finished.value

@@ -2,7 +2,6 @@
 
 import asyncio
 import contextlib
-import contextvars
 import logging
 import time
 
@@ -200,47 +199,6 @@ async def test_a_plugin_step_that_waits_runs_to_its_end_when_the_client_leaves_m
     plugin.pre_s = 0  # a step that never waits runs in place, and the server goes on as before
     assert (await client.post("/v1/chat/completions", json=chat_body("next"))).status == 200
     assert plugin.pre_steps[-2:] == ["begun", "finished"]
-
-
-_VAR: contextvars.ContextVar[str] = contextvars.ContextVar("test_service_var", default="caller's")
-
-
-async def test_a_shielded_step_runs_in_place_until_it_waits_and_keeps_its_context_all_through():
-    from strata_serve.service import _shielded
-
-    caller = asyncio.current_task()
-    seen = []
-
-    async def never_waits():
-        seen.append(asyncio.current_task() is caller)
-        _VAR.set("the step's")
-        return 1
-
-    async def waits():
-        token = _VAR.set("the step's")
-        seen.append(asyncio.current_task() is caller)
-        await asyncio.sleep(0.01)
-        seen.append(asyncio.current_task() is caller)
-        seen.append(_VAR.get())
-        _VAR.reset(token)  # a token made before the wait, used after it
-        return 2
-
-    assert await _shielded(never_waits()) == 1
-    assert await _shielded(waits()) == 2
-    assert seen == [True, True, False, "the step's"], seen
-    assert _VAR.get() == "caller's", "the step's context stays its own"
-
-    async def caught():
-        try:
-            await asyncio.sleep(10)
-        except asyncio.CancelledError:
-            return "its own cancel reached it"
-
-    outer = asyncio.ensure_future(_shielded(caught()))
-    await asyncio.sleep(0.01)
-    (inner,) = asyncio.all_tasks() - {caller, outer}
-    inner.cancel()
-    assert await asyncio.wait_for(outer, 5) == "its own cancel reached it"
 
 
 class Broken:
