@@ -23,6 +23,7 @@ Async tests need pytest-asyncio (``asyncio_mode = "auto"`` or ``@pytest.mark.asy
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,16 @@ async def ask(client: Any, messages: list[dict[str, Any]], *, key: str | None = 
     resp = await client.post("/v1/chat/completions", json=chat(messages, **extra), headers=headers)
     assert resp.status == 200, await resp.text()
     return await resp.json()
+
+
+async def until_idle(service: Any, timeout: float = 10) -> None:
+    """Wait until no request holds a turn: every ``post_request`` step has finished.
+
+    A plain answer reaches the client before its request's ``post_request`` steps have
+    run (a stream's always did): a test that checks what they do, or what the core does
+    as a turn ends (the FIFO idle, ``GET /stats``' ``phases``), waits for this first.
+    """
+    await asyncio.wait_for(service.fifo.wait_idle(), timeout)
 
 
 def conversation(name: str, turns: int = 1) -> list[dict[str, Any]]:

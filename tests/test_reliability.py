@@ -24,7 +24,7 @@ import strata_auto_sessions
 import strata_serve
 from strata_serve.api import SERVICE
 from strata_serve.engine.llama_server import free_port
-from strata_serve.testing import conversation
+from strata_serve.testing import conversation, until_idle
 from tests.parked_state import (
     PATH_TOLERANCE,
     WRONG_STATE_DISTANCE,
@@ -576,6 +576,7 @@ async def test_twenty_clients_five_conversations_ten_turns(auto_client, llama_se
     stats = parking(client).stats
     assert stats.restores > 20 and stats.save_failures == 0 and stats.restore_failures == 0
     service = client.app[SERVICE]
+    await until_idle(service)  # the last answers left before their post_request steps ended
     assert service.fifo.idle and not service._tasks
     assert rss_kib() - rss_after_first < 50_000, "memory grows with traffic"
 
@@ -615,6 +616,7 @@ async def test_shutdown_right_after_a_plugin_task_started_does_not_deadlock(stra
     client = await strata_client_factory(holder)
     service = client.app[SERVICE]
     status, _ = await ask(client, [{"role": "user", "content": "hello"}])
+    await until_idle(service)
     assert status == 200 and service.fifo.idle
     holder.task = asyncio.create_task(holder.work(service))
     await asyncio.wait_for(service.shutdown(), 10)

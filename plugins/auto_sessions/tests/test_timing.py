@@ -10,7 +10,7 @@ import pytest
 
 from strata_serve import span
 from strata_serve.api import SERVICE
-from strata_serve.testing import conversation
+from strata_serve.testing import conversation, until_idle
 from strata_serve.timing import PhaseTotals, Timeline, timeline_of
 
 
@@ -43,6 +43,7 @@ async def test_a_switch_names_its_save_and_an_answer_from_the_slot_names_none(au
     assert switch["engine_save"] + switch["auto_sessions.commit"] <= switch["pre_request"] + 0.01, switch
     back = await chat(client, a)
     assert back.get("engine_restore", 0) > 0 and back.get("auto_sessions.restore_checks", 0) > 0, back
+    await until_idle(client.app[SERVICE])  # a turn's spans count once it has ended
     totals = client.app[SERVICE].phases.snapshot()
     assert totals["requests"] == 4 and totals["count"]["engine_save"] == 2, totals  # B's save at the return
 
@@ -52,6 +53,7 @@ async def test_the_engine_idle_between_two_answers_is_the_gap_of_the_request_tha
     a, b = conversation("gap-a"), conversation("gap-b")
     await chat(client, a)
     service = client.app[SERVICE]
+    await until_idle(service)  # A's turn has ended: the FIFO taken next is the long request's
     assert service.phases.snapshot()["count"].get("gap", 0) == 0  # nobody waited
     long = asyncio.ensure_future(chat(client, a + [{"role": "user", "content": "go on"}], max_tokens=64))
     while service.fifo.idle:
