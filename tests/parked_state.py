@@ -17,14 +17,13 @@ exactly what the parked state holds (measured: a difference of 0).
 
 from __future__ import annotations
 
-import asyncio
 import math
 import struct
-import time
 from pathlib import Path
 from typing import Any
 
 from strata_serve.api import SERVICE
+from strata_serve.testing import until_idle
 
 #: Candidates compared per generated token.
 TOP = 5
@@ -165,8 +164,4 @@ async def wrong_state_answer(engine, slot_dir: Path, a: list[dict[str, Any]], b:
 
 async def settle(client, deadline_s: float = 30) -> None:
     """Wait (bounded) until the service is idle: every request has run or left."""
-    fifo = client.app[SERVICE].fifo
-    deadline = time.monotonic() + deadline_s
-    while not fifo.idle:
-        assert time.monotonic() < deadline, "the service never went idle"
-        await asyncio.sleep(0.02)
+    await until_idle(client.app[SERVICE], deadline_s)
