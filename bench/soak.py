@@ -64,6 +64,11 @@ DEADLINE_S = 120.0
 #: A fault explains a failure of a request that was running from this long before it began
 #: to this long after the server answered again.
 FAULT_MARGIN_S = 5.0
+#: Once the clients stop, the server is taken as done with their requests after this long
+#: without answering, saving or pruning anything (past auto-sessions' ``idle_save_s``, 2 s);
+#: it must get there within :data:`SETTLE_DEADLINE_S`.
+SETTLED_S = 4.0
+SETTLE_DEADLINE_S = 60.0
 #: The APIs that hold a conversation; ``/v1/completions`` requests are side requests.
 CONVERSATION_APIS = ("chat", "responses", "messages")
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses",
@@ -333,12 +338,16 @@ def send(url: str, api: str, body: dict[str, Any], pattern: str, record: Record)
     except (requests.exceptions.ConnectionError, ConnectionRefusedError, ConnectionResetError) as exc:
         # A refused connection (nothing listening), or one cut under a stream: which of
         # the two, and whether the restart explains it, is for :func:`judge`.
-        # A connection closed before any byte of an answer (a stop's listener dropping what it
-        # had not accepted yet) reached no handler either: unanswered, like a refusal.
-        refused = "refused" in str(exc).lower() or isinstance(exc, ConnectionRefusedError) \
-            or "without response" in str(exc).lower()
+        # A connection closed or reset before the answer's status line ("aborted": a stop's
+        # listener dropping, or the kernel resetting, what it had not accepted yet) reached no
+        # handler either: unanswered, like a refusal. One cut later ("broken") is not.
+        text = str(exc).lower()
+        refused = "refused" in text or isinstance(exc, ConnectionRefusedError) \
+            or "without response" in text or "connection aborted" in text
         record.outcome = "unreachable" if refused else "violation"
-        record.detail = f"{'connection refused' if refused else 'connection cut'}: {exc}"[:300]
+        label = "connection refused" if "refused" in text else "dropped before the answer" if refused \
+            else "connection cut"
+        record.detail = f"{label}: {exc}"[:300]
     except (ValueError, OSError, requests.RequestException) as exc:
         record.outcome, record.detail = "violation", f"{type(exc).__name__}: {exc}"[:300]
     finally:
@@ -609,11 +618,39 @@ class Soak:
         names = {p.name for p in self.slot_dir.glob("auto-*.bin")}
         return [c for c in self.conversations if c.key and f"auto-{c.key}.bin" in names]
 
+    def settle(self) -> None:
+        """Wait until the server has stopped working on its own: no request answered, no file
+        saved or pruned, the slot directory unchanged, for :data:`SETTLED_S`.
+
+        The clients are gone, but not all their requests: one whose client left before the
+        first byte still runs when its turn comes, and may park a conversation (a new file,
+        and the oldest pruned for it); then each held conversation is saved once its slot
+        has been idle ``idle_save_s``. The list taken before all that is over would name a
+        file pruned a moment later.
+        """
+        def picture() -> tuple[Any, ...]:
+            stats = (self.server.stats() if self.server is not None else None) or {}
+            auto = (stats.get("plugins") or {}).get("auto_sessions") or {}
+            files = sorted((p.name, p.stat().st_mtime_ns) for p in self.slot_dir.glob("auto-*.bin")
+                           if p.exists())
+            return stats.get("requests"), auto.get("saves"), auto.get("prunes"), files
+
+        deadline = time.monotonic() + SETTLE_DEADLINE_S
+        last, since = picture(), time.monotonic()
+        while time.monotonic() - since < SETTLED_S:
+            if time.monotonic() > deadline:
+                self.problems.append(f"the server was still working {SETTLE_DEADLINE_S:.0f} s after the clients "
+                                     "stopped (answering, saving or pruning)")
+                return
+            time.sleep(0.25)
+            now = picture()
+            if now != last:
+                last, since = now, time.monotonic()
+
     def returns(self) -> dict[str, Any]:
         """Every parked conversation returns twice, one at a time: from what the faults left
         (from its state, whichever file it had), then in a quiet round (re-reading nothing)."""
-        # Let the idle save of the held conversation happen, then take the list.
-        time.sleep(4.0)
+        self.settle()
         parked = self.parked()
         found: dict[str, Any] = {"parked": len(parked), "conversations": len(self.conversations),
                                  "first": [], "quiet": []}
@@ -622,7 +659,8 @@ class Soak:
                 record = self.turn(conversation, False, "read_all", phase=phase)
                 found[phase].append({"name": conversation.name, "api": conversation.api, "status": record.status,
                                      "state": record.state, "held_before": record.held_before,
-                                     "reused": record.reused, "read": record.read, "outcome": record.outcome})
+                                     "reused": record.reused, "read": record.read, "outcome": record.outcome,
+                                 "had_file": record.had_file})
         return found
 
     def run(self) -> dict[str, Any]:
@@ -718,7 +756,9 @@ def judge(found: dict[str, Any], limits: Limits = Limits()) -> list[str]:
             if back["status"] != 200:
                 failures.append(f"{name}: HTTP {back['status']} ({back['outcome']})")
             elif back["state"] not in ("disk", "slot"):
-                failures.append(f"{name}: X-Strata-State {back['state']!r}: its parked state was lost")
+                why = "its parked state was lost" if back.get("had_file", True) else \
+                    "its file, listed once the server had settled, was gone when it was sent"
+                failures.append(f"{name}: X-Strata-State {back['state']!r}: {why}")
             elif phase == "quiet" and (back["reused"] is None
                                        or back["held_before"] - back["reused"] > limits.quiet_reread):
                 failures.append(f"{name}: re-read {back['held_before'] - (back['reused'] or 0)} of the "

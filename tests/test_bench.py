@@ -7,6 +7,10 @@ auto-sessions restored them, and only the systems that park write to disk.
 """
 
 import json
+import socket
+import struct
+import threading
+import time
 
 from bench.prefix import installed as prefix_restore_installed
 from bench.run import main
@@ -127,6 +131,8 @@ def test_the_soak_verdict_fails_each_thing_it_requires():
         "refused with no restart": lambda f: f["records"][1].update(outcome="unreachable"),
         "a parked state lost": lambda f: f["returns"]["first"].__setitem__(0, {**f["returns"]["first"][0],
                                                                               "state": "none"}),
+        "a parked file gone when its return was sent": lambda f: f["returns"]["first"].__setitem__(
+            0, {**f["returns"]["first"][0], "state": "none", "had_file": False}),
         "a quiet return re-reading": lambda f: f["returns"]["quiet"].__setitem__(0, {**f["returns"]["quiet"][0],
                                                                                  "reused": 600}),
         "nothing parked": lambda f: f["returns"].update(parked=0, first=[], quiet=[]),
@@ -141,3 +147,41 @@ def test_the_soak_verdict_fails_each_thing_it_requires():
         found = _clean_run()
         breaks(found)
         assert soak.judge(found), name
+
+
+def _one_shot_server(answer: bytes | None) -> tuple[socket.socket, threading.Thread]:
+    """A loopback listener that takes one connection, reads the request, sends ``answer``
+    (None: nothing) and resets the connection (SO_LINGER 0: a TCP RST, not a FIN)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        if answer is not None:
+            conn.sendall(answer)
+            time.sleep(0.2)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return listener, thread
+
+
+def test_the_soak_tells_a_connection_reset_before_the_answer_from_one_cut_during_it():
+    """Reset before the status line (a stopping server's backlog): unanswered, which only a
+    restart excuses; reset once the answer began: a violation, whatever was under way."""
+    for answer, expected, label in [
+        (None, "unreachable", "dropped before the answer"),
+        (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 500\r\n\r\n{\"id\"",
+         "violation", "ChunkedEncodingError"),
+    ]:
+        listener, thread = _one_shot_server(answer)
+        try:
+            record = soak.Record("chat", False, "read_all", time.monotonic())
+            url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+            soak.send(url, "chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, "read_all", record)
+            thread.join(10)
+        finally:
+            listener.close()
+        assert (record.outcome, record.detail.split(":")[0]) == (expected, label), record
