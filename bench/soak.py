@@ -650,10 +650,11 @@ class Soak:
     def returns(self) -> dict[str, Any]:
         """Every parked conversation returns twice, one at a time: from what the faults left
         (from its state, whichever file it had), then in a quiet round (re-reading nothing)."""
+        settling = time.monotonic()
         self.settle()
         parked = self.parked()
         found: dict[str, Any] = {"parked": len(parked), "conversations": len(self.conversations),
-                                 "first": [], "quiet": []}
+                                 "settled_s": round(time.monotonic() - settling, 1), "first": [], "quiet": []}
         for phase in ("first", "quiet"):
             for conversation in parked:
                 record = self.turn(conversation, False, "read_all", phase=phase)
@@ -900,7 +901,10 @@ def report(found: dict[str, Any], failures: list[str], command: str) -> str:
         "",
         "## Once the faults stopped",
         "",
-        f"{returns['parked']} of the {returns['conversations']} conversations had a file on disk (the others were "
+        f"Once the server had settled (nothing answered, saved or pruned for {SETTLED_S:g} s; it took "
+        f"{returns.get('settled_s', 0):g} s: the requests of clients that had left ran, held conversations "
+        f"were saved), {returns['parked']} of the {returns['conversations']} conversations had a file on disk "
+        "(the others were "
         f"pruned, `keep = {plan['keep']}`, or never saved under a fault). Each came back, one at a time: first "
         f"from what the faults left ({first_states or 'none'}), then in a quiet round, which re-read "
         f"{max(quiet_reread, default=0)} tokens at most of what a conversation held (allowed: "

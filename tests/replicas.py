@@ -180,7 +180,7 @@ class Replica:
                 await asyncio.sleep(0.1)
 
     async def kill(self) -> None:
-        """``kill -9`` of strata-serve; its engine follows (it gets SIGTERM when its parent dies)."""
+        """``kill -9`` of strata-serve; its engine follows (it gets SIGKILL when its parent dies)."""
         assert self.proc is not None
         engines = self.engine_pids()
         self.proc.kill()

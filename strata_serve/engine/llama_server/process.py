@@ -19,14 +19,19 @@ PR_SET_PDEATHSIG = 1
 
 
 def engine_preexec() -> None:
-    """In the engine's process, before exec: its files private, and SIGTERM when strata-serve dies.
+    """In the engine's process, before exec: its files private, and SIGKILL when strata-serve dies.
+
+    Not SIGTERM: llama-server's graceful exit joins its HTTP threads first, and an engine
+    was once seen still running 15 s after strata-serve's ``kill -9``, holding its port and
+    memory. Nothing is lost by the harder signal: the engine keeps nothing worth a graceful
+    exit, and a save it was writing is a temporary the next start removes.
 
     The umask is set here rather than through ``umask=``, which uvloop's subprocesses refuse.
     """
     os.umask(0o077)  # what it writes (slot files, their temporaries) is private, whatever our umask
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         pass  # not Linux: a crash of strata-serve may leave the engine behind
 
