@@ -631,9 +631,11 @@ class Soak:
         def picture() -> tuple[Any, ...]:
             stats = (self.server.stats() if self.server is not None else None) or {}
             auto = (stats.get("plugins") or {}).get("auto_sessions") or {}
-            files = sorted((p.name, p.stat().st_mtime_ns) for p in self.slot_dir.glob("auto-*.bin")
-                           if p.exists())
-            return stats.get("requests"), auto.get("saves"), auto.get("prunes"), files
+            files = []
+            for path in self.slot_dir.glob("auto-*.bin"):
+                with contextlib.suppress(FileNotFoundError):  # pruned meanwhile
+                    files.append((path.name, path.stat().st_mtime_ns))
+            return stats.get("requests"), auto.get("saves"), auto.get("prunes"), sorted(files)
 
         deadline = time.monotonic() + SETTLE_DEADLINE_S
         last, since = picture(), time.monotonic()
@@ -661,7 +663,7 @@ class Soak:
                 found[phase].append({"name": conversation.name, "api": conversation.api, "status": record.status,
                                      "state": record.state, "held_before": record.held_before,
                                      "reused": record.reused, "read": record.read, "outcome": record.outcome,
-                                 "had_file": record.had_file})
+                                     "had_file": record.had_file})
         return found
 
     def run(self) -> dict[str, Any]:
@@ -901,10 +903,9 @@ def report(found: dict[str, Any], failures: list[str], command: str) -> str:
         "",
         "## Once the faults stopped",
         "",
-        f"Once the server had settled (nothing answered, saved or pruned for {SETTLED_S:g} s; it took "
-        f"{returns.get('settled_s', 0):g} s: the requests of clients that had left ran, held conversations "
-        f"were saved), {returns['parked']} of the {returns['conversations']} conversations had a file on disk "
-        "(the others were "
+        f"Once the server had settled (nothing answered, saved or pruned for {SETTLED_S:g} s; "
+        f"{returns.get('settled_s', 0):g} s after the clients stopped), {returns['parked']} of the {returns['conversations']} conversations had a "
+        "file on disk (the others were "
         f"pruned, `keep = {plan['keep']}`, or never saved under a fault). Each came back, one at a time: first "
         f"from what the faults left ({first_states or 'none'}), then in a quiet round, which re-read "
         f"{max(quiet_reread, default=0)} tokens at most of what a conversation held (allowed: "
