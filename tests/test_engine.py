@@ -1,6 +1,7 @@
 """The llama-server backend: finding the binary, starting, attaching, surviving a crash."""
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -146,7 +147,8 @@ async def test_a_model_that_cannot_load_fails_the_start_clearly(tmp_path):
 
 
 def test_the_engine_dies_with_a_killed_server(tmp_path, strata_demo_model):
-    """strata-serve killed unasked (SIGKILL): its engine must not live on, orphaned."""
+    """strata-serve killed unasked (SIGKILL): its engine must not live on, orphaned, even one
+    that cannot exit gracefully (frozen here: a SIGTERM would wait for a SIGCONT that never comes)."""
     import re
     import subprocess
     import sys
@@ -164,13 +166,18 @@ def test_the_engine_dies_with_a_killed_server(tmp_path, strata_demo_model):
             assert time.monotonic() < deadline and proc.poll() is None, log_file.read_text()[-2000:]
             time.sleep(0.05)
         engine_pid = int(found.group(1))
+        os.kill(engine_pid, signal.SIGSTOP)
         proc.kill()
         proc.wait()
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{engine_pid}").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    state = Path(f"/proc/{engine_pid}/stat")
-    assert not state.exists() or state.read_text().split()[2] == "Z", "the engine outlived the server"
+    try:
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{engine_pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        state = Path(f"/proc/{engine_pid}/stat")
+        assert not state.exists() or state.read_text().split()[2] == "Z", "the engine outlived the server"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(engine_pid, signal.SIGKILL)
 
 
 # -- nothing wedges the server -------------------------------------------------------
