@@ -185,3 +185,31 @@ def test_the_soak_tells_a_connection_reset_before_the_answer_from_one_cut_during
         finally:
             listener.close()
         assert (record.outcome, record.detail.split(":")[0]) == (expected, label), record
+
+
+class _Busy:
+    """A server whose stats move for ``busy_s``, then stay still (or never stop, for ever)."""
+
+    def __init__(self, busy_s: float) -> None:
+        self.until = time.monotonic() + busy_s
+
+    def stats(self) -> dict:
+        moving = time.monotonic() < self.until
+        return {"requests": time.monotonic_ns() if moving else 0, "plugins": {"auto_sessions": {"saves": 1}}}
+
+
+def test_the_soak_lists_parked_files_only_once_the_server_has_settled(tmp_path, monkeypatch):
+    """The list of parked files waits for the server's own work to stop (SETTLED_S still),
+    not for a fixed time; a server that never settles is a problem named in the verdict."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(soak, "SETTLED_S", 0.5)
+    working = SimpleNamespace(server=_Busy(1.5), slot_dir=tmp_path, problems=[])
+    began = time.monotonic()
+    soak.Soak.settle(working)
+    assert time.monotonic() - began >= 2.0 and working.problems == []
+
+    monkeypatch.setattr(soak, "SETTLE_DEADLINE_S", 1.0)
+    endless = SimpleNamespace(server=_Busy(3600), slot_dir=tmp_path, problems=[])
+    soak.Soak.settle(endless)
+    assert endless.problems and "still working" in endless.problems[0]
