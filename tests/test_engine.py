@@ -234,6 +234,38 @@ async def test_lines_come_in_one_batch_per_read():
     stream.feed_eof()
     assert [batch async for batch in batches] == [["half of four"]]
 
+@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
+def test_an_engine_that_ends_is_seen_at_once_not_at_the_next_look(event_loop):
+    """The supervisor's wait wakes on the process's end (a pidfd), under either event loop.
+
+    Looking once an hour, the wait still returns as the process is killed; a wait that
+    times out on a live process says so and leaves no descriptor open.
+    """
+    from strata_serve.cli import loop_factory
+    from strata_serve.engine.llama_server import process
+
+    async def scenario() -> None:
+        proc = await asyncio.create_subprocess_exec("sleep", "600")
+        try:
+            open_fds = len(os.listdir("/proc/self/fd"))
+            assert not await process.exited(proc, timeout=0.2, every=3600), "alive: not exited"
+            assert len(os.listdir("/proc/self/fd")) == open_fds, "the wait closed what it opened"
+            waiting = asyncio.create_task(process.exited(proc, every=3600))
+            await asyncio.sleep(0.2)
+            assert not waiting.done(), "no end seen before there was one"
+            proc.kill()
+            assert await asyncio.wait_for(waiting, 10), "the end, seen without waiting for the next look"
+            assert proc.returncode == -signal.SIGKILL
+            assert len(os.listdir("/proc/self/fd")) == open_fds
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+
+    with asyncio.Runner(loop_factory=loop_factory(event_loop)) as runner:
+        runner.run(asyncio.wait_for(scenario(), 30))
+
+
 def _continue(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGCONT)

@@ -68,14 +68,45 @@ async def exited(proc: asyncio.subprocess.Process, timeout: float | None = None,
     """Wait until ``proc`` has exited (at most ``timeout`` seconds); True when it has.
 
     Watches the exit code rather than ``proc.wait()``, which also waits for the
-    process's output to be closed, and a child of the engine may keep it open.
+    process's output to be closed, and a child of the engine may keep it open. On Linux
+    the wait wakes as the process ends (the event loop watches a pidfd of it); where
+    that cannot be had, it looks every ``every`` seconds.
     """
     deadline = None if timeout is None else time.monotonic() + timeout
+    if proc.returncode is None and await _ended(proc.pid, timeout):
+        # Ended: the exit code is the event loop's to collect, within a moment.
+        every = 0.001
     while proc.returncode is None:
         if deadline is not None and time.monotonic() >= deadline:
             return False
         await asyncio.sleep(every)
     return True
+
+
+async def _ended(pid: int, timeout: float | None) -> bool:
+    """Wait on a pidfd of ``pid`` until it is readable (the process ended) or ``timeout``.
+
+    True when it ended; False past the timeout, or when no pidfd can be watched (not
+    Linux, an old kernel, a process already collected, a loop that cannot watch it).
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return False
+    loop = asyncio.get_running_loop()
+    ended: asyncio.Future[None] = loop.create_future()
+    try:
+        loop.add_reader(fd, lambda: ended.done() or ended.set_result(None))
+    except (NotImplementedError, OSError, ValueError):
+        os.close(fd)
+        return False
+    try:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(ended, timeout)
+        return ended.done() and not ended.cancelled()
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
 
 
 async def kill(proc: asyncio.subprocess.Process) -> None:
