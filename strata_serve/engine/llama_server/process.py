@@ -95,8 +95,13 @@ async def _ended(pid: int, timeout: float | None) -> bool:
         return False
     loop = asyncio.get_running_loop()
     ended: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not ended.done():
+            ended.set_result(None)
+
     try:
-        loop.add_reader(fd, lambda: ended.done() or ended.set_result(None))
+        loop.add_reader(fd, readable)
     except (NotImplementedError, OSError, ValueError):
         os.close(fd)
         return False
