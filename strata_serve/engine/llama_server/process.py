@@ -69,30 +69,35 @@ async def exited(proc: asyncio.subprocess.Process, timeout: float | None = None,
 
     Watches the exit code rather than ``proc.wait()``, which also waits for the
     process's output to be closed, and a child of the engine may keep it open. On Linux
-    the wait wakes as the process ends (the event loop watches a pidfd of it); where
-    that cannot be had, it looks every ``every`` seconds.
+    the wait wakes as the process ends (the event loop watches a pidfd of it, taken
+    anew each second so that a pid collected meanwhile is never watched for long);
+    where that cannot be had, it looks every ``every`` seconds.
     """
     deadline = None if timeout is None else time.monotonic() + timeout
-    if proc.returncode is None and await _ended(proc.pid, timeout):
-        # Ended: the exit code is the event loop's to collect, within a moment.
-        every = 0.001
+    ended: bool | None = False
     while proc.returncode is None:
-        if deadline is not None and time.monotonic() >= deadline:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
             return False
-        await asyncio.sleep(every)
+        if ended:
+            await asyncio.sleep(0.001)  # ended: the exit code is the event loop's to collect
+            continue
+        ended = await _ended(proc.pid, 1.0 if left is None else min(left, 1.0))
+        if ended is None:
+            await asyncio.sleep(every)
     return True
 
 
-async def _ended(pid: int, timeout: float | None) -> bool:
+async def _ended(pid: int, timeout: float) -> bool | None:
     """Wait on a pidfd of ``pid`` until it is readable (the process ended) or ``timeout``.
 
-    True when it ended; False past the timeout, or when no pidfd can be watched (not
+    True when it ended, False past the timeout; None when no pidfd can be watched (not
     Linux, an old kernel, a process already collected, a loop that cannot watch it).
     """
     try:
         fd = os.pidfd_open(pid)
     except (AttributeError, OSError):
-        return False
+        return None
     loop = asyncio.get_running_loop()
     ended: asyncio.Future[None] = loop.create_future()
 
@@ -104,7 +109,7 @@ async def _ended(pid: int, timeout: float | None) -> bool:
         loop.add_reader(fd, readable)
     except (NotImplementedError, OSError, ValueError):
         os.close(fd)
-        return False
+        return None
     try:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(ended, timeout)

@@ -216,8 +216,9 @@ class LlamaServer:
     async def _wait_healthy(self, proc: asyncio.subprocess.Process | None = None) -> None:
         deadline = time.monotonic() + self.settings.start_timeout_s
         next_note = time.monotonic() + 5
-        # A small model is up in about 0.1 s: look often at first, then every 50 ms.
-        pause = 0.01
+        # A small model is up in about 0.1 s: look every 10 ms for the first 2 s, then
+        # every 50 ms (a large one loads for minutes).
+        often_until = time.monotonic() + 2
         while True:
             if proc is not None and proc.returncode is not None:
                 tail = "\n".join(list(self._tail)[-10:])
@@ -235,8 +236,7 @@ class LlamaServer:
                 log.info("[strata] waiting for the engine to load the model (%.0f s so far)",
                          now - deadline + self.settings.start_timeout_s)
                 next_note = now + 5
-            await asyncio.sleep(pause)
-            pause = min(0.05, pause * 1.5)
+            await asyncio.sleep(0.01 if now < often_until else 0.05)
 
     async def _read_props(self) -> None:
         with contextlib.suppress(EngineError, EngineUnavailable):
