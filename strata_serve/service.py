@@ -628,6 +628,7 @@ class Service:
 
     async def check_slots(self) -> None:
         """Compare the picture with the engine's ``GET /slots`` (its token counts win)."""
+        actions = self.slots.actions()
         try:
             with span("slots"):
                 answer = await self.engine.slots()
@@ -635,11 +636,11 @@ class Service:
             log.info("[strata] could not ask the engine what its slots hold: %s", exc)
             return
         self.sync_generation()
-        self.slots.adopt_engine_counts(answer)
+        self.slots.adopt_engine_counts(answer, actions)
 
     async def save_slot(self, filename: str, *, slot: int = 0) -> SlotSaved:
         """Save a slot to ``filename`` in the slot directory, and record it."""
-        with span("engine_save"):
+        with self.slots.acting(slot), span("engine_save"):
             answer = await self.engine.save(filename, slot)
         self.slots.saved(slot, answer.tokens)
         self.measures.state_file(answer.tokens, answer.bytes)
@@ -654,7 +655,7 @@ class Service:
         ``request``, when given, is the request the restore is made for.
         """
         try:
-            with span("engine_restore"):
+            with self.slots.acting(slot), span("engine_restore"):
                 answer = await self.engine.restore(filename, slot)
         except BaseException:
             # A failed restore may have cleared the slot, or not: nothing nameable is held.
@@ -668,7 +669,7 @@ class Service:
 
     async def erase_slot(self, slot: int = 0) -> SlotErased:
         try:
-            with span("engine_erase"):
+            with self.slots.acting(slot), span("engine_erase"):
                 answer = await self.engine.erase(slot)
         except BaseException:
             self.slots.unknown(slot)

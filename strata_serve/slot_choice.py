@@ -121,6 +121,7 @@ async def locate(engine: Engine, slots: SlotRegistry, request: StrataRequest,
     nothing nameable any more. When the tasks before are not known, no other slot's
     name can be trusted.
     """
+    actions = slots.actions()
     try:
         answer = await engine.slots()
     except (EngineError, EngineUnavailable) as exc:
@@ -140,7 +141,7 @@ async def locate(engine: Engine, slots: SlotRegistry, request: StrataRequest,
                 log.info("[strata] slot %d ran part of request %d: it no longer holds %s",
                          slot, request.id, slots[slot].key)
                 slots.unknown(slot, nameable=False)
-    slots.adopt_engine_counts(answer)
+    slots.adopt_engine_counts(answer, actions)
 
 
 def _tasks(reports: list[SlotReport], count: int) -> dict[int, int]:

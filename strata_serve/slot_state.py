@@ -13,8 +13,10 @@ the answer matters.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +73,9 @@ class SlotRegistry:
     slots: list[SlotState] = field(default_factory=lambda: [SlotState(0)])
     #: Checks against the engine that found the picture wrong (each is logged).
     corrections: int = 0
+    #: Per slot, a count bumped as a slot call (save, restore, erase) starts and as it
+    #: ends: odd while one is in flight (:meth:`acting`).
+    _actions: dict[int, int] = field(default_factory=dict, repr=False)
 
     @classmethod
     def for_engine(cls, parallel: int) -> SlotRegistry:
@@ -183,17 +188,39 @@ class SlotRegistry:
 
     # -- the engine's word -------------------------------------------------------------
 
-    def adopt_engine_counts(self, reports: list[SlotReport]) -> None:
+    @contextlib.contextmanager
+    def acting(self, slot: int) -> Iterator[None]:
+        """A slot call (save, restore, erase) is in flight on ``slot``: a report of the
+        engine's slots read meanwhile may show its effect before the call's own record."""
+        self._actions[slot] = self._actions.get(slot, 0) + 1
+        try:
+            yield
+        finally:
+            self._actions[slot] += 1
+
+    def actions(self) -> dict[int, int]:
+        """The slot calls' counts now: taken before asking the engine about its slots, for
+        :meth:`adopt_engine_counts`."""
+        return dict(self._actions)
+
+    def adopt_engine_counts(self, reports: list[SlotReport], actions_before: dict[int, int] | None = None) -> None:
         """Take the engine's token counts from its slot reports, where ours differ or are unknown.
 
         The engine cannot name conversations, only count tokens: a count that differs
         from ours (or ours unknown) is replaced by the engine's, and a slot the engine
         reports empty is empty whatever we thought. A slot the engine is still working
-        in has no final count: it is marked unknown.
+        in has no final count: it is marked unknown. With ``actions_before`` (from
+        :meth:`actions`, taken before the reports were asked for), a slot that had a slot
+        call in flight at any time since is left to that call's own record: the report
+        may show the slot before the call, or after it and before the call's record.
         """
         for report in reports:
             if not 0 <= report.id < len(self.slots):
                 continue
+            if actions_before is not None:
+                before = actions_before.get(report.id, 0)
+                if before % 2 or self._actions.get(report.id, 0) != before:
+                    continue
             state = self.slots[report.id]
             if report.processing:
                 # Still at work (on a request whose client left, the engine goes on until

@@ -192,3 +192,46 @@ async def test_a_name_too_long_once_namespaced_is_refused_not_failed(strata_clie
         assert_openai_error(await resp.json(), 400, resp.status)
         resp = await client.post("/slots/0?action=restore", json={"filename": name}, headers=as_("ka"))
         assert_openai_error(await resp.json(), 400, resp.status)
+
+
+@pytest.mark.parametrize("read", ["answered during the call", "asked before the call"])
+async def test_a_slot_report_read_around_a_slot_call_leaves_the_slot_to_the_call(
+        strata_client_factory, monkeypatch, read):
+    """Another request's ``GET /slots`` can overlap a slot call (seen with two slots and
+    impatient clients): answered while a restore is in flight, it shows the file already
+    loaded and the picture not yet told; asked before the call, it shows the slot as it
+    was. Neither is a correction: the call's own record stands, and agrees with the engine."""
+    client = await strata_client_factory()
+    service = client.app[SERVICE]
+    assert (await client.post("/v1/chat/completions", json=chat_body(PROMPT * 6))).status == 200
+    saved = await client.post("/slots/0?action=save", json={"filename": "long.bin"})
+    assert saved.status == 200, await saved.text()
+    assert (await client.post("/v1/chat/completions", json=chat_body(PROMPT))).status == 200
+    await service.check_slots()
+    short = service.slots[0].tokens
+    assert short is not None and short < (await saved.json())["n_saved"]
+    stale, actions = None, None
+    if read == "answered during the call":
+        real_restore = service.engine.restore
+
+        async def restore(filename, slot):
+            answer = await real_restore(filename, slot)
+            await service.check_slots()  # the engine has loaded the file; the picture is not told yet
+            return answer
+
+        monkeypatch.setattr(service.engine, "restore", restore)
+    else:
+        actions = service.slots.actions()
+        stale = await service.engine.slots()
+    restored = await client.post("/slots/0?action=restore", json={"filename": "long.bin"})
+    assert restored.status == 200, await restored.text()
+    n_restored = (await restored.json())["n_restored"]
+    if stale is not None:
+        service.slots.adopt_engine_counts(stale, actions)  # the report asked before, arriving now
+    assert service.slots.corrections == 0, "a report overlapping the call is no correction"
+    assert service.slots[0].tokens == n_restored != short
+    await service.check_slots()
+    assert service.slots.corrections == 0 and service.slots[0].tokens == n_restored, "the picture is the engine's"
+    if stale is not None:
+        service.slots.adopt_engine_counts(stale)  # the control: taken at its word, it is wrong
+        assert service.slots.corrections == 1 and service.slots[0].tokens == short
