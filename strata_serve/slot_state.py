@@ -74,8 +74,9 @@ class SlotRegistry:
     #: Checks against the engine that found the picture wrong (each is logged).
     corrections: int = 0
     #: Per slot, a count bumped as a slot call (save, restore, erase) starts and as it
-    #: ends: odd while one is in flight (:meth:`acting`).
+    #: ends, and the calls in flight (:meth:`acting`).
     _actions: dict[int, int] = field(default_factory=dict, repr=False)
+    _in_flight: dict[int, int] = field(default_factory=dict, repr=False)
 
     @classmethod
     def for_engine(cls, parallel: int) -> SlotRegistry:
@@ -193,10 +194,12 @@ class SlotRegistry:
         """A slot call (save, restore, erase) is in flight on ``slot``: a report of the
         engine's slots read meanwhile may show its effect before the call's own record."""
         self._actions[slot] = self._actions.get(slot, 0) + 1
+        self._in_flight[slot] = self._in_flight.get(slot, 0) + 1
         try:
             yield
         finally:
             self._actions[slot] += 1
+            self._in_flight[slot] -= 1
 
     def actions(self) -> dict[int, int]:
         """The slot calls' counts now: taken before asking the engine about its slots, for
@@ -217,10 +220,9 @@ class SlotRegistry:
         for report in reports:
             if not 0 <= report.id < len(self.slots):
                 continue
-            if actions_before is not None:
-                before = actions_before.get(report.id, 0)
-                if before % 2 or self._actions.get(report.id, 0) != before:
-                    continue
+            if actions_before is not None and (self._in_flight.get(report.id, 0)
+                                               or self._actions.get(report.id, 0) != actions_before.get(report.id, 0)):
+                continue  # a call began or ended since the read was asked for, or runs still
             state = self.slots[report.id]
             if report.processing:
                 # Still at work (on a request whose client left, the engine goes on until
