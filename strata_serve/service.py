@@ -656,7 +656,12 @@ class Service:
         """
         try:
             with self.slots.acting(slot), span("engine_restore"):
-                answer = await self.engine.restore(filename, slot)
+                try:
+                    answer = await self.engine.restore(filename, slot)
+                except EngineError as exc:
+                    if not await self._room_made_for_restore(slot, exc):
+                        raise
+                    answer = await self.engine.restore(filename, slot)
         except BaseException:
             # A failed restore may have cleared the slot, or not: nothing nameable is held.
             self.slots.unknown(slot, nameable=False)
@@ -666,6 +671,30 @@ class Service:
         if request is not None:
             request.restored_tokens = answer.tokens
         return answer
+
+    async def _room_made_for_restore(self, slot: int, failure: EngineError) -> bool:
+        """After a restore into the main slot that the engine refused: the side slot emptied
+        when it held tokens, so that the restore may be tried once more.
+
+        The engine's restore takes cells from the one KV pool and, unlike a decode, never
+        purges an idle slot to find them ("no available space in KV cache"): a side slot
+        that filled its room beside a shorter main conversation (or the main conversation
+        at its full context beside a side answer) leaves a restore of the main conversation
+        no room. A decode would purge that idle side slot itself; emptying it here does the
+        same before the restore instead of after a full re-read.
+        """
+        if not self.side_lane or slot != MAIN or failure.status != 400:
+            return False
+        if self.slots[SIDE].tokens is None:
+            await self.check_slots()
+        side = self.slots[SIDE].tokens
+        if side == 0:
+            return False  # the pool was not the matter: the file was
+        log.info("[strata] the engine had no room to restore the main slot beside the side slot's %s tokens: "
+                 "the side slot is emptied (as the engine empties an idle slot for room) and the restore tried again",
+                 "unknown" if side is None else f"{side:,}")
+        await self.erase_slot(SIDE)
+        return True
 
     async def erase_slot(self, slot: int = 0) -> SlotErased:
         try:

@@ -236,6 +236,38 @@ async def test_a_long_side_answer_is_bounded_and_never_purges_the_main_slot(auto
     assert timings["cache_n"] >= held - 2, (timings, held)
 
 
+async def test_a_main_conversation_is_restored_beside_a_side_slot_that_left_it_no_room(auto_client, caplog):
+    """The engine's restore never purges an idle slot for room (a decode does): a side slot
+    that filled the pool beside an empty main slot left the main conversation's restore no
+    room, and it was read again in full. strata-serve empties the side slot and restores."""
+    caplog.set_level(logging.INFO)
+    client = await auto_client(engine=LANE, idle_save_s=0)
+    service = client.app[SERVICE]
+    chat = [{"role": "system", "content": SYSTEM * 12}, *conversation("roomy", 2)]
+    timings, _ = await main_turn(client, chat)
+    held = prompt_of(timings)
+    assert held > 2500, held
+    # Parked by hand: the main slot is emptied, the conversation kept in its file.
+    resp = await client.post(f"/slots/{MAIN}?action=erase")
+    assert resp.status == 200, await resp.text()
+    assert parking(client).stats.saves >= 1
+    # A side answer that takes all but 2,000 of the pool's tokens (as one that fit beside a
+    # short main conversation may): the engine, asked directly, the side slot named.
+    side = {"messages": [{"role": "user", "content": "a title please"}], "temperature": 0,
+            "max_tokens": CTX + SIDE_SLOT - 2000, "ignore_eos": True, "id_slot": SIDE}
+    status, _ = await service.engine.request("POST", "/v1/chat/completions", json=side)
+    assert status == 200
+    service.slots.unknown(SIDE)
+    await service.check_slots()
+    assert service.slots[SIDE].tokens > CTX + SIDE_SLOT - held, service.slots[SIDE].tokens
+    chat += [{"role": "assistant", "content": "reply"}, {"role": "user", "content": "and more?"}]
+    timings, headers = await main_turn(client, chat)
+    assert headers["X-Strata-State"] == "disk", (headers.get("X-Strata-State"), timings)
+    assert timings["cache_n"] >= held - 2, (timings, held)
+    assert any("the side slot is emptied" in r.getMessage() for r in caplog.records)
+    assert service.slots[SIDE].tokens == 0
+
+
 async def test_without_the_bound_the_engine_purges_the_idle_main_slot(llama_server_factory, caplog):
     """The control: the same engine, a side answer of 32,000 tokens sent to it directly."""
     caplog.set_level(logging.DEBUG, logger=ENGINE_LOGGER)
