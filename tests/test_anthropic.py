@@ -171,6 +171,25 @@ async def test_every_refusal_is_in_anthropics_shape(parked_client):
     assert "max_tokens" in refused.value.body["error"]["message"]
 
 
+async def test_a_system_message_among_the_messages_is_answered_as_the_engine_answers_it(parked_client):
+    """Claude Code's first request of a session carries its environment as a ``system``
+    message after the first user message; the engine takes it, so strata-serve does too
+    (a refusal cost every new session a failed round trip). Other roles are still refused."""
+    client = await parked_client()
+    text = [{"type": "text", "text": "Hello"}]
+    body = {"model": "local", "max_tokens": 2, "stream": False,
+            "messages": [{"role": "user", "content": text},
+                         {"role": "system", "content": [{"type": "text", "text": "# Environment\nlinux"}]}]}
+    resp = await client.post("/v1/messages", json=body)
+    assert resp.status == 200, await resp.text()
+    answer = await resp.json()
+    assert answer["type"] == "message" and answer["usage"]["output_tokens"] == 2, answer
+    for role in ("tool", "robot"):
+        resp = await client.post("/v1/messages", json={**body, "messages": [{"role": role, "content": text}]})
+        assert resp.status == 400, role
+        assert_anthropic_error(await resp.json(), "invalid_request_error")
+
+
 async def test_a_full_queue_is_refused_in_anthropics_shape(parked_client):
     client = await parked_client(queue_limit=0)
     fifo = client.app[SERVICE].fifo

@@ -114,6 +114,18 @@ async def test_bad_chat_bodies_get_400_in_openai_shape(client, recorder, raw, pa
     assert recorder.outcomes == [] and recorder.keys == [], "a bad request must never reach the engine"
 
 
+@pytest.mark.parametrize("value", ["", []])
+async def test_an_empty_responses_input_gets_400_as_empty_messages_do(client, recorder, value):
+    # Taken, it ran: the engine wrote from nothing until its limit (minutes on a long context).
+    resp = await client.post("/v1/responses", json={"input": value, "max_output_tokens": 2})
+    body = await resp.json()
+    assert_openai_error(body, 400, resp.status)
+    assert body["error"]["param"].startswith("input"), body
+    assert recorder.outcomes == [] and recorder.keys == [], "a bad request must never reach the engine"
+    resp = await client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2})
+    assert resp.status == 200, await resp.text()
+
+
 async def test_bad_completion_body(client):
     resp = await client.post("/v1/completions", json={"prompt": {"x": 1}})
     assert_openai_error(await resp.json(), 400, resp.status)

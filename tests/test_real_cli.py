@@ -532,6 +532,10 @@ def test_the_refusal_names_the_slots_and_an_attached_engine():
     attached = context_overflow(error, "", EngineSettings(url="http://127.0.0.1:9000"))
     assert "restart the engine at http://127.0.0.1:9000" in attached and "-c 32768" in attached, attached
     capped = context_overflow(error, "", EngineSettings(ctx_size=65536))
-    assert "--ctx-size asked for 65,536; the engine keeps to the model's own context length" in capped, capped
+    assert "(4,096 tokens, the model's own; --ctx-size asked for 65,536)" in capped, capped
+    # Claude Code shows about 350 characters, "Prompt is too long · the provider said: " first:
+    # the command to run is within them.
+    for said in (two_slots, attached, capped, context_overflow(ContextOverflow(180_000, 131_072), "", None)):
+        assert len("Prompt is too long · the provider said: " + said) <= 330, (len(said), said)
     unknown = context_overflow(ContextOverflow(), "too long", None)
     assert unknown.startswith("too long: serve a model with a larger context"), unknown

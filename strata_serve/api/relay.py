@@ -213,18 +213,18 @@ def context_overflow(overflow: ContextOverflow, message: str, engine: EngineSett
     # A power of two above the request (room left for the answer), at least 32k, per slot.
     needed = max(32768, 1 << n_prompt.bit_length()) * parallel
     per_slot = f" per slot, {parallel} slots" if parallel > 1 else ""
-    # The engine's own words stay: Claude Code recognises them ("Prompt is too long").
-    said = (f"the request ({n_prompt:,} tokens) exceeds the available context size ({n_ctx:,} tokens{per_slot}) "
-            "this server was started with")
+    # The engine's own words stay: Claude Code recognises them ("Prompt is too long"). Short:
+    # Claude Code shows about 350 characters of it, its own words first.
+    held = f"{n_ctx:,} tokens{per_slot}"
+    if engine is not None and not engine.url and engine.ctx_size // parallel > n_ctx:
+        # The engine keeps to the context the model was trained for, whatever -c asks.
+        held += f", the model's own; --ctx-size asked for {engine.ctx_size:,}"
+    said = f"the request ({n_prompt:,} tokens) exceeds the available context size ({held})"
     if engine is not None and engine.url:
         return f"{said}: restart the engine at {engine.url} with a larger context (llama-server -c {needed})"
-    if engine is not None and engine.ctx_size // parallel > n_ctx:
-        # The engine keeps to the context the model was trained for, whatever -c asks.
-        said += (f" (--ctx-size asked for {engine.ctx_size:,}; the engine keeps to the model's own "
-                 "context length)")
-    return (f"{said}: serve a model made for {n_prompt:,} tokens or more with a context to match, e.g. "
-            f"`make serve MODEL=path/to/model.gguf CTX_SIZE={needed}` or "
-            f"`strata-serve run --model path/to/model.gguf --ctx-size {needed}`")
+    return (f"{said}: serve a model made for {n_prompt:,} tokens or more, e.g. "
+            f"`make serve MODEL=model.gguf CTX_SIZE={needed}` or "
+            f"`strata-serve run --model model.gguf --ctx-size {needed}`")
 
 
 async def direct(request: web.Request, method: str, path: str, body: Any = None) -> web.Response:

@@ -172,7 +172,9 @@ class AnthropicTextBlock(_Open):
 
 
 class AnthropicMessage(_Open):
-    role: Literal["user", "assistant"]
+    # "system" among the messages: Claude Code sends its environment so in a session's first
+    # request, and the engine takes it (its conversion passes the role on to the template).
+    role: Literal["user", "assistant", "system"]
     content: StrictStr | list[AnthropicBlock]
 
 
@@ -238,7 +240,9 @@ class ResponsesTool(_Open):
 class ResponsesRequest(_OneCompletion):
     message_fields = ("input",)
     model: StrictStr | None = None
-    input: StrictStr | list[ResponsesItem]
+    # Empty, the engine would write from nothing until its limit (chat and messages refuse
+    # an empty list too).
+    input: Annotated[StrictStr, Field(min_length=1)] | Annotated[list[ResponsesItem], Field(min_length=1)]
     instructions: StrictStr | None = None
     stream: StrictBool = False
     max_output_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
