@@ -21,8 +21,9 @@ log = logging.getLogger("strata_serve")
 class _MalformedHttpFilter(logging.Filter):
     """One line, not a traceback, for bytes that are not HTTP at all.
 
-    aiohttp answers those itself (400, plain text: there is no request to answer
-    in the OpenAI shape) and logs them as errors with a traceback.
+    aiohttp answers those itself, before any route (400, in the OpenAI shape:
+    :func:`strata_serve.api.errors.shape_protocol_errors`), and logs them as errors
+    with a traceback.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -31,7 +32,7 @@ class _MalformedHttpFilter(logging.Filter):
         error = record.exc_info[1] if record.exc_info else None
         if isinstance(error, BadHttpMessage):
             record.msg = "[strata] refused a malformed HTTP request: %s"
-            record.args = (str(error).splitlines()[0],)
+            record.args = (" ".join((getattr(error, "message", None) or str(error)).split()),)
             record.exc_info = None
             record.levelno, record.levelname = logging.WARNING, "WARNING"
         return True

@@ -126,6 +126,36 @@ async def test_an_empty_responses_input_gets_400_as_empty_messages_do(client, re
     assert resp.status == 200, await resp.text()
 
 
+@pytest.mark.parametrize("head", [
+    "X-Session-Id: a\x01b\r\n",  # a control character in a header's value
+    "X-Filler: " + "x" * 9000 + "\r\n",  # a header past aiohttp's 8 KB
+    "Transfer-Encoding: chunked\r\n",  # with Content-Length: a request smuggler's pair
+], ids=["control character", "header past 8 KB", "length and chunked"])
+async def test_bytes_that_are_not_http_get_400_in_openai_shape(client, recorder, head):
+    # aiohttp refuses them itself, before any route or middleware: in plain text, until
+    # its connection handler was given the shape.
+    host, port = client.server.host, client.server.port
+    reader, writer = await asyncio.open_connection(host, port)
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'
+    writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"{head}Content-Length: {len(body)}\r\n\r\n".encode("latin-1") + body)
+    await writer.drain()
+    try:
+        raw = await asyncio.wait_for(reader.read(), timeout=10)  # the connection is closed after it
+    finally:
+        writer.close()
+    status_line, _, rest = raw.partition(b"\r\n")
+    headers, _, payload = rest.partition(b"\r\n\r\n")
+    assert status_line.split()[1:2] == [b"400"], raw[:300]
+    assert b"application/json" in headers.lower(), headers
+    answer = json.loads(payload)
+    assert_openai_error(answer, 400, 400)
+    assert answer["error"]["code"] == "malformed_http" and answer["error"]["message"].startswith(
+        "malformed HTTP request: "), answer
+    assert "\n" not in answer["error"]["message"] and len(answer["error"]["message"]) < 400, answer
+    assert recorder.keys == [], "never reached the line"
+
+
 async def test_bad_completion_body(client):
     resp = await client.post("/v1/completions", json={"prompt": {"x": 1}})
     assert_openai_error(await resp.json(), 400, resp.status)

@@ -14,7 +14,7 @@ import pluggy
 from aiohttp import web
 
 from strata_serve.api import openapi, slots
-from strata_serve.api.errors import APIError, error_middleware
+from strata_serve.api.errors import APIError, error_middleware, shape_protocol_errors
 from strata_serve.api.app_state import APIS, SERVICE, TENANT
 from strata_serve.api.registry import Apis, server_apis
 from strata_serve.api.relay import handler
@@ -54,6 +54,7 @@ def create_app(settings: Settings, pm: pluggy.PluginManager, engine: Engine | No
                      _bodies_budget(settings)],
         client_max_size=int(settings.server.max_body_mib * 1024 * 1024),
     )
+    shape_protocol_errors(app)
     app[SERVICE] = service
     app[APIS] = apis
     _add_api_routes(app, engine, apis)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from collections.abc import Callable
 
-from aiohttp import web
+from aiohttp import web, web_protocol, web_server
 from pydantic import BaseModel, ValidationError
 
 if TYPE_CHECKING:
@@ -162,3 +162,55 @@ def error_middleware(apis: Apis) -> Any:
             return error_response(500, "internal error; see the server log", code="internal_error", shape=shape)
 
     return shaped
+
+
+# -- bytes that are not an HTTP request --------------------------------------------------
+
+
+def _protocol_reason(exc: BaseException | None, message: str | None) -> str:
+    """aiohttp's reason in one line (its parser's own spans several, the first a bare status)."""
+    said = getattr(exc, "message", None) or message or (str(exc) if exc is not None else "") or "bad request"
+    said = " ".join(str(said).split())
+    return said if len(said) <= 300 else said[:297] + "..."
+
+
+class _ShapedErrorHandler(web_protocol.RequestHandler):
+    """aiohttp's connection handler, its own refusals (a header with a control character,
+    headers past 8 KB, both ``Content-Length`` and ``Transfer-Encoding``) in the OpenAI
+    error shape instead of plain text. They come before any route or middleware: there is
+    no request, no path, to choose another shape by."""
+
+    __slots__ = ()
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        response = super().handle_error(request, status, exc, message)  # logs it; raises if sent
+        if status >= 500:
+            return response
+        shaped = error_response(status, f"malformed HTTP request: {_protocol_reason(exc, message)}",
+                                code="malformed_http")
+        shaped.force_close()
+        return shaped
+
+
+class _ShapedErrorServer(web_server.Server):
+    def __call__(self) -> web_protocol.RequestHandler:
+        handler = super().__call__()
+        if type(handler) is web_protocol.RequestHandler:
+            handler.__class__ = _ShapedErrorHandler
+        return handler
+
+
+def shape_protocol_errors(app: web.Application) -> None:
+    """Give ``app``'s server (whichever runner makes it: ``strata-serve run``'s, a test's)
+    connection handlers that refuse malformed HTTP in the OpenAI shape. An aiohttp whose
+    server is not the one known here keeps its plain-text refusals."""
+    make = app._make_handler
+
+    def make_handler(**kwargs: Any) -> web_server.Server:
+        server = make(**kwargs)
+        if type(server) is web_server.Server:
+            server.__class__ = _ShapedErrorServer
+        return server
+
+    app._make_handler = make_handler  # type: ignore[method-assign]
