@@ -332,6 +332,9 @@ async def test_a_body_that_cannot_be_decompressed_gets_400(client, encoding):
     body = await resp.json()
     assert_openai_error(body, 400, resp.status)
     assert body["error"]["code"] == "unreadable_body"
+    # aiohttp's reason, on one line and without its "400, message:" prefix.
+    message = body["error"]["message"]
+    assert "\n" not in message and "400, message" not in message and "decode" in message.lower(), message
 
 
 @pytest.mark.parametrize("raw, param", [

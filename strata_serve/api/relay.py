@@ -74,8 +74,9 @@ async def read_json(request: web.Request, api: Api | type[BaseModel]) -> dict[st
     except TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="read_timeout") from None
     except RequestPayloadError as exc:  # e.g. Content-Encoding: gzip over bytes that are not gzip
-        raise APIError(400, f"the request body could not be read: {exc.__cause__ or exc}",
-                       code="unreadable_body") from None
+        cause = exc.__cause__ or exc
+        said = " ".join(str(getattr(cause, "message", None) or cause).split())  # aiohttp's spans lines
+        raise APIError(400, f"the request body could not be read: {said}", code="unreadable_body") from None
     if not raw:
         raise APIError(400, "the request body is empty; a JSON object is expected")
     try:
