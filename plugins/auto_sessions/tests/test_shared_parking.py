@@ -195,6 +195,9 @@ async def test_with_the_store_down_requests_are_answered_and_uploads_resume_when
     assert time.monotonic() - began < 60
     stats = parking(client).stats
     assert stats.restores == 1 and back["timings"]["cache_n"] > 100
+    deadline = time.monotonic() + 30  # the uploads fail beside the requests, which never wait for them
+    while not stats.shared_upload_failures and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
     assert stats.shared_upload_failures >= 1 and stats.shared_uploads == 0
     assert any("does not answer" in line or "did not answer" in line for line in log_lines(caplog))
 

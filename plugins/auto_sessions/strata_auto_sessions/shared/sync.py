@@ -140,6 +140,10 @@ class SharedParking:
         self._failed: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._writer = writer_name()
+        #: A lookup failed (the store down or hung): none is made before this
+        #: (``time.monotonic()``), so that a request waits for the store once, not at every switch.
+        self._down_until = 0.0
+        self._checking: asyncio.Task[bool] | None = None
 
     @classmethod
     async def start(cls, parking: AutoSessions, service: Any, config: SharedConfig) -> SharedParking | None:
@@ -184,6 +188,11 @@ class SharedParking:
         self.checked = True
         return True
 
+    def _check_soon(self) -> None:
+        """The store's check, in the background (a request never waits for it)."""
+        if self._checking is None or self._checking.done():
+            self._checking = self._spawn(self._check())
+
     async def _call(self, work: Awaitable[T], timeout: float | None = None) -> T:
         """``work``, given up after ``timeout`` (``timeout_s``) as :class:`SharedTierError`."""
         limit = self.config.timeout_s if timeout is None else timeout
@@ -218,6 +227,7 @@ class SharedParking:
                 try:
                     await self._upload(name)
                     self._failed.discard(name)
+                    self._down_until = 0.0  # it answers: lookups again
                 except (SharedTierError, OSError) as exc:
                     self.stats.shared_upload_failures += 1
                     if name not in self._failed:
@@ -335,15 +345,23 @@ class SharedParking:
         pays; any failure leaves the local files as they are (or a stale one set aside)."""
         if self.refused is not None:
             return
+        if not self.checked:
+            # Not checked yet (it did not answer at start): checked beside the requests, which
+            # go on with local parking alone meanwhile, never waiting for the check's calls.
+            self._check_soon()
+            return
+        if time.monotonic() < self._down_until:
+            return  # it failed a lookup lately: local parking alone, at once
         try:
-            if not await self._check():
-                return
             names = [name for name in await self._call(self.tier.heads(f"{PREFIX}{file_key(key)}."))
                      if name.endswith(".bin")]
         except (SharedTierError, OSError) as exc:
             self.stats.shared_fetch_failures += 1
-            log.warning("[strata] auto sessions: shared tier: cannot look up %s: %s; local parking alone", key, exc)
+            self._down_until = time.monotonic() + self.config.retry_s
+            log.warning("[strata] auto sessions: shared tier: cannot look up %s: %s; local parking alone, and "
+                        "no lookups for %g s (shared.retry_s)", key, exc, self.config.retry_s)
             return
+        self._down_until = 0.0
         for name in names:
             try:
                 await self._bring_in_file(name)
