@@ -146,6 +146,22 @@ async def test_the_start_check_refuses_a_store_that_ignores_conditions(s3_server
         await blind.close()
 
 
+async def test_a_bucket_that_does_not_exist_is_named_not_taken_for_a_missing_object(s3_server, monkeypatch):
+    # Every call answers 404 NoSuchBucket: taken for a missing head, the start check said
+    # "no head to replace" and the uploads "does not answer".
+    for name, value in S3_ENV.items():
+        monkeypatch.setenv(name, value)
+    tier = S3Tier("strata-never-made", "p", endpoint_url=s3_server)
+    try:
+        for call in (tier.head("auto-x.bin"), tier.put_head("auto-x.bin", head(1), None),
+                     tier.put_head("auto-x.bin", head(2), '"etag"'), check_conditions(tier)):
+            with pytest.raises(SharedTierError, match="NoSuchBucket: the bucket does not exist") as refused:
+                await call
+            assert not isinstance(refused.value, (ConditionFailed, FileNotFoundError)), refused.value
+    finally:
+        await tier.close()
+
+
 async def test_the_url_chooses_the_tier(tmp_path, s3_env):
     directory = tier_for(SharedConfig(url=f"file://{tmp_path}"))
     assert isinstance(directory, DirectoryTier) and directory.root == Path(tmp_path)

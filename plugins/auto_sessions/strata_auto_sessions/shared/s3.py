@@ -15,6 +15,7 @@ import builtins
 
 import asyncio
 import contextlib
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,8 @@ class S3Tier:
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.where = f"s3://{bucket}/{self.prefix}"
         self._session = get_session()
+        # Where it found its credentials, at INFO on every start: not a line of ours.
+        logging.getLogger("botocore.credentials").setLevel(logging.WARNING)
         self._endpoint_url = endpoint_url
         self._addressing_style = addressing_style
         self._timeout_s = timeout_s
@@ -183,6 +186,9 @@ def _errors(name: str, *, missing: bool = False, conditional: bool = False) -> A
         error = exc.response.get("Error", {})
         code = str(error.get("Code", ""))
         status = str(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+        if code == "NoSuchBucket":  # a 404 too, but not of the object: the store is not set up
+            raise SharedTierError(f"{name}: NoSuchBucket: the bucket does not exist (create it first; "
+                                  f"{error.get('Message') or 'the store said so'})") from None
         if conditional and (code in _CONDITION_CODES or status in ("412", "409")):
             raise ConditionFailed(f"{name}: {error.get('Message') or code}") from None
         if (missing or conditional) and (code in _MISSING_CODES or status == "404"):
