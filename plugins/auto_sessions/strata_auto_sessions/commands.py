@@ -214,6 +214,20 @@ def _echo_shared(url: str, rows: list[dict[str, Any]]) -> None:
                f"{url}; {len(rows) - len(held)} removed by hand")
 
 
+class _Found:
+    """The sessions the options name, found when a command first uses them: a command's
+    ``--help`` needs no settings file."""
+
+    def __init__(self, config: Path | None, slot_dir: Path | None):
+        self._options = (config, slot_dir)
+        self._found: Sessions | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        if self._found is None:
+            self._found = _sessions(*self._options)
+        return getattr(self._found, name)
+
+
 def register(cli: click.Group) -> None:
     @cli.group()
     @click.option("--config", type=click.Path(path_type=Path, dir_okay=False),
@@ -227,7 +241,7 @@ def register(cli: click.Group) -> None:
         A session file holds a conversation as plainly as a transcript: remove the ones
         you would not keep a transcript of.
         """
-        ctx.obj = _sessions(config, slot_dir)
+        ctx.obj = _Found(config, slot_dir)
 
     @sessions.command("ls")
     @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")

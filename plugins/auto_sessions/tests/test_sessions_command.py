@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
 import re
 import subprocess
@@ -60,6 +61,18 @@ async def parked(strata_client_factory, strata_settings_factory):
 def test_the_sessions_command_is_offered_by_auto_sessions():
     result = CliRunner().invoke(cli, ["--help"])
     assert result.exit_code == 0 and re.search(r"\n  sessions +The parked conversations", result.output), result.output
+
+
+@pytest.mark.parametrize("command", ["ls", "rm", "inspect", "prune"])
+def test_each_commands_help_needs_no_settings(command, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # no strata.toml found by default
+    for name in [n for n in os.environ if n.startswith("STRATA_")]:
+        monkeypatch.delenv(name)
+    result = CliRunner().invoke(cli, ["sessions", command, "--help"])
+    assert result.exit_code == 0 and result.output.startswith(f"Usage: cli sessions {command}"), result.output
+    # The command itself still says what it lacks.
+    result = CliRunner().invoke(cli, ["sessions", "ls"])
+    assert result.exit_code == 1 and "no slot directory" in result.output, result.output
 
 
 async def test_ls_shows_every_session_with_its_tenant_size_and_whether_the_engine_can_use_it(parked):
