@@ -29,10 +29,12 @@ class _MalformedHttpFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         from aiohttp.http_exceptions import BadHttpMessage
 
+        from strata_serve.api.errors import aiohttp_reason
+
         error = record.exc_info[1] if record.exc_info else None
         if isinstance(error, BadHttpMessage):
             record.msg = "[strata] refused a malformed HTTP request: %s"
-            record.args = (" ".join((getattr(error, "message", None) or str(error)).split()),)
+            record.args = (aiohttp_reason(error),)
             record.exc_info = None
             record.levelno, record.levelname = logging.WARNING, "WARNING"
         return True

@@ -167,9 +167,10 @@ def error_middleware(apis: Apis) -> Any:
 # -- bytes that are not an HTTP request --------------------------------------------------
 
 
-def _protocol_reason(exc: BaseException | None, message: str | None) -> str:
-    """aiohttp's reason in one line (its parser's own spans several, the first a bare status)."""
-    said = getattr(exc, "message", None) or message or (str(exc) if exc is not None else "") or "bad request"
+def aiohttp_reason(exc: BaseException | None, fallback: str | None = None) -> str:
+    """aiohttp's reason for an error in one line: its parser's message spans several, the
+    first a bare status ("400, message:"), and its ``message`` holds the reason alone."""
+    said = getattr(exc, "message", None) or fallback or (str(exc) if exc is not None else "") or "bad request"
     said = " ".join(str(said).split())
     return said if len(said) <= 300 else said[:297] + "..."
 
@@ -187,7 +188,7 @@ class _ShapedErrorHandler(web_protocol.RequestHandler):
         response = super().handle_error(request, status, exc, message)  # logs it; raises if sent
         if status >= 500:
             return response
-        shaped = error_response(status, f"malformed HTTP request: {_protocol_reason(exc, message)}",
+        shaped = error_response(status, f"malformed HTTP request: {aiohttp_reason(exc, message)}",
                                 code="malformed_http")
         shaped.force_close()
         return shaped

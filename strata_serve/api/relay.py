@@ -21,7 +21,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 from pydantic import BaseModel
 
-from strata_serve.api.errors import APIError
+from strata_serve.api.errors import APIError, aiohttp_reason
 from strata_serve.api.formats import ApiFormat, StreamSeen
 from strata_serve.api.checks import check_media, check_messages, might_hold_media
 from strata_serve.api.app_state import SERVICE, TENANT
@@ -74,9 +74,8 @@ async def read_json(request: web.Request, api: Api | type[BaseModel]) -> dict[st
     except TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="read_timeout") from None
     except RequestPayloadError as exc:  # e.g. Content-Encoding: gzip over bytes that are not gzip
-        cause = exc.__cause__ or exc
-        said = " ".join(str(getattr(cause, "message", None) or cause).split())  # aiohttp's spans lines
-        raise APIError(400, f"the request body could not be read: {said}", code="unreadable_body") from None
+        raise APIError(400, f"the request body could not be read: {aiohttp_reason(exc.__cause__ or exc)}",
+                       code="unreadable_body") from None
     if not raw:
         raise APIError(400, "the request body is empty; a JSON object is expected")
     try:
