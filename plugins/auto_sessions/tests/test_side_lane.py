@@ -72,6 +72,15 @@ def prompt_of(timings: dict) -> int:
     return timings["prompt_n"] + timings["cache_n"]
 
 
+async def long_main_conversation(client, name: str) -> tuple[list[dict], int]:
+    """A main conversation of about 3,000 tokens, sent once: its messages and what the slot holds."""
+    chat = [{"role": "system", "content": SYSTEM * 12}, *conversation(name, 2)]
+    timings, _ = await main_turn(client, chat)
+    held = prompt_of(timings)
+    assert held > 2500, held
+    return chat, held
+
+
 async def test_open_webui_main_turns_come_back_from_their_slot(auto_client, caplog):
     caplog.set_level(logging.DEBUG, logger=ENGINE_LOGGER)
     client = await auto_client(engine=LANE, idle_save_s=0)
@@ -202,10 +211,7 @@ async def test_a_side_request_too_big_for_the_side_slot_goes_the_old_way(auto_cl
     client = await auto_client(engine=LANE, idle_save_s=0)
     service = client.app[SERVICE]
     # A main conversation of about 3,000 tokens: the pool (6,144) leaves the side slot ~3,100.
-    chat = [{"role": "system", "content": SYSTEM * 12}, *conversation("big", 2)]
-    timings, _ = await main_turn(client, chat)
-    held = prompt_of(timings)
-    assert held > 2500, held
+    chat, held = await long_main_conversation(client, "big")
     history = [{"role": "user", "content": "x " * 1800}]  # ~3,600 bytes: more than the room
     answer = await task_request(client, TITLE, history)
     assert answer["choices"][0]["message"] is not None
@@ -243,10 +249,7 @@ async def test_a_main_conversation_is_restored_beside_a_side_slot_that_left_it_n
     caplog.set_level(logging.INFO)
     client = await auto_client(engine=LANE, idle_save_s=0)
     service = client.app[SERVICE]
-    chat = [{"role": "system", "content": SYSTEM * 12}, *conversation("roomy", 2)]
-    timings, _ = await main_turn(client, chat)
-    held = prompt_of(timings)
-    assert held > 2500, held
+    chat, held = await long_main_conversation(client, "roomy")
     # Parked by hand: the main slot is emptied, the conversation kept in its file.
     resp = await client.post(f"/slots/{MAIN}?action=erase")
     assert resp.status == 200, await resp.text()
