@@ -192,7 +192,9 @@ async def test_with_the_store_down_requests_are_answered_and_uploads_resume_when
     await ask(client, a)
     await ask(client, b)  # A saved locally, its upload waits for the store
     back = await ask(client, a)  # restored from the slot directory alone
-    assert time.monotonic() - began < 60
+    took = time.monotonic() - began
+    # The store is checked beside them, never on their path: one check alone may take 4 x 0.3 s.
+    assert took < 1.2, f"three requests took {took:.2f} s with the store down"
     stats = parking(client).stats
     assert stats.restores == 1 and back["timings"]["cache_n"] > 100
     deadline = time.monotonic() + 30  # the uploads fail beside the requests, which never wait for them
