@@ -75,6 +75,20 @@ async def test_completions_models_and_health(client):
     assert (await health.json())["status"] == "ok"
 
 
+async def test_one_model_is_retrieved_by_its_id_through_the_openai_sdk(sdk, recorder):
+    listed = await sdk.models.list()
+    model_id = listed.data[0].id
+    model = await sdk.models.retrieve(model_id)
+    assert model.id == model_id and model.object == "model"
+    assert model.model_dump() == listed.data[0].model_dump(), "the very entry of the list"
+
+    with pytest.raises(openai.NotFoundError) as refused:
+        await sdk.models.retrieve("no-such-model")
+    assert refused.value.body["code"] == "model_not_found"
+    assert "no-such-model" in refused.value.body["message"]
+    assert recorder.keys == [], "asked outside the FIFO: no plugin saw a request"
+
+
 async def test_default_conversation_key_is_sha1_of_first_user_message(client, recorder):
     import hashlib
 

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 import pluggy
 from aiohttp import web
 
-from strata_serve.api import openapi, slots
+from strata_serve.api import openai, openapi, slots
 from strata_serve.api.errors import APIError, error_middleware, shape_protocol_errors
 from strata_serve.api.app_state import APIS, SERVICE, TENANT
 from strata_serve.api.registry import Apis, server_apis
@@ -83,6 +83,8 @@ def _add_api_routes(app: web.Application, engine: Engine, apis: Apis) -> None:
     for api in apis:
         serves = served is None or api.engine_path in served
         app.router.add_route(api.method, api.path, handler(api) if serves else _not_served(engine, api.path))
+        if api is openai.MODELS and serves:
+            app.router.add_get(openai.MODEL_PATH, openai.retrieve_model)
 
 
 def _not_served(engine: Engine, path: str):

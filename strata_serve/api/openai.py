@@ -1,4 +1,4 @@
-"""OpenAI's API: chat, completions, embeddings and the model list.
+"""OpenAI's API: chat, completions, embeddings, the model list and one model of it.
 
 Chat holds a conversation: its messages open it and make its prompt. A completion's
 prompt is its text and names no conversation; embeddings run in the slot (over what it
@@ -8,10 +8,14 @@ in the slot.
 
 from __future__ import annotations
 
+import json
 from typing import Any
+
+from aiohttp import web
 
 from strata_serve.api.checks import ENGINE_MEDIA
 from strata_serve.api.conversation import Opening, opening_of
+from strata_serve.api.errors import APIError
 from strata_serve.api.registry import Api
 from strata_serve.api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingsRequest
 
@@ -44,3 +48,23 @@ EMBEDDINGS = Api("/v1/embeddings", "Embeddings (the engine started with --embedd
 MODELS = Api("/v1/models", "The engine's models", method="GET")
 
 APIS = (CHAT, COMPLETION, EMBEDDINGS, MODELS)
+
+#: One model of the list, by its id: the OpenAI SDKs' ``models.retrieve``.
+MODEL_PATH = MODELS.path + "/{model}"
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """One entry of the engine's model list, as OpenAI answers ``GET /v1/models/{model}``;
+    404 ``model_not_found`` when no entry has that id. The engine has no such route: its
+    list is asked, outside the FIFO."""
+    from strata_serve.api.relay import direct  # relay reads the registry, which reads this
+
+    wanted = request.match_info["model"]
+    answer = await direct(request, "GET", MODELS.engine_path)
+    listed = json.loads(answer.body) if isinstance(answer.body, bytes) else None
+    models = listed.get("data") if isinstance(listed, dict) else None
+    for model in models if isinstance(models, list) else []:
+        if isinstance(model, dict) and model.get("id") == wanted:
+            return web.json_response(model)
+    raise APIError(404, f"the model {wanted!r} does not exist: GET {MODELS.path} lists what this server serves",
+                   param="model", code="model_not_found")

@@ -11,6 +11,7 @@ from pydantic import BaseModel
 from strata_serve import __version__
 from strata_serve.api.app_state import APIS, SERVICE
 from strata_serve.api.anthropic import AnthropicErrorResponse
+from strata_serve.api.openai import MODEL_PATH, MODELS
 from strata_serve.api.errors import OPENAI_ERRORS, ErrorResponse
 from strata_serve.api.registry import Apis, builtin
 from strata_serve.api.schemas import SlotFile
@@ -73,6 +74,10 @@ def build(extra_paths: Iterable[tuple[str, str]] = (), served: frozenset[str] | 
         body = api.schema.__name__ if api.schema is not None else None
         paths.setdefault(api.path, {})[api.method.lower()] = _operation(api.summary, body,
                                                                         error=api.errors.model.__name__)
+        if api is MODELS:
+            model_id = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
+            paths[MODEL_PATH] = {"get": _operation("One of the engine's models, by its id", ok="the model",
+                                                   params=model_id)}
     paths.update(_core_paths(slots))
     for method, path in extra_paths:
         paths.setdefault(path, {})[method.lower()] = _operation("Added by a plugin", ok="the plugin's answer")
@@ -89,7 +94,7 @@ def build(extra_paths: Iterable[tuple[str, str]] = (), served: frozenset[str] | 
 
 async def openapi(request: web.Request) -> web.Response:
     apis = request.app[APIS]
-    known = {api.path for api in apis} | set(_core_paths(1))
+    known = {api.path for api in apis} | set(_core_paths(1)) | {MODEL_PATH}
     extra = sorted(
         (route.method, route.resource.canonical)
         for route in request.app.router.routes()
