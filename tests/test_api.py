@@ -116,6 +116,9 @@ async def test_default_conversation_key_is_sha1_of_first_user_message(client, re
         (json.dumps({"messages": [{"role": "user", "content": 5}]}).encode(), "messages.0.content.str"),
         (json.dumps({**chat_body(), "stream": "yes"}).encode(), "stream"),
         (json.dumps({**chat_body(), "max_tokens": -1}).encode(), "max_tokens"),
+        # OpenAI refuses 0; the engine would write a token all the same.
+        (json.dumps({**chat_body(), "max_tokens": 0}).encode(), "max_tokens"),
+        (json.dumps({**chat_body(), "max_completion_tokens": 0}).encode(), "max_completion_tokens"),
         (json.dumps({**chat_body(), "temperature": "hot"}).encode(), "temperature"),
     ],
 )
@@ -137,6 +140,18 @@ async def test_an_empty_responses_input_gets_400_as_empty_messages_do(client, re
     assert body["error"]["param"].startswith("input"), body
     assert recorder.outcomes == [] and recorder.keys == [], "a bad request must never reach the engine"
     resp = await client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2})
+    assert resp.status == 200, await resp.text()
+
+
+async def test_no_room_to_answer_is_refused_where_openai_refuses_it(client, recorder):
+    # The engine writes a token for a limit of 0 on every route.
+    resp = await client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 0})
+    body = await resp.json()
+    assert_openai_error(body, 400, resp.status)
+    assert body["error"]["param"] == "max_output_tokens"
+    assert recorder.outcomes == [] and recorder.keys == [], "a bad request must never reach the engine"
+    # OpenAI's completions take 0 (with echo, to score a prompt): so does strata-serve.
+    resp = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 0})
     assert resp.status == 200, await resp.text()
 
 

@@ -161,7 +161,7 @@ valid_message = st.fixed_dictionaries(
 valid_conversation = st.builds(lambda before, last: before + [{"role": "user", "content": last}],
                                st.lists(valid_message, max_size=3), valid_text)
 valid_chat_bodies = st.fixed_dictionaries(
-    {"messages": valid_conversation, "max_tokens": st.integers(0, 4)},
+    {"messages": valid_conversation, "max_tokens": st.integers(1, 4)},
     optional={"temperature": st.floats(0, 2), "stream": st.booleans(), "seed": st.integers(0, 2**31),
               "stop": st.one_of(valid_text, st.lists(valid_text, max_size=2)), "top_p": st.floats(0, 1),
               "metadata": st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=3),

@@ -116,6 +116,10 @@ class ChatCompletionRequest(_Sampling):
     message_fields = ("messages",)
     messages: list[Message] = Field(min_length=1)
     tools: list[Tool] | None = None
+    # 0 is refused, as OpenAI refuses it: the engine writes a token all the same. (A
+    # completion keeps 0, which OpenAI's completions take, with ``echo``, to score a prompt.)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
 
 
 class CompletionRequest(_Sampling):
@@ -245,7 +249,8 @@ class ResponsesRequest(_OneCompletion):
     input: Annotated[StrictStr, Field(min_length=1)] | Annotated[list[ResponsesItem], Field(min_length=1)]
     instructions: StrictStr | None = None
     stream: StrictBool = False
-    max_output_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
+    # 0 is refused: the engine writes a token all the same.
+    max_output_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, ge=0, le=1)
     tools: list[ResponsesTool] | None = None
