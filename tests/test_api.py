@@ -75,12 +75,16 @@ async def test_completions_models_and_health(client):
     assert (await health.json())["status"] == "ok"
 
 
-async def test_one_model_is_retrieved_by_its_id_through_the_openai_sdk(sdk, recorder):
+async def test_one_model_is_retrieved_by_its_id_through_the_openai_sdk(sdk, client, recorder):
     listed = await sdk.models.list()
     model_id = listed.data[0].id
     model = await sdk.models.retrieve(model_id)
     assert model.id == model_id and model.object == "model"
     assert model.model_dump() == listed.data[0].model_dump(), "the very entry of the list"
+    assert "/" in model_id, "the engine names its model by the file's path"
+    # A client that does not quote the id's slashes (the SDK sends them as %2F) reaches it too.
+    raw = await client.get(f"/v1/models/{model_id}")
+    assert raw.status == 200 and (await raw.json())["id"] == model_id
 
     with pytest.raises(openai.NotFoundError) as refused:
         await sdk.models.retrieve("no-such-model")

@@ -84,7 +84,7 @@ def _add_api_routes(app: web.Application, engine: Engine, apis: Apis) -> None:
         serves = served is None or api.engine_path in served
         app.router.add_route(api.method, api.path, handler(api) if serves else _not_served(engine, api.path))
         if api is openai.MODELS and serves:
-            app.router.add_get(openai.MODEL_PATH, openai.retrieve_model)
+            app.router.add_get(openai.MODEL_ROUTE, openai.retrieve_model)
 
 
 def _not_served(engine: Engine, path: str):

@@ -51,6 +51,9 @@ APIS = (CHAT, COMPLETION, EMBEDDINGS, MODELS)
 
 #: One model of the list, by its id: the OpenAI SDKs' ``models.retrieve``.
 MODEL_PATH = MODELS.path + "/{model}"
+#: Its route: an id may hold slashes (llama-server's is the model file's path unless
+#: ``--alias`` names it; ``org/name`` aliases), sent as they are or as ``%2F``.
+MODEL_ROUTE = MODELS.path + "/{model:.+}"
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
