@@ -59,11 +59,9 @@ async def known_tokens(request: web.Request, body: dict[str, Any]) -> None:
 
 async def _vocabulary_size(request: web.Request) -> int | None:
     """The model's vocabulary size, from the engine's model list (None: it does not say)."""
-    from strata_serve.api.relay import service_errors, service_of
+    from strata_serve.api.relay import ask_directly
 
-    service = service_of(request)
-    with service_errors(service):
-        status, answer = await service.engine.request("GET", "/v1/models", op="models")
+    status, answer = await ask_directly(request, "GET", "/v1/models")
     models: Any = answer.get("data") if status == 200 and isinstance(answer, dict) else None
     if isinstance(models, list) and models and isinstance(models[0], dict):
         meta = models[0].get("meta")

@@ -8,7 +8,6 @@ in the slot.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from aiohttp import web
@@ -60,11 +59,12 @@ async def retrieve_model(request: web.Request) -> web.Response:
     """One entry of the engine's model list, as OpenAI answers ``GET /v1/models/{model}``;
     404 ``model_not_found`` when no entry has that id. The engine has no such route: its
     list is asked, outside the FIFO."""
-    from strata_serve.api.relay import direct  # relay reads the registry, which reads this
+    from strata_serve.api.relay import ask_directly, engine_answer  # relay reads the registry, which reads this
 
     wanted = request.match_info["model"]
-    answer = await direct(request, "GET", MODELS.engine_path)
-    listed = json.loads(answer.body) if isinstance(answer.body, bytes) else None
+    status, listed = await ask_directly(request, "GET", MODELS.engine_path)
+    if status >= 400:
+        return engine_answer(status, listed)  # raises the engine's refusal
     models = listed.get("data") if isinstance(listed, dict) else None
     for model in models if isinstance(models, list) else []:
         if isinstance(model, dict) and model.get("id") == wanted:

@@ -238,10 +238,17 @@ async def direct(request: web.Request, method: str, path: str, body: Any = None)
     conversation before any request without a conversation key).
     """
     service = service_of(request)
+    status, answer = await ask_directly(request, method, path, body)
+    return engine_answer(status, answer, service.settings.engine, service.engine.read_overflow)
+
+
+async def ask_directly(request: web.Request, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    """The engine's status and answer to ``method path``, asked outside the FIFO once it is
+    up (:func:`direct`); the service's refusals raised as errors."""
+    service = service_of(request)
     with service_errors(service):
         await service.engine.wait_ready()
-        status, answer = await service.engine.request(method, path, json=body, op=path.strip("/"))
-    return engine_answer(status, answer, service.settings.engine, service.engine.read_overflow)
+        return await service.engine.request(method, path, json=body, op=path.strip("/"))
 
 
 async def relay(request: web.Request, api: Api, body: dict[str, Any]) -> web.StreamResponse:
