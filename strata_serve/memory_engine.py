@@ -24,6 +24,7 @@ from typing import Any
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from strata_serve.engine.base import ContextOverflow, EngineInfo, SlotErased, SlotReport, SlotRestored, SlotSaved
+from strata_serve.engine.state_blocks import StateFormat
 from strata_serve.hook_types import Timings
 
 #: What the double answers, token by token (one token per character, like its prompts).
@@ -48,6 +49,8 @@ class MemoryEngine:
     pinned_routes = routes
     #: Where its own numbers travel in an answer: no other engine's key.
     numbers_key = "memory_engine"
+    #: Its files are its own JSON, kept whole.
+    state_format: StateFormat | None = None
 
     def __init__(self, slot_save_path: Path | None = None, n_ctx: int = 4096):
         self.info = EngineInfo(url="memory://engine", model_path="memory-engine", n_ctx=n_ctx,

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 from collections.abc import Awaitable, Callable
 
 from strata_serve.hook_types import Timings
+from strata_serve.engine.state_blocks import StateFormat
 
 
 class EngineUnavailable(Exception):
@@ -195,6 +196,10 @@ class Engine(Protocol):
     generation: int
     #: Awaited with ``restarted`` after every start, before requests are let through.
     on_start: Callable[[bool], Awaitable[None]] | None
+    #: How this engine's slot files are cut into blocks of tokens and joined back
+    #: (:class:`strata_serve.engine.state_blocks.StateFormat`); None when the backend
+    #: does not know its engine's state layout (its files are then kept whole).
+    state_format: StateFormat | None
     @property
     def numbers_key(self) -> str | None:
         """The key under which the engine adds numbers of its own to an answer and to a

@@ -25,6 +25,8 @@ from strata_serve.engine.llama_server.client import EngineClient, StreamReply
 from strata_serve.engine.llama_server.command import build_command, clears_idle_slots, free_port, state_layout
 from strata_serve.engine.llama_server.output import forward_output
 from strata_serve.engine.llama_server.state import EngineState
+from strata_serve.engine.llama_server.state_file import LlamaStateFormat
+from strata_serve.engine.state_blocks import StateFormat
 from strata_serve.files import make_private_dir
 from strata_serve.hook_types import EngineError, Timings
 
@@ -50,6 +52,8 @@ class LlamaServer:
     # has not been seen to honour it.
     pinned_routes = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
     numbers_key = answers.NUMBERS_KEY
+    #: Its slot files, cut into blocks of tokens and joined back.
+    state_format: StateFormat | None = LlamaStateFormat()
 
     def __init__(
         self,

