@@ -1,0 +1,370 @@
+"""A store of state blocks: each block written once, conversations kept as small manifests.
+
+On disk, under one directory (private, 0700; every file 0600)::
+
+    objects/ab/abcd…    a block or a tail (objects.py), named by its chained hash (a
+                         tail: by the hash of its bytes); written once, never changed
+    manifests/<h>.json  a conversation: its key, its chain of blocks and its tail,
+                         what they were cut under; replaced atomically at each save
+
+A save cuts the engine's file (``StateFormat.cut``), writes the blocks the store lacks
+and the tail, then the manifest. A restore finds the longest chain of stored blocks that
+prefixes a prompt's tokens, from any manifest of the tenant (``longest_prefix``), and
+joins it into a file the engine reads (``materialize``). Pruning removes manifests
+(least recently used first) and then the objects no manifest holds.
+
+One process writes a store at a time (its saves and prunes take the store's lock);
+an object younger than ``grace_s`` is never removed, so a save under way elsewhere,
+whose manifest is not written yet, keeps its blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from strata_serve import PRIVATE_FILE_MODE, CutState, StateBlock, StateFormat, StateRefusal, make_private_dir, tenant_of
+
+from strata_auto_sessions.blocks import objects
+from strata_auto_sessions.blocks.names import chain_names, root_name
+
+__all__ = ["BlockStore", "Chain", "Manifest", "PruneReport", "SaveReport", "StoreUsage"]
+
+MANIFEST_VERSION = 1
+#: Tokens a block holds unless told otherwise.
+DEFAULT_BLOCK_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A conversation as the store keeps it."""
+
+    key: str
+    tenant: str | None
+    #: The state format's version and the layout record the blocks were cut under.
+    format_version: str
+    layout: str
+    n_stream: int
+    block_tokens: int
+    root: str
+    chain: list[str]
+    #: The tail's object (the tokens past the last whole block); None when there are none.
+    tail: str | None
+    tail_tokens: list[int]
+    tokens: int
+    saved_at: float = 0.0
+
+    def objects(self) -> list[str]:
+        return [*self.chain, *([self.tail] if self.tail else [])]
+
+
+@dataclass(frozen=True)
+class Chain:
+    """Stored blocks that prefix a prompt (``BlockStore.longest_prefix``)."""
+
+    layout: str
+    n_stream: int
+    block_tokens: int
+    names: list[str]
+    #: A manifest's tail that continues the blocks along the prompt, when one does.
+    tail: str | None
+    #: The prompt's tokens the chain holds (whole blocks and the tail).
+    tokens: int
+    #: The manifest the chain was found in (touched when it is restored).
+    source: str | None = None
+
+
+@dataclass(frozen=True)
+class SaveReport:
+    """What one save did. ``refused``: the state is not in blocks (the caller keeps it whole)."""
+
+    key: str
+    tokens: int = 0
+    blocks: int = 0
+    blocks_written: int = 0
+    #: Bytes that reached the disk: new blocks, the tail and the manifest.
+    bytes_written: int = 0
+    #: The engine's bytes of the state (what a whole file holds, without its header).
+    state_bytes: int = 0
+    refused: StateRefusal | None = None
+
+
+@dataclass(frozen=True)
+class PruneReport:
+    manifests_removed: list[str] = field(default_factory=list)
+    objects_removed: int = 0
+    bytes_freed: int = 0
+
+
+@dataclass(frozen=True)
+class StoreUsage:
+    manifests: int
+    objects: int
+    #: Bytes of every object, each counted once however many manifests hold it.
+    bytes: int
+
+
+class BlockStore:
+    """Blocks of engine state, written once, under chained names (see the module's docstring)."""
+
+    def __init__(
+        self,
+        root: Path,
+        state_format: StateFormat,
+        *,
+        fingerprint: Mapping[str, Any],
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
+        compression: str | None = None,
+        fsync: bool = False,
+        grace_s: float = 300.0,
+    ):
+        if block_tokens < 1:
+            raise ValueError("block_tokens must be at least 1")
+        if compression not in objects.COMPRESSIONS:
+            raise ValueError(f"unknown compression {compression!r}")
+        self.root = Path(root)
+        self.format = state_format
+        self.fingerprint = dict(fingerprint)
+        self.block_tokens = block_tokens
+        self.compression = compression
+        self.fsync = fsync
+        self.grace_s = grace_s
+        self._lock = threading.RLock()
+        self._objects = self.root / "objects"
+        self._manifests = self.root / "manifests"
+        for path in (self.root, self._objects, self._manifests):
+            make_private_dir(path)
+
+    # -- paths ---------------------------------------------------------------------------
+
+    def _object_path(self, name: str) -> Path:
+        return self._objects / name[:2] / name
+
+    def _manifest_path(self, key: str) -> Path:
+        return self._manifests / f"{hashlib.sha256(key.encode()).hexdigest()[:40]}.json"
+
+    def has(self, name: str) -> bool:
+        return self._object_path(name).is_file()
+
+    # -- saving --------------------------------------------------------------------------
+
+    def save(self, manifest_key: str, staged_file: Path) -> SaveReport:
+        """Cut the engine's file at ``staged_file`` and keep it as ``manifest_key``'s state:
+        only the blocks the store lacks are written. The staged file is left to the caller."""
+        cut = self.format.cut(Path(staged_file), self.block_tokens)
+        if isinstance(cut, StateRefusal):
+            return SaveReport(key=manifest_key, refused=cut)
+        return self.save_cut(manifest_key, cut)
+
+    def save_cut(self, manifest_key: str, cut: CutState) -> SaveReport:
+        tenant = tenant_of(manifest_key)
+        root = root_name(format_version=self.format.version, fingerprint=self.fingerprint, layout=cut.layout,
+                         tenant=tenant)
+        names = list(chain_names(root, cut.tokens[:len(cut.blocks) * cut.block_tokens], cut.block_tokens))
+        written = 0
+        new_blocks = 0
+        state_bytes = sum(len(b.data) for b in [*cut.blocks, cut.tail])
+        with self._lock:
+            for name, block in zip(names, cut.blocks, strict=True):
+                if self.has(name):
+                    continue
+                n = self._publish(name, block)
+                if n:
+                    new_blocks += 1
+                    written += n
+            tail_name = None
+            if cut.tail.tokens:
+                raw = objects.encode(cut.tail, self.compression)
+                tail_name = hashlib.sha256(b"tail\0" + root.encode() + raw).hexdigest()
+                if not self.has(tail_name):
+                    written += self._publish_raw(tail_name, raw)
+            manifest = Manifest(
+                key=manifest_key, tenant=tenant, format_version=self.format.version, layout=cut.layout.decode(),
+                n_stream=cut.n_stream, block_tokens=cut.block_tokens, root=root, chain=names, tail=tail_name,
+                tail_tokens=list(cut.tail.tokens), tokens=len(cut.tokens), saved_at=time.time(),
+            )
+            written += self._write_manifest(manifest)
+        return SaveReport(key=manifest_key, tokens=len(cut.tokens), blocks=len(names), blocks_written=new_blocks,
+                          bytes_written=written, state_bytes=state_bytes)
+
+    def _publish(self, name: str, block: StateBlock) -> int:
+        return self._publish_raw(name, objects.encode(block, self.compression))
+
+    def _publish_raw(self, name: str, raw: bytes) -> int:
+        path = self._object_path(name)
+        make_private_dir(path.parent)
+        return len(raw) if objects.publish(path, raw, fsync=self.fsync) else 0
+
+    def _write_manifest(self, manifest: Manifest) -> int:
+        raw = json.dumps({"version": MANIFEST_VERSION, **asdict(manifest)}, separators=(",", ":")).encode()
+        path = self._manifest_path(manifest.key)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(raw)
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return len(raw)
+
+    # -- reading -------------------------------------------------------------------------
+
+    def manifests(self) -> list[Manifest]:
+        found = []
+        for path in self._manifests.glob("*.json"):
+            manifest = self._read_manifest(path)
+            if manifest is not None:
+                found.append(manifest)
+        return found
+
+    def manifest(self, key: str) -> Manifest | None:
+        return self._read_manifest(self._manifest_path(key))
+
+    @staticmethod
+    def _read_manifest(path: Path) -> Manifest | None:
+        try:
+            d = json.loads(path.read_bytes())
+            if d.pop("version") != MANIFEST_VERSION:
+                return None
+            return Manifest(**d)
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
+
+    def longest_prefix(self, tenant: str | None, tokens: Sequence[int]) -> Chain | None:
+        """The longest chain of stored blocks of ``tenant`` that prefixes ``tokens`` (walked
+        along the prompt's names to the first block the store lacks), continued by a
+        manifest's tail where one continues it along the prompt; None when no block matches."""
+        tokens = list(tokens)
+        ours = [m for m in self.manifests() if m.tenant == tenant and m.format_version == self.format.version]
+        best: Chain | None = None
+        for root in {m.root for m in ours}:
+            of_root = [m for m in ours if m.root == root]
+            sample = of_root[0]
+            names: list[str] = []
+            for name in chain_names(root, tokens, sample.block_tokens):
+                if not self.has(name):
+                    break
+                names.append(name)
+            matched = len(names) * sample.block_tokens
+            tail, source, tail_tokens = None, None, 0
+            for m in of_root:
+                if m.chain == names and m.tail and tokens[matched:matched + len(m.tail_tokens)] == m.tail_tokens \
+                        and len(m.tail_tokens) > tail_tokens and self.has(m.tail):
+                    tail, source, tail_tokens = m.tail, m.key, len(m.tail_tokens)
+            if source is None and names:
+                source = next((m.key for m in of_root if m.chain[:len(names)] == names), None)
+            total = matched + tail_tokens
+            if total and (best is None or total > best.tokens):
+                best = Chain(layout=sample.layout, n_stream=sample.n_stream, block_tokens=sample.block_tokens,
+                             names=names, tail=tail, tokens=total, source=source)
+        return best
+
+    def chain_of(self, key: str) -> Chain | None:
+        """The whole of ``key``'s stored state, as a chain; None when the store has no manifest for it."""
+        m = self.manifest(key)
+        if m is None:
+            return None
+        return Chain(layout=m.layout, n_stream=m.n_stream, block_tokens=m.block_tokens, names=list(m.chain),
+                     tail=m.tail, tokens=m.tokens, source=m.key)
+
+    def materialize(self, chain: Chain, dest: Path) -> int:
+        """Join ``chain``'s blocks (and its tail) into an engine file at ``dest``; returns its bytes.
+
+        :raises objects.CorruptBlock: a block missing or not as it was written.
+        """
+        with self._lock:
+            blocks = [self._read(name) for name in [*chain.names, *([chain.tail] if chain.tail else [])]]
+            if chain.source is not None:
+                self._touch(chain.source)
+        return self.format.join(chain.layout.encode(), blocks, Path(dest), n_stream=chain.n_stream)
+
+    def _read(self, name: str) -> StateBlock:
+        try:
+            raw = self._object_path(name).read_bytes()
+        except FileNotFoundError:
+            raise objects.CorruptBlock(f"block {name[:16]} is missing") from None
+        return objects.decode(raw)
+
+    def _touch(self, key: str) -> None:
+        try:
+            os.utime(self._manifest_path(key))
+        except FileNotFoundError:
+            pass
+
+    # -- removing ------------------------------------------------------------------------
+
+    def remove(self, key: str) -> bool:
+        """Forget ``key``'s manifest (its blocks go at the next prune, unless another holds them)."""
+        with self._lock:
+            try:
+                self._manifest_path(key).unlink()
+            except FileNotFoundError:
+                return False
+            return True
+
+    def _object_files(self) -> dict[str, os.stat_result]:
+        found = {}
+        for sub in self._objects.iterdir():
+            if not sub.is_dir():
+                continue
+            for path in sub.iterdir():
+                try:
+                    found[path.name] = path.stat()
+                except FileNotFoundError:
+                    continue
+        return found
+
+    def usage(self) -> StoreUsage:
+        files = {n: st for n, st in self._object_files().items() if not n.startswith(".")}
+        return StoreUsage(manifests=len(self.manifests()), objects=len(files),
+                          bytes=sum(st.st_size for st in files.values()))
+
+    def prune(self, *, keep: int | None = None, max_bytes: int | None = None) -> PruneReport:
+        """Keep at most ``keep`` manifests and ``max_bytes`` of objects, least recently used
+        manifests removed first; then remove every object no remaining manifest holds."""
+        with self._lock:
+            used = []
+            for m in self.manifests():
+                try:
+                    used.append((self._manifest_path(m.key).stat().st_mtime, m))
+                except FileNotFoundError:
+                    continue
+            used.sort(key=lambda x: x[0], reverse=True)
+            kept = [m for _, m in used]
+            files = self._object_files()
+            removed: list[str] = []
+
+            def size_of(ms: list[Manifest]) -> int:
+                held = {n for m in ms for n in m.objects()}
+                return sum(files[n].st_size for n in held if n in files)
+
+            while kept and ((keep is not None and len(kept) > keep)
+                            or (max_bytes is not None and size_of(kept) > max_bytes)):
+                gone = kept.pop()
+                self._manifest_path(gone.key).unlink(missing_ok=True)
+                removed.append(gone.key)
+            held = {n for m in self.manifests() for n in m.objects()}
+            now = time.time()
+            n_removed = freed = 0
+            for name, st in files.items():
+                if name in held or now - st.st_mtime < self.grace_s:
+                    continue
+                path = self._objects / name[:2] / name
+                try:
+                    path.unlink()
+                except FileNotFoundError:
+                    continue
+                n_removed += 1
+                freed += st.st_size
+            return PruneReport(manifests_removed=removed, objects_removed=n_removed, bytes_freed=freed)
