@@ -61,7 +61,7 @@ AIDER_STAMP := $(AIDER_DIR)/.installed-$(AIDER_VERSION)
 help:
 	@echo "make serve   set up (first time: ~10 min to build the engine) and run strata-serve on SmolLM2-135M"
 	@echo "make test    set up (the client tests' Claude Code and Codex CLI from npm, Aider from PyPI, and HAProxy, too), lint and run every test"
-	@echo "make lint    ruff and mypy alone"
+	@echo "make lint    ruff, mypy, import-linter and vulture alone"
 	@echo "make test-pythons  a quick subset on Python $(TEST_PYTHONS) too"
 	@echo "make bench   run the benchmarks (bench-quick: a short version; bench-side: side requests alone; bench-replicas: several servers alone)"
 	@echo "make soak    strata-serve under faults for $(SOAK_MINUTES) minutes (SOAK_MINUTES=5 to shorten; needs root)"
@@ -163,12 +163,16 @@ haproxy:
 	export DEBIAN_FRONTEND=noninteractive; \
 	apt-get install -y -q haproxy || { apt-get update -q && apt-get install -y -q haproxy; }
 
-# ruff (errors, modern Python, no blocking call in the server's async code) and mypy (the
+# ruff (errors, modern Python, no blocking call in the server's async code), mypy (the
 # annotations, and the Engine and ParkingStore protocols against every implementation:
-# tests/protocols.py); both configured in pyproject.toml.
+# tests/protocols.py), import-linter (the core's layers, docs/architecture.md) and vulture
+# (code nothing uses; what it cannot see used is named in vulture_whitelist.py); all
+# configured in pyproject.toml.
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
+	$(BIN)/vulture
 
 # pytest's exit code 5 means no tests ran: a broken set-up, never a pass.
 test: lint setup $(VENV)/.examples $(NODE_STAMP) $(AIDER_STAMP) haproxy

@@ -1,6 +1,16 @@
-"""The objects hooks receive: one request, its outcome, and an engine error.
+"""The objects hooks receive: one request, its outcome, a keying plugin's answer, and an engine error.
 
-These are plain dataclasses so plugin authors can build them in their own tests.
+These are plain dataclasses so plugin authors can build them in their own tests. A
+request is given the API it came through (``api=``, from the server's registry of APIs):
+it looks nothing up itself. Built without one (a plugin's test), readers that need its
+API take the built-in one its ``route`` names (:func:`strata_serve.api_of`).
+
+Who writes what of a request, each field one writer: the relay builds it; the core's
+keying step (:mod:`strata_serve.keying`, through ``Service.conversation_key``) sets
+``conversation_key`` and ``conversation_named`` from the keying plugin's answer; the
+service's request path (``service.py``) sets its placement, ``slot`` and ``pinned``,
+and what its slot held (``found_in_slot``, ``state_source``); a restore made for it
+sets ``restored_tokens``. Plugins read them, and keep their own data in ``state``.
 """
 
 from __future__ import annotations
@@ -11,10 +21,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 from collections.abc import Mapping
 
+from strata_serve.engine.results import EngineError, Timings, token_count
 from strata_serve.timing import Timeline
 
 if TYPE_CHECKING:
     from strata_serve.api.registry import Api
+
+__all__ = ["ConversationKey", "EngineError", "KeyRefused", "Outcome", "StrataRequest", "Timings", "Verdict",
+           "token_count"]
 
 _ids = itertools.count(1)
 
@@ -28,8 +42,9 @@ class StrataRequest:
     (Anthropic's ``/v1/messages``), ``responses`` (OpenAI's ``/v1/responses``),
     ``embeddings`` (``/v1/embeddings``, never keyed), ``infill`` (the engine's ``/infill``)
     or a plugin's API's own name (a slot action by hand is no request: see
-    ``Service.slot_action``). ``api`` is that API's declaration; built without one, a
-    request takes the built-in API its ``route`` names, and an unknown name is refused.
+    ``Service.slot_action``). ``api`` is that API's declaration, given by whoever builds
+    the request (the relay, from the server's registry); built without one, readers take
+    the built-in API its ``route`` names (:func:`strata_serve.api_of`).
     ``body`` is the validated JSON body exactly as it will be sent to the engine;
     ``state`` is a scratch dict for plugins to pass data from ``pre_request`` to
     ``post_request`` (key it by your plugin's name).
@@ -44,8 +59,8 @@ class StrataRequest:
     #: True when the key names one conversation because the client or the API said so
     #: (a session id the client sent, a Responses ``prompt_cache_key``, ``/infill``'s one
     #: conversation); False when it is a guess from the prompt (the opening's hash), which
-    #: several conversations may share. Set by the keying plugin whose key it is, in its
-    #: ``conversation_key`` hook; the core clears it when no key is taken.
+    #: several conversations may share. Recorded by the core from the keying plugin's
+    #: answer (:class:`ConversationKey`); a plugin returns it, never sets it.
     conversation_named: bool = False
     #: Name of the API-key holder that sent the request, when keys are configured.
     tenant: str | None = None
@@ -54,9 +69,10 @@ class StrataRequest:
     #: The engine slot the request runs in.
     slot: int = 0
     #: False when the engine chooses the slot itself: on a multi-slot engine, a route
-    #: the backend cannot place in a given slot (``Engine.pinned_routes``). The service
-    #: then holds every slot for it, and learns from the engine afterwards which slot
-    #: ran it (``slot`` is set to that one before ``post_request``).
+    #: the backend cannot place in a given slot (``Engine.pinned_routes``). Set by the
+    #: service from its claim (:func:`strata_serve.slot_choice.claim_for`); it then holds
+    #: every slot for it, and learns from the engine afterwards which slot ran it (``slot``
+    #: is set to that one before ``post_request``).
     pinned: bool = True
     #: Tokens a plugin restored into the slot for this request (0: none).
     restored_tokens: int = 0
@@ -74,57 +90,23 @@ class StrataRequest:
     timeline: Timeline = field(default_factory=Timeline, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.api is not None:
-            if self.api.route != self.route:
-                raise ValueError(f"route {self.route!r} is not the route of {self.api.path} ({self.api.route!r})")
-            return
-        from strata_serve.api.registry import builtin
-
-        api = builtin().by_route.get(self.route)
-        if api is None:
-            raise ValueError(f"no API has the route {self.route!r} (the built-in ones: "
-                             f"{', '.join(sorted(builtin().routes))}); give a plugin's API as api=")
-        self.api = api
-
-
-def token_count(value: Any) -> int | None:
-    """``value`` if it is a count an engine could report (an int, not a bool, not negative)."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+        if self.api is not None and self.api.route != self.route:
+            raise ValueError(f"route {self.route!r} is not the route of {self.api.path} ({self.api.route!r})")
 
 
 @dataclass(frozen=True)
-class Timings:
-    """The work one answer cost, in the same terms whatever the backend.
+class ConversationKey:
+    """What a keying plugin answers (the ``conversation_key`` hook): a key, and whether it
+    names one conversation.
 
-    Each engine backend reads its own numbers into this (``Engine.read_timings``:
-    llama-server's ``timings`` object has ``cache_n``, ``prompt_n``, ``predicted_n``,
-    ``prompt_ms`` and ``predicted_ms``); where an API reports ``usage`` alone (Anthropic's
-    Messages, the Responses API's plain answers), the token counts come from it and the
-    milliseconds are None. ``raw`` keeps what the engine sent, for a plugin that knows
-    the backend and wants more.
+    ``named``: True when the client or the API named the conversation (a session id the
+    client sent), False when the key is a guess from the prompt that several conversations
+    may share (auto-sessions then keeps a file for each conversation it finds under it).
+    A plain ``str`` answered by the hook is a guess: ``ConversationKey(key)``.
     """
 
-    #: Prompt tokens the engine found already in the slot and did not read again.
-    reused: int = 0
-    #: Prompt tokens the engine read (prefilled) for this answer.
-    prefilled: int = 0
-    #: Tokens generated.
-    generated: int = 0
-    #: Milliseconds spent prefilling the ``prefilled`` tokens, when the engine said.
-    prefill_ms: float | None = None
-    #: Milliseconds spent generating, when the engine said.
-    generate_ms: float | None = None
-    raw: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
-
-    @property
-    def prompt_tokens(self) -> int:
-        """The whole prompt: reused plus prefilled."""
-        return self.reused + self.prefilled
-
-    @property
-    def context_tokens(self) -> int:
-        """Tokens the slot holds after the answer: prompt plus generated."""
-        return self.prompt_tokens + self.generated
+    key: str
+    named: bool = False
 
 
 @dataclass
@@ -181,17 +163,3 @@ class Verdict(str, enum.Enum):
     RETRY = "retry"
     #: The operation must not be attempted (e.g. saving an empty slot): skip it.
     SKIP = "skip"
-
-
-@dataclass
-class EngineError(Exception):
-    """An engine call that failed: which operation, the HTTP status, and the message."""
-
-    op: str
-    message: str
-    status: int | None = None
-    body: Any = None
-
-    def __str__(self) -> str:
-        where = f"HTTP {self.status}" if self.status is not None else "no answer"
-        return f"engine {self.op} failed ({where}): {self.message}"

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from strata_serve.api.registry import Api
     from strata_serve.config import Settings
     from strata_serve.engine.base import Engine
-    from strata_serve.hook_types import EngineError, Outcome, StrataRequest, Verdict
+    from strata_serve.hook_types import ConversationKey, EngineError, Outcome, StrataRequest, Verdict
     from strata_serve.service import Service
 
 PROJECT = "strata_serve"
@@ -113,7 +113,7 @@ def on_engine_start(service: Service, restarted: bool) -> Any:
 
 
 @hookspec(firstresult=True)
-def conversation_key(request: StrataRequest, service: Service) -> str | None:
+def conversation_key(request: StrataRequest, service: Service) -> ConversationKey | str | None:
     """Name the conversation a request belongs to.
 
     Requests with the same key continue the same conversation; plugins such as
@@ -125,18 +125,23 @@ def conversation_key(request: StrataRequest, service: Service) -> str | None:
     (a malformed session header): the client gets a 400 naming it and the request
     is never queued.
 
-    A plugin whose key names one conversation because the client or the API said so (a
-    session id the client sent), not a guess from the prompt that several conversations
-    may share, sets ``request.conversation_named = True`` when it returns it: auto-sessions
-    then keeps one file for the key, where it would keep one per conversation it finds
-    under a guessed key.
+    Answer with a value: a plain ``str`` is a key guessed from the prompt, which several
+    conversations may share; a plugin whose key names one conversation because the client
+    or the API said so (a session id the client sent) returns
+    ``strata_serve.ConversationKey(key, named=True)``: auto-sessions then keeps one file
+    for the key, where it would keep one per conversation it finds under a guessed key.
+    The core records the answer on the request (``conversation_key``,
+    ``conversation_named``); a plugin never sets them. (Setting
+    ``request.conversation_named = True`` and returning a ``str``, as before, still works,
+    with a warning.)
 
     Stops at the first non-None result; return None to defer.
 
     :param request: The incoming request (``route``, ``body``, ``headers``, ``tenant``).
     :param service: The running service (read your settings from ``service.settings``).
     :returns: A key of letters, digits, ``-`` and ``_`` (at most 64) without ``--`` (it
-        separates a tenant's name: the core answers such a key with a 400), or None.
+        separates a tenant's name: the core answers such a key with a 400), as a ``str``
+        or a :class:`strata_serve.ConversationKey`; or None.
     """
 
 

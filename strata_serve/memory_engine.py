@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from strata_serve.engine.base import ContextOverflow, EngineInfo, SlotErased, SlotReport, SlotRestored, SlotSaved
 from strata_serve.engine.state_blocks import StateFormat
-from strata_serve.hook_types import Timings
+from strata_serve.engine.results import Timings
 
 #: What the double answers, token by token (one token per character, like its prompts).
 ANSWER = "ok."

@@ -13,8 +13,13 @@ import dataclasses
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 from collections.abc import Iterable, Mapping
+
+from strata_serve.hook_calls import call_each_sync
+
+if TYPE_CHECKING:
+    from strata_serve.service import Service
 
 log = logging.getLogger("strata_serve")
 
@@ -106,15 +111,13 @@ def _scaled(value: float, scale: float) -> float:
     return value if scale == 1 else value * scale
 
 
-def plugin_metrics(service: Any) -> dict[str, list[Metric]]:
+def plugin_metrics(service: Service) -> dict[str, list[Metric]]:
     """Every plugin's ``collect_metrics`` answer, by plugin name.
 
     An answer may be a dataclass declared with :func:`counter` and :func:`gauge`, or an
     iterable of :class:`Metric`. A plugin that raises, or answers anything else, is
     logged under its name and left out; None answers are left out silently.
     """
-    from strata_serve.plugins import call_each_sync
-
     found: dict[str, list[Metric]] = {}
     for name, answer in call_each_sync(service.pm, "collect_metrics", service=service):
         if answer is None:

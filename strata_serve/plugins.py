@@ -1,13 +1,14 @@
-"""Building the plugin manager, and calling hooks so one plugin's failure stays its own."""
+"""Building the plugin manager: plugins loaded, checked, configured.
+
+Hooks are called through :mod:`strata_serve.hook_calls` (its names are also here, as
+before).
+"""
 
 from __future__ import annotations
 
 import importlib.metadata
-import inspect
 import logging
 import os
-import time
-import weakref
 from dataclasses import dataclass
 from typing import Any
 from collections.abc import Callable, Iterable
@@ -16,11 +17,16 @@ import pluggy
 
 from strata_serve import hookspecs
 from strata_serve.config import ConfigError, Settings
-from strata_serve.timing import TIMED_HOOKS, current_timeline, span_name
+from strata_serve.hook_calls import _traced, broadcast, call_each_sync, call_impl, first_result
 
 log = logging.getLogger("strata_serve.plugins")
 
+__all__ = ["ENTRY_POINT_GROUP", "DEFAULT_PLUGINS", "PluginInfo", "add_plugin_commands", "broadcast", "call_each_sync",
+           "call_impl", "first_result", "get_plugin_manager", "list_plugins"]
+
 ENTRY_POINT_GROUP = "strata_serve"
+#: The version of strata-serve the built-in plugins come with (its distribution's).
+_OWN_VERSION = importlib.metadata.version("strata-serve")
 
 DEFAULT_PLUGINS = (
     "strata_serve.default_plugins.llama_server",
@@ -155,116 +161,6 @@ def _check_sections(settings: Settings, pm: pluggy.PluginManager) -> None:
             raise ConfigError(f"plugins.{name}: no plugin named {name!r} is installed")
 
 
-#: Plugin managers with STRATA_TRACE_PLUGINS on; our own dispatch logs for them too.
-_traced: weakref.WeakSet[pluggy.PluginManager] = weakref.WeakSet()
-
-
-def _trace(pm: pluggy.PluginManager, hook_name: str, plugin: str, result: Any) -> None:
-    # Called for every implementation of every hook: asking the (most often empty) set
-    # first spares the weak reference a membership test makes.
-    if _traced and pm in _traced:
-        log.info("[trace] %s -> %s returned %r", hook_name, plugin, result)
-
-
-def call_impl(impl: pluggy.HookImpl, kwargs: dict[str, Any]) -> Any:
-    return impl.function(*[kwargs[name] for name in impl.argnames])
-
-
-async def broadcast(pm: pluggy.PluginManager, hook_name: str, *,
-                    passthrough: tuple[type[Exception], ...] = (), **kwargs: Any) -> list[tuple[str, Any]]:
-    """Call every implementation of a hook in pluggy's order, awaiting async ones.
-
-    Unlike ``pm.hook.<name>(...)``, an implementation that raises is logged with its
-    plugin's name and the others still run; exceptions of the ``passthrough`` types
-    are a plugin's answer, not its failure: they propagate. Returns ``(plugin name,
-    result)`` for each implementation that succeeded.
-    """
-    results = []
-    hook = getattr(pm.hook, hook_name)
-    # A request's own steps are timed per plugin (strata_serve.timing), outside one not at all.
-    timeline = current_timeline() if hook_name in TIMED_HOOKS else None
-    # pluggy calls the last registered first (tryfirst/trylast already sorted in).
-    for impl in reversed(hook.get_hookimpls()):
-        name = impl.plugin_name
-        began = time.perf_counter()
-        try:
-            result = call_impl(impl, kwargs)
-            # Most implementations are plain functions that return None: await only what
-            # needs it, without a coroutine of our own around every call.
-            if result is not None and inspect.isawaitable(result):
-                result = await result
-            if timeline is not None:
-                timeline.add(f"{hook_name}.{span_name(name)}", (time.perf_counter() - began) * 1000)
-            _trace(pm, hook_name, name, result)
-            results.append((name, result))
-        except passthrough:
-            raise
-        except Exception:
-            log.exception("plugin %s failed in %s; carrying on without it", name, hook_name)
-    return results
-
-
-def call_each_sync(pm: pluggy.PluginManager, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
-    """Synchronous :func:`broadcast`, for hooks that must not be async."""
-    return list(_iter_sync(pm, hook_name, kwargs))
-
-
-def first_result(
-    pm: pluggy.PluginManager,
-    hook_name: str,
-    *,
-    order: Iterable[str] = (),
-    passthrough: tuple[type[Exception], ...] = (),
-    **kwargs: Any,
-) -> Any:
-    """A firstresult hook, called so that a raising plugin is logged and skipped.
-
-    ``order`` names plugins to ask first, in that order; the others follow in
-    pluggy's order. Exceptions of the ``passthrough`` types are a plugin's answer,
-    not its failure: they propagate.
-    """
-    for _name, result in _iter_sync(pm, hook_name, kwargs, order, passthrough):
-        if result is not None:
-            return result
-    return None
-
-
-def _iter_sync(
-    pm: pluggy.PluginManager,
-    hook_name: str,
-    kwargs: dict[str, Any],
-    order: Iterable[str] = (),
-    passthrough: tuple[type[Exception], ...] = (),
-):
-    hook = getattr(pm.hook, hook_name)
-    impls = list(reversed(hook.get_hookimpls()))
-    if order:
-        rank = {name: index for index, name in enumerate(order)}
-        # sorted() is stable: plugins not named keep pluggy's order, after the named ones.
-        impls.sort(key=lambda impl: rank.get(impl.plugin_name, len(rank)))
-    for impl in impls:
-        name = impl.plugin_name
-        try:
-            result = call_impl(impl, kwargs)
-        except passthrough:
-            raise
-        except Exception:
-            log.exception("plugin %s failed in %s; carrying on without it", name, hook_name)
-            continue
-        if inspect.isawaitable(result):
-            _close_awaitable(result)
-            log.error("plugin %s: %s must be synchronous; its result is ignored", name, hook_name)
-            continue
-        _trace(pm, hook_name, name, result)
-        yield name, result
-
-
-def _close_awaitable(value: Any) -> None:
-    close = getattr(value, "close", None)
-    if close is not None:
-        close()
-
-
 @dataclass
 class PluginInfo:
     name: str
@@ -290,7 +186,7 @@ def list_plugins(settings: Settings) -> list[PluginInfo]:
             PluginInfo(
                 name=name,
                 distribution=dist.metadata["Name"] if dist else "strata-serve (built in)",
-                version=dist.version if dist else _own_version(),
+                version=dist.version if dist else _OWN_VERSION,
                 hooks=hooks,
                 enabled=True,
             )
@@ -305,11 +201,5 @@ def list_plugins(settings: Settings) -> list[PluginInfo]:
     for module_name in DEFAULT_PLUGINS:
         short = module_name.rsplit(".", 1)[-1]
         if short not in loaded:
-            infos.append(PluginInfo(short, "strata-serve (built in)", _own_version(), [], False))
+            infos.append(PluginInfo(short, "strata-serve (built in)", _OWN_VERSION, [], False))
     return sorted(infos, key=lambda info: info.name)
-
-
-def _own_version() -> str:
-    from strata_serve import __version__
-
-    return __version__

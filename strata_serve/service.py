@@ -6,7 +6,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import re
 import time
 from dataclasses import replace
 from typing import Any, Literal, TypeVar
@@ -17,21 +16,19 @@ from pydantic import BaseModel
 
 from strata_serve.config import ConfigError, Settings
 from strata_serve.engine.base import Engine, EngineUnavailable, SlotErased, SlotRestored, SlotSaved
-from strata_serve.hook_types import EngineError, KeyRefused, Outcome, StrataRequest, Verdict
+from strata_serve.hook_types import EngineError, Outcome, StrataRequest, Verdict
 from strata_serve.measures import EngineMeasures, state_source
-from strata_serve.plugins import broadcast, first_result
+from strata_serve.hook_calls import broadcast, first_result
+from strata_serve.keying import choose_key
 from strata_serve.side_lane import MAIN, SIDE, bound_generation, choose_lane, pool_tokens
 from strata_serve.slot_choice import Claim, SlotChooser, choose_slot, claim_for, last_tasks, locate, slot_for
 from strata_serve.slot_state import SlotRegistry, SlotState, tokens_after
-from strata_serve.tenants import TENANT_SEPARATOR, tenant_key
 from strata_serve.timing import PhaseTotals, span, timeline_of
 
 log = logging.getLogger("strata_serve.service")
 
 M = TypeVar("M", bound=BaseModel)
 
-#: What a keying plugin may return: 1-64 of letters, digits, ``-`` and ``_`` (whole string).
-KEY_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 #: How long work cut off by a stop is given to unwind before the stop goes on without it.
 CUT_UNWIND_S = 2.0
 
@@ -284,39 +281,16 @@ class Service:
         return choose_slot(self.slots, claim, free)
 
     def conversation_key(self, request: StrataRequest) -> str | None:
-        """Ask the ``conversation_key`` hook, then namespace the key by tenant.
-
-        A named tenant's keys are ``<tenant>--<key>``; the unnamed tenant's (the plain
-        ``server.api_key``, or no key at all) are the plugin's key as is. A plugin's
-        key may not contain ``--``, so neither can reach the other's namespace.
+        """The key of ``request``'s conversation (:func:`strata_serve.keying.choose_key`: the
+        ``conversation_key`` hook asked, its answer checked and namespaced by tenant), or None;
+        whether it names one conversation is recorded as ``request.conversation_named``.
 
         :raises KeyRefused: when a keying plugin refuses the request's input, or
             its key contains ``--``.
         """
-        key = first_result(
-            self.pm,
-            "conversation_key",
-            order=self.settings.server.conversation_key_order,
-            passthrough=(KeyRefused,),
-            request=request,
-            service=self,
-        )
-        if key is None:
-            request.conversation_named = False
-            return None
-        if not isinstance(key, str) or not KEY_PATTERN.fullmatch(key):
-            log.warning("[strata] ignoring conversation key %r: not 1-64 of [A-Za-z0-9_-]", key)
-            request.conversation_named = False
-            return None
-        if TENANT_SEPARATOR in key:
-            # Without this, a key chosen by the client ("alice--s1") would name another
-            # tenant's conversation; refused whatever the key's source, tenants or not.
-            raise KeyRefused(
-                f"the conversation key {key!r} contains {TENANT_SEPARATOR!r}, which is reserved: "
-                "it separates a tenant's name from its conversation keys"
-            )
-        # Tenants never share a key, whichever plugin made it.
-        return tenant_key(request.tenant, key)
+        answer = choose_key(self.pm, request, self, order=self.settings.server.conversation_key_order)
+        request.conversation_named = answer is not None and answer.named
+        return None if answer is None else answer.key
 
     def verdict(
         self, op: str, error: EngineError | None, held_tokens: int | None = None
@@ -371,7 +345,9 @@ class Service:
         multi = len(self.slots) > 1
         lane = self.side_lane
         timeline = request.timeline
-        async with self.fifo.hold(claim_for(request, self.engine, len(self.slots), one_at_a_time=lane)) as granted:
+        claim = claim_for(request, self.engine, len(self.slots), one_at_a_time=lane)
+        request.pinned = claim.pinned
+        async with self.fifo.hold(claim) as granted:
             timeline.add("queue", (time.perf_counter() - arrived) * 1000)
             with span("ready"):
                 await self._ready_to_act(multi)
@@ -421,7 +397,8 @@ class Service:
                     self._line_free_at = time.perf_counter()
                 self._answered(request, outcome, before)
                 if not request.pinned:
-                    await _shielded(locate(self.engine, self.slots, request, tasks_before))
+                    found = await _shielded(locate(self.engine, self.slots, tasks_before))
+                    request.slot = self.slots.located(request.slot, found)
                 if lane:
                     self._after_in_lane(request)
                 try:

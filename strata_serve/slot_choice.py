@@ -1,4 +1,4 @@
-"""Which slot a request runs in, decided in one place.
+"""Which slot a request runs in, on an engine whose slots are equal.
 
 A request claims the FIFO (:func:`claim_for`): for its conversation, placed by
 :func:`choose_slot` once a slot it may use is free; or, on a multi-slot engine and a
@@ -6,6 +6,11 @@ route the backend cannot place in a given slot (``Engine.pinned_routes``), every
 since the engine chooses. Such a request is recorded in the slot the engine most likely
 takes (:func:`slot_for`), then located once it ran (:func:`locate`): the slot whose
 last task (``SlotReport.task``) is the newest ran it.
+
+Everything here answers; nothing writes. The service records what the answers say: the
+request's placement (``request.slot``, ``request.pinned``) and the registry of slots
+(:mod:`strata_serve.slot_state`). With a side lane the slot is chosen in
+:mod:`strata_serve.side_lane` instead; the FIFO (``ServiceFIFO``) only grants the claim.
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ from dataclasses import dataclass
 from collections.abc import Callable
 
 from strata_serve.engine.base import Engine, EngineUnavailable, SlotReport
-from strata_serve.hook_types import EngineError, StrataRequest
-from strata_serve.slot_state import SlotRegistry
+from strata_serve.engine.results import EngineError
+from strata_serve.hook_types import StrataRequest
+from strata_serve.slot_state import Located, SlotRegistry
 
 log = logging.getLogger("strata_serve.service")
 
@@ -29,12 +35,14 @@ class Claim:
     hold at once. ``slot``: one slot by number (a slot action by hand, a save while
     that slot is idle). ``exclusive``: every slot (work that needs the engine to
     itself: ``on_shutdown``, plugins' work while the service is idle, a request the
-    engine places itself).
+    engine places itself). ``pinned``: False when the engine, not the service, places
+    the request (the service records it on the request).
     """
 
     key: str | None = None
     slot: int | None = None
     exclusive: bool = False
+    pinned: bool = True
 
 
 #: Chooses the slot for a claim among the free ones (None: wait). See :func:`choose_slot`.
@@ -45,14 +53,13 @@ def claim_for(request: StrataRequest, engine: Engine, slots: int, *, one_at_a_ti
     """How ``request`` claims the FIFO of an engine running ``slots`` slots.
 
     Every slot, for a request relayed to an engine path the backend cannot place in a
-    given slot (then ``request.pinned`` is set False), and for every request with
-    ``one_at_a_time`` (the side lane: its two slots share one pool, and the room a side
+    given slot (``pinned`` False in the claim: the engine places it), and for every request
+    with ``one_at_a_time`` (the side lane: its two slots share one pool, and the room a side
     request may take is what the idle main slot leaves); otherwise its conversation's.
     """
     pinned: frozenset[str] = getattr(engine, "pinned_routes", frozenset())
     if slots > 1 and (request.api is None or request.api.engine_path not in pinned):
-        request.pinned = False
-        return Claim(exclusive=True)
+        return Claim(exclusive=True, pinned=False)
     if one_at_a_time:
         return Claim(key=request.conversation_key, exclusive=True)
     return Claim(key=request.conversation_key)
@@ -109,39 +116,28 @@ async def last_tasks(engine: Engine, count: int) -> dict[int, int] | None:
     return _tasks(answer, count)
 
 
-async def locate(engine: Engine, slots: SlotRegistry, request: StrataRequest,
-                 tasks_before: dict[int, int] | None) -> None:
+async def locate(engine: Engine, slots: SlotRegistry, tasks_before: dict[int, int] | None) -> Located:
     """Which slots the engine used for a request it was not told where to run.
 
-    The slot whose last task is the newest (``SlotReport.task``) ran it; the registry moves
-    the request's record there (and ``request.slot`` with it). The slot chosen
-    beforehand keeps its tokens with no name: a conversation is never recorded in two
-    slots. A request the engine split into several tasks (embeddings of several
-    inputs) ran in several slots: every other slot whose last task changed holds
-    nothing nameable any more. When the tasks before are not known, no other slot's
-    name can be trusted.
+    The slot whose last task is the newest (``SlotReport.task``) ran it. A request the
+    engine split into several tasks (embeddings of several inputs) ran in several slots:
+    every other slot whose last task changed ran part of it. When the tasks before are not
+    known, every other slot may have. The service records the answer
+    (:meth:`~strata_serve.slot_state.SlotRegistry.located`).
     """
     actions = slots.actions()
     try:
         answer = await engine.slots()
     except (EngineError, EngineUnavailable) as exc:
-        log.info("[strata] could not ask the engine which slot ran request %d: %s", request.id, exc)
-        for slot in range(len(slots)):
-            slots.unknown(slot, nameable=False)
-        return
+        log.info("[strata] could not ask the engine which slot ran a request: %s", exc)
+        return Located(reports=None, actions=actions)
     tasks = _tasks(answer, len(slots))
-    if tasks:
-        ran = max(tasks, key=lambda slot: tasks[slot])
-        if ran != request.slot:
-            slots.moved(request.slot, ran)
-            request.slot = ran
-        for slot in range(len(slots)):
-            touched = tasks_before is None or tasks.get(slot) != tasks_before.get(slot)
-            if slot != ran and touched and slots[slot].key is not None:
-                log.info("[strata] slot %d ran part of request %d: it no longer holds %s",
-                         slot, request.id, slots[slot].key)
-                slots.unknown(slot, nameable=False)
-    slots.adopt_engine_counts(answer, actions)
+    if not tasks:
+        return Located(reports=answer, actions=actions)
+    ran = max(tasks, key=lambda slot: tasks[slot])
+    touched = frozenset(slot for slot in range(len(slots))
+                        if slot != ran and (tasks_before is None or tasks.get(slot) != tasks_before.get(slot)))
+    return Located(reports=answer, actions=actions, ran=ran, touched=touched)
 
 
 def _tasks(reports: list[SlotReport], count: int) -> dict[int, int]:

@@ -1,10 +1,15 @@
 """One picture of what each engine slot holds, owned by the core.
 
-Every request that reaches the engine is recorded here by the service, whatever its
-client did afterwards (read to the end, closed the stream after the last event, went
-away mid-prefill); every slot call (save, restore, erase) made through the service is
-recorded too. Plugins read this picture and never keep a model of the engine's state
-of their own.
+One writer: the service (``service.py``) alone calls the recording methods of
+:class:`SlotRegistry`. Every request that reaches the engine is recorded here by it,
+whatever its client did afterwards (read to the end, closed the stream after the last
+event, went away mid-prefill); every slot call (save, restore, erase) made through the
+service is recorded too, and so is where the engine ran a request it placed itself
+(:func:`strata_serve.slot_choice.locate` answers, the service records it with
+:meth:`SlotRegistry.located`). The facts only the plugin whose files they are knows go
+through four named methods of its own (``file_written``, ``file_gone``, ``nothing_durable``,
+``holds_sibling``). Everyone reads this picture; no plugin keeps a model of the
+engine's slots of its own. ``tests/test_layers.py`` holds the code to this.
 
 Where the picture is not sure (a request that was cut off, an error), it says so
 (``tokens is None``) and the service asks the engine (``Engine.slots``) the next time
@@ -65,10 +70,26 @@ class SlotState:
         return self.tokens == 0
 
 
+@dataclass(frozen=True)
+class Located:
+    """Where the engine ran a request it placed itself, as its slot reports say
+    (:func:`strata_serve.slot_choice.locate`)."""
+
+    #: The engine's slot reports; None when it could not be asked.
+    reports: list[SlotReport] | None
+    #: The slot calls' counts before the reports were asked for (:meth:`SlotRegistry.actions`).
+    actions: dict[int, int]
+    #: The slot whose last task is the newest: it ran the request (None: not known).
+    ran: int | None = None
+    #: The other slots whose last task changed meanwhile: each ran part of it.
+    touched: frozenset[int] = frozenset()
+
+
 @dataclass
 class SlotRegistry:
     """What each slot of one engine holds, by id: the core's record, written through the
-    methods below (the service is their only caller) and read by everyone."""
+    methods below (the service is the only caller of those it records with; the plugin
+    whose files they are calls the three of its own) and read by everyone."""
 
     slots: list[SlotState] = field(default_factory=lambda: [SlotState(0)])
     #: Checks against the engine that found the picture wrong (each is logged).
@@ -124,10 +145,13 @@ class SlotRegistry:
         self.slots[slot] = before
 
     def saved(self, slot: int, tokens: int) -> None:
-        """The slot was saved: the engine counted what it holds. (The plugin whose file
-        it was records it with :meth:`file_written` once the file is in place under its
-        name.)"""
-        self.slots[slot].tokens = tokens
+        """The slot was saved: the engine counted what it holds (0: it was empty, and holds
+        nothing nameable). (The plugin whose file it was records it with
+        :meth:`file_written` once the file is in place under its name.)"""
+        if tokens == 0:
+            self.emptied(slot)
+        else:
+            self.slots[slot].tokens = tokens
 
     def restored(self, slot: int, key: str | None, tenant: str | None, tokens: int,
                  *, from_own_file: bool, sibling: int = 0) -> None:
@@ -147,6 +171,30 @@ class SlotRegistry:
         there.sibling, here.sibling = here.sibling, 0
         here.key = here.tenant = here.since = None  # whatever it holds, it is no longer that conversation's
         here.tokens, here.file_current = None, False  # counted by the engine's answer
+
+    def located(self, recorded: int, found: Located) -> int:
+        """Where the engine ran the request recorded in slot ``recorded`` (it placed it
+        itself): its record moves to the slot that ran it (a conversation is never
+        recorded in two), the slots that ran part of it hold nothing nameable, and the
+        engine's counts are taken. Not known (the engine did not answer): no slot's name
+        can be trusted.
+
+        :returns: the slot that ran it (``recorded`` when not known).
+        """
+        if found.reports is None:
+            for slot in range(len(self.slots)):
+                self.unknown(slot, nameable=False)
+            return recorded
+        ran = recorded if found.ran is None else found.ran
+        if ran != recorded:
+            self.moved(recorded, ran)
+        for slot in sorted(found.touched):
+            if self.slots[slot].key is not None:
+                log.info("[strata] slot %d ran part of request %s: it no longer holds %s",
+                         slot, self.slots[ran].last_request, self.slots[slot].key)
+                self.unknown(slot, nameable=False)
+        self.adopt_engine_counts(found.reports, found.actions)
+        return ran
 
     def emptied(self, slot: int) -> None:
         """Erased, or a failed restore that may have cleared it."""
@@ -181,6 +229,12 @@ class SlotRegistry:
         if state.key == key and state.sibling != sibling:
             state.sibling = sibling
             state.file_current = False
+
+    def nothing_durable(self, slot: int) -> None:
+        """The slot holds nothing worth keeping (the engine's quirks said its state is
+        provisional: a cancelled request's, which the engine refuses to save): restoring
+        over it loses nothing, and it holds nothing nameable."""
+        self.emptied(slot)
 
     def file_gone(self, slot: int) -> None:
         """The file that was current for the slot's conversation is gone (removed since):

@@ -35,6 +35,7 @@ from strata_serve.config import Settings
 from strata_serve.hookspecs import hookimpl
 from strata_serve.engine import LlamaServer
 from strata_serve.plugins import get_plugin_manager
+from strata_serve.service import Service
 
 # Async fixtures in strict mode need pytest-asyncio's marker; without it (strata-serve
 # installed without its test extra), plain pytest's: this plugin must still load.
@@ -72,7 +73,7 @@ async def ask(client: Any, messages: list[dict[str, Any]], *, key: str | None = 
     return await resp.json()
 
 
-async def until_idle(service: Any, timeout: float = 10) -> None:
+async def until_idle(service: Service, timeout: float = 10) -> None:
     """Wait until no request holds a turn: every ``post_request`` step has finished.
 
     A plain answer reaches the client before its request's ``post_request`` steps have

@@ -8,7 +8,7 @@ import pytest
 
 import strata_system_prompt_key
 from strata_serve.default_plugins.opening_key import conversation_key
-from strata_serve.hook_types import StrataRequest
+from strata_serve.hook_types import ConversationKey, StrataRequest
 
 TEXT = "Describe this picture"
 RED, BLUE = "data:image/png;base64,cmVk", "data:image/png;base64,Ymx1ZQ=="
@@ -51,7 +51,7 @@ def test_text_openings_keep_their_key_in_every_format():
                                        {"type": "message", "role": "user", "content": TEXT},
                                        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]}) \
         == expected
-    assert key("infill", {"input_prefix": "a", "input_suffix": "b"}) == "infill"
+    assert key("infill", {"input_prefix": "a", "input_suffix": "b"}) == ConversationKey("infill", named=True)
     assert key("completion", {"prompt": TEXT}) is None and key("embeddings", {"input": TEXT}) is None
 
 

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from strata_serve.api.errors import shape_of
+from strata_serve.api.builtin import builtin
 from strata_serve.api.openapi import AnthropicErrorResponse, ErrorResponse
 from strata_serve.api.schemas import ChatCompletionRequest
 from strata_serve.engine.llama_server import free_port
@@ -134,7 +134,7 @@ def check_error(answer: Answer, path: str = "/") -> None:
     assert answer.status < 500, (answer.status, answer.body[:300])
     if answer.status >= 400 and answer.body:
         # The OpenAI error shape every time, Anthropic's under /v1/messages.
-        shape = AnthropicErrorResponse if shape_of(path.partition("?")[0]) == "anthropic" else ErrorResponse
+        shape = AnthropicErrorResponse if builtin().errors_at(path.partition("?")[0]).name == "anthropic" else ErrorResponse
         shape.model_validate_json(answer.body)
 
 

@@ -139,9 +139,11 @@ async def test_a_route_the_backend_does_not_serve_is_not_supported_in_the_apis_s
 
 def test_the_engine_routes_are_every_route_relayed_to_the_engine():
     from strata_serve import ENGINE_ROUTES
-    from strata_serve.api.registry import builtin
+    from strata_serve.api.builtin import builtin
+    from strata_serve.engine import LlamaServer
 
     assert {api.engine_path for api in builtin()} == ENGINE_ROUTES and MemoryEngine.routes < ENGINE_ROUTES
+    assert LlamaServer.routes == ENGINE_ROUTES, "llama-server serves every one"
     assert ENGINE_ROUTES == {
         "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/v1/models",
         "/v1/messages", "/v1/messages/count_tokens",

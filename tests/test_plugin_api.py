@@ -126,11 +126,13 @@ async def test_an_api_on_a_taken_path_or_route_is_refused_and_logged(strata_memo
     assert (await client.post("/story/again", json=story("A lighthouse"))).status == 404
 
 
-def test_a_request_names_a_route_some_api_has():
-    assert strata_serve.StrataRequest(route="chat", body={}).api.path == "/v1/chat/completions"
-    assert strata_serve.StrataRequest(route="story", body={}, api=STORY).api is STORY
-    with pytest.raises(ValueError, match="no API has the route 'story'"):
-        strata_serve.StrataRequest(route="story", body={})
+def test_a_request_is_given_its_api_and_read_as_the_built_in_one_its_route_names_without_it():
+    plain = strata_serve.StrataRequest(route="chat", body={})
+    assert plain.api is None, "a request looks nothing up itself"
+    assert strata_serve.api_of(plain).path == "/v1/chat/completions"
+    assert strata_serve.api_of(strata_serve.StrataRequest(route="story", body={}, api=STORY)) is STORY
+    assert strata_serve.api_of(strata_serve.StrataRequest(route="story", body={})) is None, "no built-in API has it"
+    assert strata_serve.opening(strata_serve.StrataRequest(route="story", body=story("A lighthouse"))) is None
     with pytest.raises(ValueError, match="is not the route of /story/continue"):
         strata_serve.StrataRequest(route="chat", body={}, api=STORY)
 

@@ -27,7 +27,7 @@ from strata_serve.api.errors import APIError, ErrorShape
 from strata_serve.api.formats import ApiFormat, StreamSeen
 from strata_serve.api.registry import Api
 from strata_serve.api.schemas import AnthropicCountTokensRequest, AnthropicMessagesRequest
-from strata_serve.hook_types import Timings, token_count
+from strata_serve.engine.results import Timings, token_count
 
 #: Anthropic's error types (its SDK picks the exception class by status; the type names it).
 _ANTHROPIC_TYPES = {

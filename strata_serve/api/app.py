@@ -13,14 +13,16 @@ from urllib.parse import urlsplit
 import pluggy
 from aiohttp import web
 
-from strata_serve.api import openai, openapi, slots
-from strata_serve.api.errors import APIError, error_middleware, shape_protocol_errors
+from strata_serve.api import models, openai, openapi, slots
 from strata_serve.api.app_state import APIS, SERVICE, TENANT
-from strata_serve.api.registry import Apis, server_apis
-from strata_serve.api.relay import handler
+from strata_serve.api.builtin import server_apis
+from strata_serve.api.checks import ASK_ENGINE
+from strata_serve.api.errors import APIError, error_middleware, shape_protocol_errors
+from strata_serve.api.registry import Apis
+from strata_serve.api.relay import ask_directly, handler
 from strata_serve.config import ConfigError, Settings
-from strata_serve.engine import Engine
-from strata_serve.plugins import call_each_sync, first_result
+from strata_serve.engine.base import Engine
+from strata_serve.hook_calls import call_each_sync, first_result
 from strata_serve.service import Service
 
 log = logging.getLogger("strata_serve.api")
@@ -50,13 +52,14 @@ def create_app(settings: Settings, pm: pluggy.PluginManager, engine: Engine | No
 
     open_routes: set[web.AbstractRoute] = set()
     app = web.Application(
-        middlewares=[error_middleware(apis), _browser_guard(settings), _auth_middleware(settings, open_routes),
-                     _bodies_budget(settings)],
+        middlewares=[error_middleware(apis.errors_at), _browser_guard(settings),
+                     _auth_middleware(settings, open_routes), _bodies_budget(settings)],
         client_max_size=int(settings.server.max_body_mib * 1024 * 1024),
     )
     shape_protocol_errors(app)
     app[SERVICE] = service
     app[APIS] = apis
+    app[ASK_ENGINE] = ask_directly
     _add_api_routes(app, engine, apis)
     app.add_routes(slots.routes)
     # Open by route, not by path: another method on /health is never open.
@@ -84,7 +87,7 @@ def _add_api_routes(app: web.Application, engine: Engine, apis: Apis) -> None:
         serves = served is None or api.engine_path in served
         app.router.add_route(api.method, api.path, handler(api) if serves else _not_served(engine, api.path))
         if api is openai.MODELS and serves:
-            app.router.add_get(openai.MODEL_ROUTE, openai.retrieve_model)
+            app.router.add_get(openai.MODEL_ROUTE, models.retrieve_model)
 
 
 def _not_served(engine: Engine, path: str):

@@ -25,14 +25,20 @@ has tokens can never be answered; ``server.max_messages`` bounds the rest.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+
+from aiohttp import web
 
 from strata_serve.api.errors import APIError
+from strata_serve.config import ServerSettings
+from strata_serve.engine.base import EngineInfo
 
-if TYPE_CHECKING:  # the engine's package reads the APIs' declarations, which read this module
-    from strata_serve.config import ServerSettings
-    from strata_serve.engine.base import EngineInfo
+#: How a check that needs the engine (``Api.check``: ``/detokenize``'s token ids) asks it,
+#: outside the FIFO: ``await ask(request, method, path)`` gives the engine's status and
+#: answer. The app passes it down (``app[ASK_ENGINE]``, the relay's ``ask_directly``).
+AskEngine = Callable[[web.Request, str, str], Awaitable[tuple[int, Any]]]
+ASK_ENGINE: web.AppKey[AskEngine] = web.AppKey("ask_engine")
 
 #: What a media part names: the modality it needs and the URL (or inline data) it gives.
 MediaReader = Callable[[dict[str, Any]], tuple[str, Any]]

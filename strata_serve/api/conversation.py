@@ -1,9 +1,10 @@
-"""What a conversation is made of, whatever API it came through: how it opens, its prompt's units.
+"""What a conversation is made of, whatever API it came through: how it opens (:class:`Opening`).
 
-Each API declares both (:class:`~strata_serve.api.registry.Api`: ``opening`` and
-``prompt_units``); plugins ask through :func:`opening` and :func:`prompt_units` with the
-request, and never need to know which API it was. The helpers here read what the built-in
-APIs share: messages with a role, content as text or as a list of typed parts.
+Each API declares how its conversation opens and its prompt's units
+(:class:`~strata_serve.api.registry.Api`: ``opening`` and ``prompt_units``); plugins ask
+through :func:`strata_serve.opening` and :func:`strata_serve.prompt_units` with the
+request (:mod:`strata_serve.api.prompts`). The helpers here read what the built-in APIs
+share: messages with a role, content as text or as a list of typed parts.
 """
 
 from __future__ import annotations
@@ -12,10 +13,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from strata_serve.hook_types import StrataRequest
+from typing import Any
 
 SYSTEM_ROLES = frozenset({"system", "developer"})
 #: Content parts whose text is the message's text, in any of the APIs.
@@ -35,39 +33,11 @@ class Opening:
     media: list[str] = field(default_factory=list)
 
 
-def opening(request: StrataRequest | str, body: dict[str, Any] | None = None) -> Opening | None:
-    """How a request's conversation opens; None for an API that holds no conversation.
-
-    Pass the request: its API (a plugin's too) says how to read it. ``opening(route, body)``
-    reads a body as the built-in API named ``route`` would.
-    """
-    if isinstance(request, str):
-        from strata_serve.api.registry import builtin
-
-        api = builtin().by_route.get(request)
-        given = body if body is not None else {}
-    else:
-        api, given = request.api, request.body
-    if api is None or api.opening is None:
-        return None
-    return api.opening(given)
-
-
 def text_key(text: str, media: Sequence[str] = ()) -> str:
     """The key of an opening message: the sha1 of its text, framed with its media when it has some."""
     if media:
         text = json.dumps({"user": text, "media": list(media)}, ensure_ascii=False)
     return hashlib.sha1(text.encode("utf-8")).hexdigest()[:16]
-
-
-def prompt_units(request: StrataRequest) -> list[Any] | str:
-    """What a request's prompt is made of, in order, as its API declares: its
-    instructions or system prompt and its messages or items (a list), or a prompt's
-    text (a string); empty for an API that declares none."""
-    api = request.api
-    if api is None or api.prompt_units is None:
-        return []
-    return api.prompt_units(request.body)
 
 
 def message_text(content: Any) -> str:

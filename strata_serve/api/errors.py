@@ -5,7 +5,7 @@ Each API's format names its :class:`ErrorShape`: OpenAI's
 Anthropic's on ``/v1/messages`` and beneath it, since Anthropic's clients read that one
 (:mod:`strata_serve.api.anthropic`), a plugin's own on its API's paths. Handlers and
 middlewares raise :class:`APIError`; the error middleware, the outermost, renders it in
-the shape of the request's path (the app's registry of APIs says which), so a refusal
+the shape of the request's path (the server's registry of APIs, given to it, says which), so a refusal
 made before any handler ran (a missing key, a web page's origin, a body that is not
 JSON) is shaped the same way as one made by the handler.
 """
@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from collections.abc import Callable
 
 from aiohttp import web, web_protocol, web_server
 from pydantic import BaseModel, ValidationError
-
-if TYPE_CHECKING:
-    from strata_serve.api.registry import Apis
 
 log = logging.getLogger("strata_serve.api")
 
@@ -80,14 +77,6 @@ def _openai_body(error: APIError) -> dict[str, Any]:
 OPENAI_ERRORS = ErrorShape("openai", _openai_body, ErrorResponse)
 
 
-def shape_of(path: str) -> str:
-    """The name of the error shape the built-in APIs answer in at ``path`` (unknown paths
-    beneath an API's path too)."""
-    from strata_serve.api.registry import builtin
-
-    return builtin().errors_at(path).name
-
-
 def error_response(
     status: int,
     message: str,
@@ -135,12 +124,13 @@ class APIError(Exception):
         return web.json_response(self.body(shape), status=self.status, headers=self.headers)
 
 
-def error_middleware(apis: Apis) -> Any:
-    """The outermost middleware: every error leaves in the shape of the API at its path."""
+def error_middleware(shape_at: Callable[[str], ErrorShape]) -> Any:
+    """The outermost middleware: every error leaves in the shape of the API at its path
+    (``shape_at``: the server's registry's ``Apis.errors_at``)."""
 
     @web.middleware
     async def shaped(request: web.Request, handler: Any) -> web.StreamResponse:
-        shape = apis.errors_at(request.path)
+        shape = shape_at(request.path)
         try:
             return await handler(request)
         except APIError as exc:

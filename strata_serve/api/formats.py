@@ -21,7 +21,7 @@ import json
 from typing import Any
 
 from strata_serve.api.errors import OPENAI_ERRORS, ErrorShape
-from strata_serve.hook_types import Timings, token_count
+from strata_serve.engine.results import Timings, token_count
 
 
 class ApiFormat:

@@ -2,7 +2,8 @@
 
 ``/infill`` generates in the slot, so it goes through the FIFO like a chat; the others
 read the model's vocabulary and settings only and are answered outside it
-(:func:`~strata_serve.api.relay.direct` says why).
+(:func:`~strata_serve.api.relay.direct` says why); ``/detokenize``'s check asks the engine
+through what the app gives it (:data:`~strata_serve.api.checks.ASK_ENGINE`).
 
 ``/infill`` is one conversation, ``infill``: an editor's completions are many small
 requests over the same files; keyed, auto-sessions parks the editor's state when a chat
@@ -16,7 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from strata_serve.api.checks import ENGINE_MEDIA
+from strata_serve.api.checks import ASK_ENGINE, ENGINE_MEDIA
 from strata_serve.api.errors import APIError
 from strata_serve.api.formats import ApiFormat, StreamSeen
 from strata_serve.api.openai import prompt_text
@@ -59,9 +60,7 @@ async def known_tokens(request: web.Request, body: dict[str, Any]) -> None:
 
 async def _vocabulary_size(request: web.Request) -> int | None:
     """The model's vocabulary size, from the engine's model list (None: it does not say)."""
-    from strata_serve.api.relay import ask_directly
-
-    status, answer = await ask_directly(request, "GET", "/v1/models")
+    status, answer = await request.app[ASK_ENGINE](request, "GET", "/v1/models")
     models: Any = answer.get("data") if status == 200 and isinstance(answer, dict) else None
     if isinstance(models, list) and models and isinstance(models[0], dict):
         meta = models[0].get("meta")

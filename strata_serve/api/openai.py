@@ -10,11 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from aiohttp import web
-
 from strata_serve.api.checks import ENGINE_MEDIA
 from strata_serve.api.conversation import Opening, opening_of
-from strata_serve.api.errors import APIError
 from strata_serve.api.registry import Api
 from strata_serve.api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingsRequest
 
@@ -48,26 +45,10 @@ MODELS = Api("/v1/models", "The engine's models", method="GET")
 
 APIS = (CHAT, COMPLETION, EMBEDDINGS, MODELS)
 
-#: One model of the list, by its id: the OpenAI SDKs' ``models.retrieve``.
+#: One model of the list, by its id: the OpenAI SDKs' ``models.retrieve`` (answered by
+#: :mod:`strata_serve.api.models`).
 MODEL_PATH = MODELS.path + "/{model}"
 #: Its route: an id may hold slashes (llama-server's is the model file's path unless
 #: ``--alias`` names it; ``org/name`` aliases), sent as they are or as ``%2F``.
 MODEL_ROUTE = MODELS.path + "/{model:.+}"
 
-
-async def retrieve_model(request: web.Request) -> web.Response:
-    """One entry of the engine's model list, as OpenAI answers ``GET /v1/models/{model}``;
-    404 ``model_not_found`` when no entry has that id. The engine has no such route: its
-    list is asked, outside the FIFO."""
-    from strata_serve.api.relay import ask_directly, engine_answer  # relay reads the registry, which reads this
-
-    wanted = request.match_info["model"]
-    status, listed = await ask_directly(request, "GET", MODELS.engine_path)
-    if status >= 400:
-        return engine_answer(status, listed)  # raises the engine's refusal
-    models = listed.get("data") if isinstance(listed, dict) else None
-    for model in models if isinstance(models, list) else []:
-        if isinstance(model, dict) and model.get("id") == wanted:
-            return web.json_response(model)
-    raise APIError(404, f"the model {wanted!r} does not exist: GET {MODELS.path} lists what this server serves",
-                   param="model", code="model_not_found")

@@ -13,7 +13,8 @@ from strata_serve.api.app_state import APIS, SERVICE
 from strata_serve.api.anthropic import AnthropicErrorResponse
 from strata_serve.api.openai import MODEL_PATH, MODELS
 from strata_serve.api.errors import OPENAI_ERRORS, ErrorResponse
-from strata_serve.api.registry import Apis, builtin
+from strata_serve.api.builtin import builtin
+from strata_serve.api.registry import Apis
 from strata_serve.api.schemas import SlotFile
 
 __all__ = ["AnthropicErrorResponse", "ErrorResponse", "build", "openapi"]

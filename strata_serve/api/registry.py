@@ -3,10 +3,11 @@
 A module per API declares its paths: :mod:`~strata_serve.api.openai` (chat, completions,
 embeddings, the model list), :mod:`~strata_serve.api.responses`,
 :mod:`~strata_serve.api.anthropic` (Messages), :mod:`~strata_serve.api.llama` (the
-engine's own routes). A plugin adds its own through the ``register_apis`` hook. From the
-registry come the app's routes (``api/app.py``), the route names a request may carry
-(``StrataRequest.route``), the engine's route table (``ENGINE_ROUTES``), the error shape
-of every path (``api/errors.py``) and ``/openapi.json`` (``api/openapi.py``).
+engine's own routes), gathered in :mod:`~strata_serve.api.builtin`; a plugin adds its own
+through the ``register_apis`` hook. One server's registry is built there
+(:func:`~strata_serve.api.builtin.server_apis`) and passed down: from it come the app's
+routes (``api/app.py``), the API each request carries (``StrataRequest.api``), the error
+shape of every path (``api/errors.py``) and ``/openapi.json`` (``api/openapi.py``).
 """
 
 from __future__ import annotations
@@ -26,10 +27,7 @@ from strata_serve.api.errors import OPENAI_ERRORS, ErrorShape
 from strata_serve.api.formats import OPENAI, ApiFormat
 
 if TYPE_CHECKING:
-    import pluggy
     from aiohttp import web
-
-    from strata_serve.config import Settings
 
 log = logging.getLogger("strata_serve.api")
 
@@ -160,11 +158,6 @@ class Apis:
         """The route names a request may carry: every API's."""
         return frozenset(self.by_route)
 
-    @property
-    def engine_paths(self) -> frozenset[str]:
-        """The engine's paths the APIs are relayed to."""
-        return frozenset(api.engine_path for api in self.all)
-
     def errors_at(self, path: str) -> ErrorShape:
         """The error shape of the API at ``path``, or of the one whose path ``path`` is beneath
         (an unknown path under ``/v1/messages`` answers as Anthropic's); OpenAI's elsewhere."""
@@ -175,26 +168,3 @@ class Apis:
             if path.startswith(prefix):
                 return shape
         return OPENAI_ERRORS
-
-
-@functools.cache
-def builtin() -> Apis:
-    """The APIs every server speaks."""
-    from strata_serve.api import anthropic, llama, openai, responses
-
-    return Apis((*openai.APIS, *responses.APIS, *anthropic.APIS, *llama.APIS))
-
-
-def server_apis(pm: pluggy.PluginManager, settings: Settings) -> Apis:
-    """The built-in APIs and those the plugins add (``register_apis``); an API that cannot be
-    added is refused, logged with its plugin's name."""
-    from strata_serve.plugins import call_each_sync
-
-    apis = Apis(builtin())
-    for name, added in call_each_sync(pm, "register_apis", settings=settings):
-        for api in added or ():
-            try:
-                apis.add(api)
-            except ValueError as exc:
-                log.error("[strata] plugin %s: its API was refused: %s", name, exc)
-    return apis

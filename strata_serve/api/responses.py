@@ -16,7 +16,7 @@ from strata_serve.api.conversation import Opening, opening_of, system_first
 from strata_serve.api.formats import ApiFormat, StreamSeen
 from strata_serve.api.registry import Api
 from strata_serve.api.schemas import ResponsesRequest
-from strata_serve.hook_types import Timings, token_count
+from strata_serve.engine.results import Timings, token_count
 
 
 class ResponsesFormat(ApiFormat):

@@ -26,6 +26,7 @@ from strata_serve.api.relay import read_json, service_errors, service_of
 from strata_serve.api.schemas import SlotFile
 from strata_serve.engine.base import EngineUnavailable, SlotReport
 from strata_serve.hook_types import EngineError
+from strata_serve.service import Service
 from strata_serve.tenants import TENANT_SEPARATOR
 
 routes = web.RouteTableDef()
@@ -108,7 +109,7 @@ async def list_slots(request: web.Request) -> web.Response:
 SLOT_CONTENT = ("prompt", "generated", "params")
 
 
-def figures_for(service: Any, tenant: str | None, reports: list[SlotReport]) -> list[Any]:
+def figures_for(service: Service, tenant: str | None, reports: list[SlotReport]) -> list[Any]:
     """The engine's own account of its slots as ``tenant`` may see it: with named
     tenants, a slot's content only to the tenant the slot's state belongs to; figures
     to everyone."""

@@ -19,8 +19,8 @@ An API may give the key itself (its ``given_key``), which is used as it is:
   prompt;
 - ``infill``: one conversation, ``infill`` (an editor's completions over the same files).
 
-Such a key names one conversation (``request.conversation_named``); one from the
-opening is a guess several conversations may share.
+Such a key names one conversation (answered as ``ConversationKey(key, named=True)``); one
+from the opening is a guess several conversations may share (a plain ``str``).
 
 An API without an opening is not keyed: ``completion`` (a bare prompt); ``embeddings``
 never is (the core does not ask: no conversation is left in the slot).
@@ -29,23 +29,23 @@ never is (the core does not ask: no conversation is left in the slot).
 from __future__ import annotations
 
 import strata_serve
-from strata_serve.api.conversation import Opening, message_media, message_text, opening, text_key
+from strata_serve.api.conversation import Opening, message_media, message_text, text_key
 from strata_serve.api.llama import INFILL_KEY
-from strata_serve.hook_types import StrataRequest
+from strata_serve.api.prompts import api_of, opening
+from strata_serve.hook_types import ConversationKey, StrataRequest
 
 __all__ = ["INFILL_KEY", "Opening", "conversation_key", "message_media", "message_text", "opening", "text_key"]
 
 
 @strata_serve.hookimpl(trylast=True)
-def conversation_key(request: StrataRequest) -> str | None:
-    api = request.api
+def conversation_key(request: StrataRequest) -> ConversationKey | str | None:
+    api = api_of(request)
     if api is None:
         return None
     if api.given_key is not None:
         given = api.given_key(request.body)
         if given is not None:
-            request.conversation_named = True  # the client or the API named it
-            return given
+            return ConversationKey(given, named=True)  # the client or the API named it
     start = opening(request)
     if start is None or (start.user is None and not start.media):
         return None

@@ -12,16 +12,16 @@ and ``/metrics`` kept to the plain ``server.api_key``.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import strata_serve
 from strata_serve.engine.base import EngineUnavailable
 from strata_serve.hook_types import EngineError, StrataRequest
+from strata_serve.service import Service
 
 log = logging.getLogger("strata_serve.tenant_isolation")
 
 
-def _strict(service: Any) -> bool:
+def _strict(service: Service) -> bool:
     return service.settings.server.tenant_isolation == "strict"
 
 
@@ -38,7 +38,7 @@ def on_startup(service):
 
 
 @strata_serve.hookimpl(trylast=True)
-async def pre_request(request: StrataRequest, service: Any) -> None:
+async def pre_request(request: StrataRequest, service: Service) -> None:
     if not _strict(service):
         return
     failed = await _erase_others(service, request.slot, request.tenant)
@@ -50,7 +50,7 @@ async def pre_request(request: StrataRequest, service: Any) -> None:
 
 
 @strata_serve.hookimpl(trylast=True)
-async def pre_slot_action(slot: int, tenant: str | None, service: Any) -> None:
+async def pre_slot_action(slot: int, tenant: str | None, service: Service) -> None:
     # A save by hand must not write another tenant's state into the caller's file.
     if not _strict(service):
         return
@@ -60,7 +60,7 @@ async def pre_slot_action(slot: int, tenant: str | None, service: Any) -> None:
                   "failed (%s)", failed)
 
 
-async def _erase_others(service: Any, slot: int, tenant: str | None) -> Exception | None:
+async def _erase_others(service: Service, slot: int, tenant: str | None) -> Exception | None:
     """Erase ``slot`` unless it holds only ``tenant``'s state (or nothing); the failure, if any."""
     # The core's picture, checked against the engine when it is not sure; a slot whose
     # count is still unknown may hold something, so only an empty one is left as is.

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from collections.abc import Awaitable, Callable
 
-from strata_serve.hook_types import Timings
+from strata_serve.engine.results import Timings
 from strata_serve.engine.state_blocks import StateFormat
 
 
@@ -157,21 +157,6 @@ class ContextOverflow:
 CAPABILITIES = frozenset({"slots", "slot_files", "ram_cache"})
 
 
-def __getattr__(name: str) -> Any:
-    # ENGINE_ROUTES: the engine's paths the built-in APIs are relayed to, each declared once
-    # by its API (strata_serve.api.registry); a backend declares in ``routes`` which of them
-    # it serves. (``/slots``, ``/health``, ``/openapi.json`` and plugins' routes are the
-    # core's own, not relayed, so not listed.) Read from the registry on first use: the
-    # APIs' modules import this one.
-    if name == "ENGINE_ROUTES":
-        from strata_serve.api.registry import builtin
-
-        routes = builtin().engine_paths
-        globals()[name] = routes
-        return routes
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 class Engine(Protocol):
     """What the core asks of an engine backend.
 
@@ -184,7 +169,7 @@ class Engine(Protocol):
     info: EngineInfo
     #: What this backend can do (a subset of :data:`CAPABILITIES`); plugins check these.
     capabilities: frozenset[str]
-    #: The engine's paths this backend serves (of :data:`ENGINE_ROUTES`, and any a plugin's
+    #: The engine's paths this backend serves (of ``strata_serve.ENGINE_ROUTES``, and any a plugin's
     #: API is relayed to); an API relayed to another answers 404 ``not_supported`` in its
     #: error shape. A backend without it serves them all.
     routes: frozenset[str]

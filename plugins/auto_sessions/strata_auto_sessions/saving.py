@@ -135,7 +135,6 @@ async def _save(parking: AutoSessions, service: Any, slot: int, key: str, in_slo
                 # restoring one has crashed the engine.
                 _discard(parking, temp)
                 log.info("[strata] auto sessions: not keeping %s: the engine's slot was empty", key)
-                service.slots.emptied(slot)
                 return Parked.NOTHING_TO_KEEP
             kept = await _commit(parking, temp, key, in_slot, sidecar, prompt, n_saved, n_written)
             break
@@ -229,7 +228,7 @@ def _save_failed(parking: AutoSessions, key: str, exc: Exception, verdict: Verdi
     if verdict == Verdict.PROVISIONAL:
         log.info("[strata] auto sessions: %s held only provisional state (%s); "
                  "restoring over it is safe", key, message)
-        service.slots.emptied(slot)
+        service.slots.nothing_durable(slot)
         return Parked.NOTHING_TO_KEEP
     if verdict == Verdict.UNSUPPORTED:
         parking.status.stop(f"the engine cannot save slots ({message})")

@@ -94,12 +94,10 @@ def on_config(settings):
 # tryfirst: a client's own name beats any guess from the prompt (system_prompt_key, the
 # built-in default), whatever order the plugins were installed in.
 @strata_serve.hookimpl(tryfirst=True)
-def conversation_key(request: StrataRequest, service) -> str | None:
+def conversation_key(request: StrataRequest, service) -> strata_serve.ConversationKey | None:
     key = _key(request, service.plugin_config(NAME, SessionHeaderConfig))
-    if key is not None:
-        # The client named it: one conversation (auto-sessions keeps one file for it).
-        request.conversation_named = True
-    return key
+    # The client named it: one conversation (auto-sessions keeps one file for it).
+    return None if key is None else strata_serve.ConversationKey(key, named=True)
 
 
 def _key(request: StrataRequest, config: SessionHeaderConfig) -> str | None:

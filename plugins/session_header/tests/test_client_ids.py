@@ -42,7 +42,9 @@ def key(route: str, body: dict[str, Any], headers: dict[str, str] | None = None,
     request = StrataRequest(route=route, body=body, headers=CIMultiDict(headers or {}))
     config = config or strata_session_header.SessionHeaderConfig()
     service = SimpleNamespace(plugin_config=lambda name, model: config)
-    return strata_session_header.conversation_key(request, service)
+    answer = strata_session_header.conversation_key(request, service)
+    assert answer is None or answer.named, "a key the client named names one conversation"
+    return None if answer is None else answer.key
 
 
 def documented_digest(identity: dict[str, Any]) -> str:

@@ -17,7 +17,9 @@ def key(headers=None, route="chat", config=None, **body):
     request = StrataRequest(route=route, body=chat_body(**body), headers=CIMultiDict(headers or {}))
     config = config or strata_session_header.SessionHeaderConfig()
     service = SimpleNamespace(plugin_config=lambda name, model: config)
-    return strata_session_header.conversation_key(request, service)
+    answer = strata_session_header.conversation_key(request, service)
+    assert answer is None or answer.named, "a key the client named names one conversation"
+    return None if answer is None else answer.key
 
 
 def configure(strata_settings_factory, **section):

@@ -7,7 +7,7 @@ from typing import Any
 
 from strata_serve.engine.base import ContextOverflow, EngineInfo, SlotErased, SlotReport, SlotRestored, SlotSaved
 from strata_serve.engine.llama_server.binary import packaged_build
-from strata_serve.hook_types import Timings, token_count
+from strata_serve.engine.results import Timings, token_count
 
 #: Where llama-server adds its own numbers to an answer and to a stream's events.
 NUMBERS_KEY = "timings"

@@ -17,8 +17,8 @@ from collections.abc import Awaitable, Callable
 from pydantic import SecretStr
 
 from strata_serve.config import ConfigError, EngineSettings
-from strata_serve.engine.base import (ENGINE_ROUTES, ContextOverflow, EngineInfo, EngineUnavailable, SlotErased,
-                                      SlotReport, SlotRestored, SlotSaved)
+from strata_serve.engine.base import (ContextOverflow, EngineInfo, EngineUnavailable, SlotErased, SlotReport,
+                                      SlotRestored, SlotSaved)
 from strata_serve.engine.llama_server import answers, process
 from strata_serve.engine.llama_server.binary import resolve_binary
 from strata_serve.engine.llama_server.client import EngineClient, StreamReply
@@ -28,7 +28,7 @@ from strata_serve.engine.llama_server.state import EngineState
 from strata_serve.engine.llama_server.state_file import LlamaStateFormat
 from strata_serve.engine.state_blocks import StateFormat
 from strata_serve.files import make_private_dir
-from strata_serve.hook_types import EngineError, Timings
+from strata_serve.engine.results import EngineError, Timings
 
 log = logging.getLogger("strata_serve.engine")
 
@@ -45,8 +45,13 @@ class LlamaServer:
     """
 
     capabilities = frozenset({"slots", "slot_files", "ram_cache"})
-    #: llama-server serves every route of the core's engine API.
-    routes = ENGINE_ROUTES
+    #: llama-server serves every engine path the built-in APIs are relayed to
+    #: (``strata_serve.ENGINE_ROUTES``: ``tests/test_memory_engine.py`` holds the two equal).
+    routes = frozenset({
+        "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/v1/models",
+        "/v1/messages", "/v1/messages/count_tokens",
+        "/infill", "/tokenize", "/detokenize", "/apply-template", "/props",
+    })
     # llama-server honours ``id_slot`` on these; its /v1/messages and /v1/embeddings
     # drop it (the Anthropic conversion keeps only the fields it knows), and /infill
     # has not been seen to honour it.
