@@ -55,15 +55,24 @@ NODE_STAMP := $(NODE_DIR)/.installed-$(CLAUDE_CODE_VERSION)-$(CODEX_VERSION)
 AIDER_DIR := .aider
 AIDER_VERSION := 0.86.2
 AIDER_STAMP := $(AIDER_DIR)/.installed-$(AIDER_VERSION)
+# A third-party agent benchmark `make bench` runs (bench/agent_sim.py): PyPI's cache-pressure,
+# pinned, its agent-sim in a virtual environment of its own. It needs Python 3.12 or later:
+# the newest found in pyenv, else python3.13 or python3.12 on PATH.
+CACHE_PRESSURE_DIR := .cache-pressure
+CACHE_PRESSURE_VERSION := 0.6.3
+CACHE_PRESSURE_STAMP := $(CACHE_PRESSURE_DIR)/.installed-$(CACHE_PRESSURE_VERSION)
+CACHE_PRESSURE_PYTHON ?= $(or $(shell ls -d $(PYENV_ROOT)/versions/3.1[2-9].*/bin/python3 2>/dev/null | sort -V | tail -n1),$(shell command -v python3.13 || command -v python3.12),python3)
+# `make bench-agent-sim AGENT_SIM_ARGS="--rounds 3 --before ../old-checkout"`
+AGENT_SIM_ARGS ?=
 
-.PHONY: help setup clients haproxy serve lint test test-pythons bench bench-quick bench-side bench-replicas soak clean
+.PHONY: help setup clients haproxy serve lint test test-pythons bench bench-quick bench-side bench-replicas bench-agent-sim soak clean
 
 help:
 	@echo "make serve   set up (first time: ~10 min to build the engine) and run strata-serve on SmolLM2-135M"
 	@echo "make test    set up (the client tests' Claude Code and Codex CLI from npm, Aider from PyPI, and HAProxy, too), lint and run every test"
 	@echo "make lint    ruff, mypy, import-linter and vulture alone"
 	@echo "make test-pythons  a quick subset on Python $(TEST_PYTHONS) too"
-	@echo "make bench   run the benchmarks (bench-quick: a short version; bench-side: side requests alone; bench-replicas: several servers alone)"
+	@echo "make bench   run the benchmarks (bench-quick: a short version; bench-side: side requests alone; bench-replicas: several servers alone; bench-agent-sim: cache-pressure's agent-sim alone)"
 	@echo "make soak    strata-serve under faults for $(SOAK_MINUTES) minutes (SOAK_MINUTES=5 to shorten; needs root)"
 
 $(BIN)/python:
@@ -153,6 +162,17 @@ $(AIDER_STAMP):
 
 clients: $(NODE_STAMP) $(AIDER_STAMP)
 
+$(CACHE_PRESSURE_STAMP):
+	@"$(CACHE_PRESSURE_PYTHON)" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null \
+	  || { echo "[strata] cache-pressure's agent-sim needs Python 3.12 or later; $(CACHE_PRESSURE_PYTHON) is not: install one (pyenv install 3.12) or name it, make bench CACHE_PRESSURE_PYTHON=/path/to/python3.12"; exit 1; }
+	rm -rf $(CACHE_PRESSURE_DIR)
+	"$(CACHE_PRESSURE_PYTHON)" -m venv $(CACHE_PRESSURE_DIR)
+	$(CACHE_PRESSURE_DIR)/bin/python -m pip install -q --disable-pip-version-check cache-pressure==$(CACHE_PRESSURE_VERSION) \
+	  || { echo "[strata] pip could not install cache-pressure==$(CACHE_PRESSURE_VERSION) into $(CACHE_PRESSURE_DIR)"; exit 1; }
+	$(CACHE_PRESSURE_DIR)/bin/agent-sim --help | grep -q -- '--finalize-tokens' \
+	  || { echo "[strata] $(CACHE_PRESSURE_DIR)/bin/agent-sim does not run"; exit 1; }
+	touch $@
+
 # The balancer the tests of several replicas put in front of them (tests/replicas.py):
 # Debian's haproxy, installed as root like the rest of the test set-up; without root, the
 # set-up stops and names the package. Debian puts it in /usr/sbin, off a user's PATH.
@@ -224,7 +244,7 @@ test-pythons: $(foreach v,$(TEST_PYTHONS),.venv-$(v)/.installed .venv-$(v)/.exam
 	done
 
 # The benchmarks of several servers run two replicas behind HAProxy: the test set-up's haproxy.
-bench: setup haproxy
+bench: setup haproxy $(CACHE_PRESSURE_STAMP)
 	$(BIN)/python -m bench.run
 
 bench-quick: setup haproxy
@@ -235,6 +255,11 @@ bench-quick: setup haproxy
 # its table in bench/results/several-servers.md.
 bench-replicas: setup haproxy
 	$(BIN)/python -m bench.replicas
+
+# On its own: PyPI cache-pressure's agent-sim against the bare engine and strata-serve, RAM
+# cache default and off, interleaved; its table in bench/results/agent-sim.md.
+bench-agent-sim: setup $(CACHE_PRESSURE_STAMP)
+	$(BIN)/python -m bench.agent_sim $(AGENT_SIM_ARGS)
 
 # On its own: what side requests (titles, tags, follow-ups) cost the main conversation, four
 # set-ups, Open WebUI's and Claude Code's patterns; its table in bench/results/side-requests.md.
@@ -248,4 +273,4 @@ soak: setup
 	$(BIN)/python -m bench.soak --minutes $(SOAK_MINUTES)
 
 clean:
-	rm -rf $(VENV) $(foreach v,$(TEST_PYTHONS),.venv-$(v)) $(NODE_DIR) $(AIDER_DIR) models build *.egg-info
+	rm -rf $(VENV) $(foreach v,$(TEST_PYTHONS),.venv-$(v)) $(NODE_DIR) $(AIDER_DIR) $(CACHE_PRESSURE_DIR) models build *.egg-info

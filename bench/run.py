@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 
-from bench import prefix, profile, readme, replicas, switchback, workloads
+from bench import agent_sim, engine_alone, prefix, profile, readme, replicas, switchback, workloads
 from bench.harness import bare_engine, chat, client_session, conversation, spread, strata
 from bench.layer_cost import HEADER as LAYER_HEADER, layer_cost, sizes as layer_sizes, summary as layer_summary
 from strata_serve.demo_model import write_demo_model
@@ -132,6 +132,13 @@ def report(results: dict[str, Any], quick: bool, command: str) -> str:
         lines += ["", f"![switch-back time and file size against context length]({results['plot']})"]
     for found in results["agents"]:
         lines += workloads.report(found, found["model"])
+    if results.get("alone"):
+        lines += engine_alone.report(results["alone"], results["alone"]["model"])
+    if results.get("agent_sim"):
+        lines += agent_sim.report(results["agent_sim"])
+    elif not quick:
+        lines += ["", "## A third-party agent benchmark: cache-pressure agent-sim", "",
+                  f"Not run: agent-sim is not installed in {agent_sim.VENV} (`make bench` installs it)."]
     lines += prefix.report(results["prefix"], spread)
     speed = results["save_restore"]
     lines += [
@@ -193,6 +200,10 @@ AGENT_PLANS = {
 }
 
 
+#: Rounds of the agent-sim comparison (four systems, about 2-3 minutes a run).
+AGENT_SIM_ROUNDS = 2
+
+
 def _made(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     return directory
@@ -247,6 +258,18 @@ async def main(quick: bool, out: Path, sizes: list[int] | None = None, command: 
                 continue
             found = await asyncio.to_thread(workloads.agent_comparison, models[plan["model"]], work, **plan["args"])
             results["agents"].append({**found, "model": plan["name"]})
+        lap("against the engine alone...")
+        alone = models["smollm2"] if not quick and models["smollm2"] is not None else tiny
+        results["alone"] = {"model": "tiny model" if alone == tiny else "SmolLM2-135M",
+                            **await engine_alone.measure(Path(alone), _made(work / "alone"),
+                                                         **engine_alone.sizes(quick))}
+        if not quick:
+            lap("agent-sim (cache-pressure)...")
+            exe = agent_sim.executable()
+            if exe is not None and models["smollm2"] is not None:
+                results["agent_sim"] = await asyncio.to_thread(
+                    agent_sim.compare, Path(models["smollm2"]), _made(work / "agent-sim"), AGENT_SIM_ROUNDS,
+                    agent_sim.systems(), agent_sim.ARGS, exe)
         lap("prefix restore after a restart...")
         results["prefix"] = await asyncio.to_thread(prefix.prefix_after_restart, tiny if quick else bench_model,
                                                     work, 512 if quick else 3072, 1 if quick else 2,

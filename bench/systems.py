@@ -151,16 +151,23 @@ class Running:
         return [float(found) for found in RAM_CACHE_LINE.findall(text)]
 
 
+def bare_command(system: System, model: Path, ctx: int, slot_dir: Path, extra_args: list[str], binary: Path,
+                 port: int) -> list[str]:
+    """The bare engine's command line: the plain engine a user runs (``-np 1 -c CTX`` for one
+    slot), not the two slots over one pool that strata-serve gives the engine it starts
+    (``side_slot_tokens = 0``)."""
+    settings = EngineSettings(model=model, ctx_size=ctx, slot_save_path=slot_dir, cache_ram_mib=system.cache_ram_mib,
+                              parallel=system.parallel, extra_args=extra_args, side_slot_tokens=0)
+    return build_command(settings, binary, port)
+
+
 class BareEngine(Running):
     def __init__(self, system: System, model: Path, ctx: int, work: Path, extra_args: list[str]) -> None:
         self.slot_dir = work / "slots"
         self.slot_dir.mkdir(parents=True, exist_ok=True)
         self.log = work / "engine.log"
         port = free_port("127.0.0.1")
-        settings = EngineSettings(model=model, ctx_size=ctx, slot_save_path=self.slot_dir,
-                                  cache_ram_mib=system.cache_ram_mib, parallel=system.parallel,
-                                  extra_args=extra_args)
-        self.command = build_command(settings, resolve_binary(), port)
+        self.command = bare_command(system, model, ctx, self.slot_dir, extra_args, resolve_binary(), port)
         self.url = f"http://127.0.0.1:{port}"
         self.headers = {"Authorization": f"Bearer {BENCH_ENGINE_KEY}"}
         self.env = {**engine_env(), "LLAMA_API_KEY": BENCH_ENGINE_KEY}

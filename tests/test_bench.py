@@ -72,6 +72,11 @@ async def test_quick_benchmark_writes_its_tables(tmp_path):
         (row,) = failover[kind]
         assert row["after"]["state"] == "disk" and row["after"]["cache_n"] > 10 * row["after"]["prompt_n"], row
         assert row["fetched_bytes"] == row["uploaded_bytes"] == row["saved_bytes"] > 0, row
+    # Against the engine alone: each measure taken both ways, as ratios in the table.
+    alone = results["alone"]
+    assert "## Against its own engine alone, tiny model" in report and "| 8 clients, requests/s |" in report
+    assert all(len(alone["stream_tps"][n]) == 2 and min(alone["stream_tps"][n]) > 0 for n in ("engine", "strata"))
+    assert all(len(alone["clients_rps"][n]) == 1 for n in ("engine", "strata"))
     print(f"bench-quick took {results['seconds']['total']:.0f} s")
 
 
@@ -213,3 +218,53 @@ def test_the_soak_lists_parked_files_only_once_the_server_has_settled(tmp_path, 
     endless = SimpleNamespace(server=_Busy(3600), slot_dir=tmp_path, problems=[])
     soak.Soak.settle(endless)
     assert endless.problems and "still working" in endless.problems[0]
+
+
+# -- the third-party agent benchmark and the bare engine it is compared with -------------------
+
+from pathlib import Path  # noqa: E402
+
+from bench import agent_sim  # noqa: E402
+from bench.systems import System, bare_command  # noqa: E402
+
+
+def test_the_bare_engine_of_the_comparisons_is_the_plain_one_slot_engine():
+    """What a user runs bare: one slot of the whole context, no side slot over a shared pool
+    (strata-serve's default gives the engine it starts one; the bare engine must not get it)."""
+    command = bare_command(System("bare", "bare"), Path("m.gguf"), 8192, Path("slots"), [], Path("llama-server"), 1)
+    assert command[command.index("-np") + 1] == "1" and command[command.index("-c") + 1] == "8192"
+    assert "--kv-unified" not in command and "--kv-unified-per-slot" not in command
+    off = bare_command(System("bare", "bare", cache_ram_mib=0), Path("m.gguf"), 8192, Path("slots"), [],
+                       Path("llama-server"), 1)
+    assert off[off.index("--cache-ram") + 1] == "0" and off[off.index("-np") + 1] == "1"
+
+
+def _record(phase: str, step: int, reuse: float, **extra) -> dict:
+    return {"session": 0, "phase": phase, "step": step, "reuse": reuse, "prompt": 1000, "cached": int(reuse * 1000),
+            "error": None, "aborted": False, **extra}
+
+
+def test_agent_sim_contexts_kept_are_counted_at_its_own_threshold():
+    """A return that reused less than agent-sim's threshold lost its context; aborted and
+    failed returns are not counted either way; a first main turn never returns."""
+    records = [_record("main", 0, 0.0), _record("main", 1, 0.99), _record("main", 2, 0.1),
+               _record("sub", 0, 0.0), _record("finalize", 0, 0.98), _record("finalize", 0, 0.65),
+               _record("finalize", 0, 0.9, aborted=True), _record("finalize", 0, 0.0, error="HTTP 500")]
+    assert agent_sim.kept(records) == (1, 2)
+    assert agent_sim.continued(records) == (1, 2)
+
+
+def test_agent_sim_ratios_pair_each_run_with_the_bare_run_of_its_round_and_ram_setting():
+    runs = {"bare-default": [{"round": 0, "wall_s": 100.0}, {"round": 1, "wall_s": 200.0}],
+            "strata-default": [{"round": 1, "wall_s": 180.0}, {"round": 0, "wall_s": 110.0}],
+            "bare-off": [{"round": 0, "wall_s": 300.0}],
+            "strata-off": [{"round": 0, "wall_s": 150.0}]}
+    found = agent_sim.ratios(runs)
+    assert found == {"strata-default": [0.9, 1.1], "strata-off": [0.5]}
+    assert set(found) == {s.key for s in agent_sim.systems() if not s.key.startswith("bare")}
+    table = "\n".join(agent_sim.report({"version": agent_sim.VERSION, "args": agent_sim.ARGS, "rounds": 2,
+                                        "systems": {s.key: s.name for s in agent_sim.systems()},
+                                        "runs": {k: [{**r, "kept": (3, 3), "continued": (6, 6),
+                                                      "load_before": (1.0, 1.0, 1.0)} for r in v]
+                                                 for k, v in runs.items()}, "ratios": found}))
+    assert "| strata-serve, its defaults | 145.0 (110.0-180.0) | 1.000 (0.900-1.100) | 6/6 | 6/6 |" in table
