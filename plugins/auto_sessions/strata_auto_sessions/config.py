@@ -4,10 +4,13 @@ name sizes and slots."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    from strata_serve import Service
 
 NAME = "auto_sessions"
 GB = 1024**3
@@ -117,6 +120,6 @@ def size_text(n: int) -> str:
     return f"{n / GB:.2f} GB" if n >= GB / 100 else f"{n / 1024**2:.2f} MB"
 
 
-def from_slot(service: Any, slot: int, word: str = "from") -> str:
+def from_slot(service: Service, slot: int, word: str = "from") -> str:
     """Which slot, for a log line; nothing when the engine has one."""
     return f" ({word} slot {slot})" if len(service.slots) > 1 else ""

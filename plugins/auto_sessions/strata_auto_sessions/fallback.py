@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from strata_serve import StrataRequest, first_result, in_tenant, prompt_units
 
@@ -14,12 +14,14 @@ from strata_auto_sessions.prefix import ParkedConversation, message_chain
 from strata_auto_sessions.store import incompatibility, last_use, of_sibling
 
 if TYPE_CHECKING:
+    from strata_serve import Service
+
     from strata_auto_sessions.parking import AutoSessions
 
 log = logging.getLogger("strata_auto_sessions")
 
 
-def choose(parking: AutoSessions, request: StrataRequest, service: Any) -> tuple[str, int] | None:
+def choose(parking: AutoSessions, request: StrataRequest, service: Service) -> tuple[str, int] | None:
     """The parked conversation a plugin chose for ``request``, which has no file, and
     which of its key's files (siblings): same tenant, a file this engine can use, not the
     one the slot holds (the engine reuses that from the slot). None when there is none."""

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from strata_serve import Verdict
+    from strata_serve import Service, Verdict
     from strata_auto_sessions.parking import AutoSessions
     from strata_auto_sessions.config import SharedConfig
     from strata_auto_sessions.prefix import ParkedConversation
@@ -22,7 +22,7 @@ hookspec = pluggy.HookspecMarker("strata_serve")
 
 
 @hookspec(firstresult=True)
-def auto_sessions_store(directory: Path, service: Any) -> ParkingStore | None:
+def auto_sessions_store(directory: Path, service: Service) -> ParkingStore | None:
     """Where parked sessions rest: return a :class:`~strata_auto_sessions.store.ParkingStore`.
 
     The engine writes and reads slot files only in its slot directory (``directory``),
@@ -42,7 +42,7 @@ def auto_sessions_store(directory: Path, service: Any) -> ParkingStore | None:
 
 
 @hookspec(firstresult=True)
-def auto_sessions_shared_tier(config: SharedConfig, service: Any) -> SharedTier | None:
+def auto_sessions_shared_tier(config: SharedConfig, service: Service) -> SharedTier | None:
     """The tier several servers share their parked conversations through: return a
     :class:`~strata_auto_sessions.shared.SharedTier`, or None to defer to the one
     ``config.url`` names (``file://`` a shared directory, ``s3://`` a bucket).
@@ -58,7 +58,7 @@ def auto_sessions_shared_tier(config: SharedConfig, service: Any) -> SharedTier 
 
 @hookspec(firstresult=True)
 def auto_sessions_fallback(
-    request: Any, chain: dict[str, list], parked: list[ParkedConversation], parking: AutoSessions, service: Any
+    request: Any, chain: dict[str, list], parked: list[ParkedConversation], parking: AutoSessions, service: Service
 ) -> str | None:
     """Choose a parked conversation to restore when the incoming one has no file of its own.
 
@@ -89,7 +89,7 @@ def auto_sessions_fallback(
 
 @hookspec(firstresult=True)
 def auto_sessions_restore_unused(
-    restored: int, reused: int, prompt_tokens: int | None, engine: Any, service: Any
+    restored: int, reused: int, prompt_tokens: int | None, engine: Any, service: Service
 ) -> Verdict | None:
     """Say what a restore the next request did not reuse means for this engine.
 

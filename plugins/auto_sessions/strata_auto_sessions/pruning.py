@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from strata_auto_sessions.config import GB, AutoSessionsConfig, size_text
 from strata_auto_sessions.stats import AutoSessionsStats
 from strata_auto_sessions.store import ParkingStore, of_sibling
 
 if TYPE_CHECKING:
+    from strata_serve import Service
+
     from strata_auto_sessions.parking import AutoSessions
     from strata_auto_sessions.siblings import SiblingIndex
 
 log = logging.getLogger("strata_auto_sessions")
 
 
-def in_use(service: Any, *keys: str | None) -> frozenset[str]:
+def in_use(service: Service, *keys: str | None) -> frozenset[str]:
     """Conversations whose files pruning must spare: ``keys``, those the slots hold, and
     those of the requests running (one may be restoring its file right now)."""
     held = (state.key for state in service.slots)

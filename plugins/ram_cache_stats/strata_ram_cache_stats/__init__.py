@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -24,6 +24,9 @@ import strata_serve
 
 from strata_ram_cache_stats import exposition
 from strata_ram_cache_stats.ledger import NAME, Ledger, RamCacheStatsConfig
+
+if TYPE_CHECKING:
+    from strata_serve import Service
 
 __all__ = ["Ledger", "RamCacheStats", "RamCacheStatsConfig"]
 
@@ -45,7 +48,7 @@ class RamCacheStats:
     registry: CollectorRegistry
 
     @classmethod
-    def start(cls, config: RamCacheStatsConfig, service: Any) -> RamCacheStats:
+    def start(cls, config: RamCacheStatsConfig, service: Service) -> RamCacheStats:
         mib = service.engine.info.cache_ram_mib
         budget = None if mib is None or mib < 0 else mib * 2**20
         ledger = Ledger(config, budget, service.measures)  # the core measures the engine
@@ -56,7 +59,7 @@ class RamCacheStats:
         log.info("[strata] ram cache stats: on (GET /metrics, GET /stats); engine RAM cache budget %s", shown)
         return cls(config, ledger, registry)
 
-    def after(self, request: Any, outcome: Any, service: Any) -> None:
+    def after(self, request: Any, outcome: Any, service: Service) -> None:
         if self.ledger.after(request, outcome) is None:
             return
         every = self.config.log_every
@@ -64,7 +67,7 @@ class RamCacheStats:
             log.info("%s", exposition.summary_line(self.ledger.snapshot(), strata_serve.plugin_metrics(service)))
 
 
-def _stats(service: Any) -> RamCacheStats | None:
+def _stats(service: Service) -> RamCacheStats | None:
     return service.state.get(NAME)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from collections.abc import Iterator
 
 from aiohttp import web
@@ -16,6 +16,9 @@ from strata_serve import APIError, plugin_metrics
 from strata_ram_cache_stats.ledger import NAME, Ledger
 from strata_ram_cache_stats.peers import plugin_numbers
 
+if TYPE_CHECKING:
+    from strata_serve import Service
+
 log = logging.getLogger("strata_ram_cache_stats")
 
 MIB = 1024**2
@@ -25,7 +28,7 @@ GIB = 1024**3
 class LedgerCollector:
     """A Prometheus collector reading the ledger (and every plugin's declared metrics) at scrape time."""
 
-    def __init__(self, ledger: Ledger, service: Any):
+    def __init__(self, ledger: Ledger, service: Service):
         self.ledger = ledger
         self.service = service
 
