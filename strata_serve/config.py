@@ -167,6 +167,10 @@ class ServerSettings(BaseModel):
     conversation_key_order: Annotated[list[str], NoDecode] = Field(default_factory=list)
     #: How long a client may take to send its request body.
     read_timeout_s: float = Field(60, gt=0)
+    #: How long a client may take to read what is left of its answer once the engine's
+    #: answer has ended (the engine never waits for a client: its answer is buffered);
+    #: past it the client's connection is closed and logged.
+    client_write_timeout_s: float = Field(30, gt=0)
     #: "shared": tenants share the slot's and the engine's RAM cache's reuse (a prompt
     #: prefix another tenant sent shows in ``cache_n``). "strict": a request never reuses
     #: another tenant's state (its slot is erased first, the RAM cache is off) and only the

@@ -1,0 +1,161 @@
+"""A client that stops reading its answer costs its own connection only (#38, defect 2).
+
+The engine's turn ends when the engine's answer ends: the answer is buffered for a client
+slower than the engine, another client's request is answered meanwhile, and what the slow
+client has not read once the turn is over leaves within ``server.client_write_timeout_s``,
+or its connection is closed. Real engine, real sockets: the slow reader is a raw socket
+with a tiny receive buffer that reads its headers (a stream) or nothing at all, and then
+stops, while the answer is made large with ``logprobs``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import time
+from typing import Any
+
+import strata_serve
+from strata_serve.api import SERVICE
+from strata_serve.testing import chat_body
+
+#: Tokens of the slow reader's answer, each with its 1,000 likeliest candidates: about
+#: 7 MB, more than twice what the kernel's socket buffers took here.
+SLOW_TOKENS = 300
+#: How long the other client may take (the slow answer's whole generation is in it, some
+#: 15 s on a busy machine).
+OTHER_BOUND_S = 90
+
+
+class Admitted:
+    """Notes each request as its turn begins, and how each ended."""
+
+    strata_name = "admitted"
+
+    def __init__(self) -> None:
+        self.first = asyncio.Event()
+        self.outcomes: list[Any] = []
+
+    @strata_serve.hookimpl
+    def pre_request(self, request: Any) -> None:
+        self.first.set()
+
+    @strata_serve.hookimpl
+    def post_request(self, outcome: Any) -> None:
+        self.outcomes.append(outcome)
+
+
+def large_answer(stream: bool) -> dict[str, Any]:
+    return chat_body("Tell me a very long story about the sea", max_tokens=SLOW_TOKENS, ignore_eos=True,
+                     logprobs=True, top_logprobs=1000, stream=stream)
+
+
+async def slow_reader(client: Any, body: dict[str, Any], *, read_headers: bool) -> socket.socket:
+    """A raw connection with a tiny receive buffer: it sends ``body``, reads its headers or
+    nothing, and stops reading."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    host, port = client.server.host, client.server.port
+    await loop.sock_connect(sock, (host, port))
+    payload = json.dumps(body).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n")
+    await loop.sock_sendall(sock, head.encode() + payload)
+    if read_headers:
+        seen = b""
+        while not seen.endswith(b"\r\n\r\n"):
+            byte = await asyncio.wait_for(loop.sock_recv(sock, 1), 30)
+            assert byte, "the server closed the connection before its headers"
+            seen += byte
+        assert seen.startswith(b"HTTP/1.1 200"), seen
+    return sock
+
+
+async def until(condition: Any, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not hold in time"
+        await asyncio.sleep(0.05)
+
+
+async def read_to_the_end(sock: socket.socket, timeout: float) -> bytes:
+    """Read everything until the server's end of the connection."""
+    loop = asyncio.get_running_loop()
+    received = b""
+    async with asyncio.timeout(timeout):
+        while True:
+            try:
+                data = await loop.sock_recv(sock, 1 << 16)
+            except ConnectionResetError:
+                return received
+            if not data:
+                return received
+            received += data
+
+
+async def test_a_stream_whose_client_stops_reading_does_not_hold_the_fifo(strata_client_factory,
+                                                                         strata_settings_factory):
+    admitted = Admitted()
+    settings = strata_settings_factory(server={"client_write_timeout_s": 120})
+    client = await strata_client_factory(admitted, settings=settings)
+    service = client.server.app[SERVICE]
+    sock = await slow_reader(client, large_answer(stream=True), read_headers=True)
+    try:
+        await asyncio.wait_for(admitted.first.wait(), 30)
+        began = time.monotonic()
+        reply = await asyncio.wait_for(
+            client.post("/v1/chat/completions", json=chat_body("Another client", max_tokens=4)), OTHER_BOUND_S)
+        assert reply.status == 200, await reply.text()
+        assert (await reply.json())["choices"][0]["message"]["content"] is not None
+        # The slow reader's turn ended with the engine's answer: it ran to its end, and its
+        # post_request ran, with the engine's numbers recorded.
+        slow = admitted.outcomes[0]
+        assert slow.status == "ok" and slow.timings is not None and slow.timings.generated == SLOW_TOKENS
+        assert time.monotonic() - began < OTHER_BOUND_S
+        # The slow reader is still being served (the write timeout is long): its answer waits for it.
+        assert service.fifo.idle
+        # Once it reads again, it gets its whole stream, ended as a stream ends.
+        loop = asyncio.get_running_loop()
+        received = b""
+        async with asyncio.timeout(60):
+            while not received.endswith(b"0\r\n\r\n"):
+                data = await loop.sock_recv(sock, 1 << 16)
+                assert data, "the stream was cut"
+                received += data
+        assert b"data: [DONE]" in received
+        assert len(received) > 1_000_000  # far more than the socket buffers took
+    finally:
+        sock.close()
+
+
+async def test_a_plain_answer_nobody_reads_is_cut_after_the_write_timeout(strata_client_factory,
+                                                                          strata_settings_factory, caplog):
+    caplog.set_level(logging.WARNING, logger="strata_serve.api")
+    admitted = Admitted()
+    settings = strata_settings_factory(server={"client_write_timeout_s": 2})
+    client = await strata_client_factory(admitted, settings=settings)
+    sock = await slow_reader(client, large_answer(stream=False), read_headers=False)
+    try:
+        await asyncio.wait_for(admitted.first.wait(), 30)
+        reply = await asyncio.wait_for(
+            client.post("/v1/chat/completions", json=chat_body("Another client", max_tokens=4)), OTHER_BOUND_S)
+        assert reply.status == 200, await reply.text()
+        assert admitted.outcomes[0].status == "ok"
+
+        def cut() -> bool:
+            return any("did not read its answer within 2 s" in r.getMessage() for r in caplog.records)
+
+        await until(cut, 30)
+        # Its connection was closed: what the kernel had taken is all it gets, not the answer.
+        received = await read_to_the_end(sock, 30)
+        head, _, body = received.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), head
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:")))
+        assert length > 3_000_000 and 0 < len(body) < length
+    finally:
+        sock.close()
