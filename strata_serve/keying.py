@@ -39,14 +39,15 @@ def choose_key(pm: pluggy.PluginManager, request: StrataRequest, service: object
     :raises KeyRefused: when a keying plugin refuses the request's input, or its key
         contains ``--``.
     """
+    said_before = request.conversation_named
     answer = first_result(pm, "conversation_key", order=order, passthrough=(KeyRefused,),
                           request=request, service=service)
     if isinstance(answer, ConversationKey):
         key, named = answer.key, answer.named
     else:
-        # A plain str is a guess from the prompt, unless its plugin says otherwise the way
-        # it did before the hook returned a value: by setting request.conversation_named.
-        key, named = answer, request.conversation_named
+        # A plain str is a guess from the prompt, unless its plugin said otherwise the way it
+        # did before the hook returned a value: by setting request.conversation_named now.
+        key, named = answer, request.conversation_named and not said_before
         if named:
             _warn_legacy()
     if key is None:
