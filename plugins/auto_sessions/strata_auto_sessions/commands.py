@@ -117,55 +117,110 @@ def _run_shared(found: Sessions, work: Any) -> Any:
         raise click.ClickException(f"the shared tier {config.url}: {exc or type(exc).__name__}") from None
 
 
-def _shared_keys(found: Sessions, keys: list[str]) -> set[str]:
-    """Those of ``keys`` that have a file in the shared tier (none without one)."""
-    if found.shared is None:
-        return set()
-    from strata_auto_sessions.naming import PREFIX, file_key
-
-    timeout = found.shared.timeout_s
-
-    async def look(tier: Any) -> set[str]:
-        have = set()
-        for key in keys:
-            names = await asyncio.wait_for(tier.heads(f"{PREFIX}{file_key(key)}."), timeout)
-            if names:
-                have.add(key)
-        return have
-
-    return _run_shared(found, look)
+#: The fields of a head and the types ``sessions`` can show (a head written by another
+#: version, or by hand, may hold anything).
+_HEAD_TYPES: dict[str, tuple[type, ...]] = {
+    "generation": (int,), "upload": (str, type(None)), "tokens": (int,), "bytes": (int,), "digest": (str,),
+    "created": (int, float), "written": (int, float), "removed": (int, float, type(None)), "writer": (str,),
+}
 
 
-def _shared_rows(found: Sessions) -> list[dict[str, Any]]:
-    """One row per conversation file the shared tier holds a head for, newest first: its
-    key, sibling, tenant, generation, and either its tokens, size and who saved it when,
-    or when it was removed (a tombstone)."""
+def _head_damage(head: Any) -> str | None:
+    """Why a head read from the tier cannot be shown, or None when it can."""
+    for name, types in _HEAD_TYPES.items():
+        value = getattr(head, name, None)
+        if isinstance(value, bool) or not isinstance(value, types) or isinstance(value, float) and value != value:
+            return f"its {name} is {value!r}"
+    if head.generation < 0 or head.tokens < 0 or head.bytes < 0:
+        return "a count below zero"
+    return None
+
+
+class SharedListing:
+    """What ``sessions`` read of the shared tier: one row per conversation file it holds a
+    head for (held, removed by hand, or damaged), and why it could not read the rest."""
+
+    def __init__(self, rows: list[dict[str, Any]], error: str | None = None):
+        self.rows = rows
+        #: The tier could not be listed, or stopped answering part way: why.
+        self.error = error
+
+    def damaged(self) -> dict[str, str]:
+        """Key -> why one of its heads cannot be read (a tombstone cannot be written over it either)."""
+        return {row["key"]: row["damaged"] for row in self.rows if row.get("damaged") is not None}
+
+    def live(self) -> dict[str, list[dict[str, Any]]]:
+        """Key -> its rows whose conversation the tier still holds (neither removed nor damaged)."""
+        keys: dict[str, list[dict[str, Any]]] = {}
+        for row in self.rows:
+            if row.get("damaged") is None and row["removed_s"] is None and row["tokens"] is not None:
+                keys.setdefault(row["key"], []).append(row)
+        return keys
+
+
+def _read_shared(found: Sessions) -> SharedListing:
+    """Every head of the shared tier, read one by one: a damaged head (not a head record,
+    or a field of the wrong type) is a row saying so; a tier that cannot be listed, or
+    stops answering part way, gives the rows read so far and why. Never raises."""
     from strata_auto_sessions.naming import PREFIX, SESSION_NAME, key_of_file, sibling_of
+    from strata_auto_sessions.shared import SharedTierError, tier_for
 
     assert found.shared is not None
-    timeout = found.shared.timeout_s
+    config = found.shared
+    timeout = config.timeout_s
+    rows: list[dict[str, Any]] = []
 
-    async def look(tier: Any) -> list[dict[str, Any]]:
-        rows = []
-        now = time.time()
-        for name in await asyncio.wait_for(tier.heads(PREFIX), timeout):
-            match = SESSION_NAME.fullmatch(name)
-            if match is None or match["ext"] != "bin":
-                continue  # the start check's probe, or no conversation file
-            current = await asyncio.wait_for(tier.head(name), timeout)
-            if current is None:
-                continue  # removed since it was listed
-            head, key = current[0], key_of_file(match["key"])
-            rows.append({
-                "shared": True, "key": key, "sibling": sibling_of(match), "tenant": strata_serve.tenant_of(key),
-                "generation": head.generation, "tokens": None if head.tombstone else head.tokens,
-                "bytes": None if head.tombstone else head.bytes, "saved_s": _age(head.written, now),
-                "removed_s": None if head.removed is None else _age(head.removed, now),
-                "writer": head.writer or None, "name": name,
-            })
-        return sorted(rows, key=lambda row: (row["saved_s"] is None, row["saved_s"] or 0))
+    async def look() -> str | None:
+        tier = tier_for(config)
+        try:
+            now = time.time()
+            names = await asyncio.wait_for(tier.heads(PREFIX), timeout)
+            for name in names:
+                match = SESSION_NAME.fullmatch(name)
+                if match is None or match["ext"] != "bin":
+                    continue  # the start check's probe, or no conversation file
+                key = key_of_file(match["key"])
+                row: dict[str, Any] = {
+                    "shared": True, "key": key, "sibling": sibling_of(match), "tenant": strata_serve.tenant_of(key),
+                    "generation": None, "tokens": None, "bytes": None, "saved_s": None, "removed_s": None,
+                    "writer": None, "name": name,
+                }
+                try:
+                    current = await asyncio.wait_for(tier.head(name), timeout)
+                except TimeoutError:
+                    raise  # the tier stopped answering: the rest is not read
+                except (SharedTierError, OSError, ValueError) as exc:
+                    why = str(exc) or type(exc).__name__
+                    rows.append({**row, "damaged": why if name in why else f"head {name}: {why}"})
+                    continue
+                if current is None:
+                    continue  # removed since it was listed
+                head = current[0]
+                damage = _head_damage(head)
+                if damage is not None:
+                    rows.append({**row, "damaged": f"head {name} is damaged: {damage}"})
+                    continue
+                rows.append({
+                    **row, "generation": head.generation, "tokens": None if head.tombstone else head.tokens,
+                    "bytes": None if head.tombstone else head.bytes, "saved_s": _age(head.written, now),
+                    "removed_s": None if head.removed is None else _age(head.removed, now),
+                    "writer": head.writer or None,
+                })
+            return None
+        finally:
+            try:
+                await asyncio.wait_for(tier.close(), timeout)
+            except (SharedTierError, OSError, TimeoutError):
+                pass
 
-    return _run_shared(found, look)
+    try:
+        error = asyncio.run(look())
+    except TimeoutError:
+        error = f"it did not answer within {timeout:g} s"
+    except (SharedTierError, OSError, ValueError) as exc:
+        error = str(exc) or type(exc).__name__
+    rows.sort(key=lambda row: (row["saved_s"] is None, row["saved_s"] or 0))
+    return SharedListing(rows, error)
 
 
 def _age(stamp: float, now: float) -> float | None:
@@ -174,12 +229,39 @@ def _age(stamp: float, now: float) -> float | None:
     return None if taken is None else now - taken
 
 
-def _remove_shared(found: Sessions, keys: list[str]) -> list[str]:
+def _remove_shared(found: Sessions, keys: list[str]) -> tuple[list[str], dict[str, str]]:
+    """A tombstone over each shared file of ``keys``: the names removed, and the keys whose
+    removal failed with why (a damaged head, the tier gone meanwhile)."""
+    from strata_auto_sessions.shared import SharedTierError
     from strata_auto_sessions.shared.sync import remove_by_hand
 
     assert found.shared is not None
     config = found.shared
-    return _run_shared(found, lambda tier: remove_by_hand(tier, config, keys))
+    removed: list[str] = []
+    failed: dict[str, str] = {}
+
+    async def work(tier: Any) -> None:
+        for key in keys:
+            try:
+                removed.extend(await remove_by_hand(tier, config, [key]))
+            except TimeoutError:
+                failed[key] = f"the shared tier did not answer within {config.timeout_s:g} s"
+            except (SharedTierError, OSError, ValueError) as exc:
+                failed[key] = str(exc) or type(exc).__name__
+
+    _run_shared(found, work)
+    return removed, failed
+
+
+def _is_key(key: str) -> bool:
+    """Whether ``key`` is one strata-serve makes (one a file can be named after)."""
+    from strata_auto_sessions.naming import file_key
+
+    try:
+        file_key(key)
+    except ValueError:
+        return False
+    return True
 
 
 def _size(n: int) -> str:
@@ -195,12 +277,15 @@ def _ago(seconds: float | None, suffix: str = "", ahead: bool = False) -> str:
     return f"{max(seconds, 0):.0f} s{suffix}"
 
 
-def _echo_shared(url: str, rows: list[dict[str, Any]]) -> None:
+def _echo_shared(url: str, listing: SharedListing) -> None:
     """The shared tier's table, under the slot directory's."""
+    rows = listing.rows
     click.echo("")
     table = [("KEY", "SIBLING", "TENANT", "TOKENS", "SIZE", "GENERATION", "SAVED", "BY")]
     for row in rows:
-        if row["removed_s"] is not None or row["tokens"] is None:
+        if row.get("damaged") is not None:
+            kept = ("-", "-", "-", "-", f"damaged: {row['damaged']}")
+        elif row["removed_s"] is not None or row["tokens"] is None:
             kept = ("-", "-", str(row["generation"]), f"removed {_ago(row['removed_s'], ' ago')}", row["writer"] or "-")
         else:
             kept = (f"{row['tokens']:,}", _size(row["bytes"]), str(row["generation"]), _ago(row["saved_s"], " ago"),
@@ -209,9 +294,11 @@ def _echo_shared(url: str, rows: list[dict[str, Any]]) -> None:
     widths = [max(len(line[c]) for line in table) for c in range(len(table[0]))]
     for line in table:
         click.echo("  ".join(cell.ljust(widths[c]) for c, cell in enumerate(line)).rstrip())
-    held = [row for row in rows if row["tokens"] is not None]
+    damaged = [row for row in rows if row.get("damaged") is not None]
+    held = [row for row in rows if row.get("damaged") is None and row["tokens"] is not None]
+    removed = len(rows) - len(held) - len(damaged)
     click.echo(f"{len(held)} conversation file(s), {_size(sum(row['bytes'] for row in held))} in the shared tier "
-               f"{url}; {len(rows) - len(held)} removed by hand")
+               f"{url}; {removed} removed by hand" + (f"; {len(damaged)} damaged" if damaged else ""))
 
 
 class _Found:
@@ -252,27 +339,41 @@ def register(cli: click.Group) -> None:
 
         With a shared tier (``plugins.auto_sessions.shared``), what it holds follows: each
         conversation file's generation, tokens, size, and which server saved it when, or
-        when it was removed by hand (``--json``: those rows have ``"shared": true``)."""
+        when it was removed by hand (``--json``: those rows have ``"shared": true``). A head
+        that cannot be read or shown is a row saying it is damaged (``"damaged"`` in
+        ``--json``). A tier that cannot be read (down, or stopped answering part way) leaves
+        the slot directory's rows and what was read of the tier, says so on stderr, and
+        exits 1."""
         with found.store.lock():
             rows = found.rows()
-        shared = _shared_rows(found) if found.shared is not None else []
+        listing = _read_shared(found) if found.shared is not None else SharedListing([])
         if as_json:
-            for row in rows + shared:
+            for row in rows + listing.rows:
                 click.echo(json.dumps(row))
-            return
-        table = [("KEY", "SIBLING", "TENANT", "TOKENS", "SIZE", "AGE", "LAST USED", "COMPATIBLE")]
-        table += [(row["key"], "-" if row["sibling"] is None else str(row["sibling"]), row["tenant"] or "-",
-                   "-" if row["tokens"] is None else f"{row['tokens']:,}",
-                   _size(row["bytes"]), _ago(row["age_s"], ahead=row.get("stamped_ahead", False)),
-                   _ago(row["last_used_s"], " ago", ahead=row.get("stamped_ahead", False)), row["compatible"])
-                  for row in rows]
-        last = len(table[0]) - 1
-        widths = [max(len(line[c]) for line in table) for c in range(last)]
-        for line in table:
-            click.echo("  ".join(cell.ljust(widths[c]) for c, cell in enumerate(line[:last])) + "  " + line[last])
-        click.echo(f"{len(rows)} session(s), {_size(sum(row['bytes'] for row in rows))} in {found.store.directory}")
-        if found.shared is not None:
-            _echo_shared(found.shared.url, shared)
+        else:
+            table = [("KEY", "SIBLING", "TENANT", "TOKENS", "SIZE", "AGE", "LAST USED", "COMPATIBLE")]
+            table += [(row["key"], "-" if row["sibling"] is None else str(row["sibling"]), row["tenant"] or "-",
+                       "-" if row["tokens"] is None else f"{row['tokens']:,}",
+                       _size(row["bytes"]), _ago(row["age_s"], ahead=row.get("stamped_ahead", False)),
+                       _ago(row["last_used_s"], " ago", ahead=row.get("stamped_ahead", False)), row["compatible"])
+                      for row in rows]
+            last = len(table[0]) - 1
+            widths = [max(len(line[c]) for line in table) for c in range(last)]
+            for line in table:
+                click.echo("  ".join(cell.ljust(widths[c]) for c, cell in enumerate(line[:last])) + "  "
+                           + line[last])
+            click.echo(f"{len(rows)} session(s), {_size(sum(row['bytes'] for row in rows))} in "
+                       f"{found.store.directory}")
+            if found.shared is not None and (listing.rows or listing.error is None):
+                _echo_shared(found.shared.url, listing)
+        if listing.error is not None:
+            assert found.shared is not None
+            # A partial listing: what could be read is shown, and the exit code says it is
+            # not all (1, as ``ls`` of a directory it cannot wholly read exits).
+            read = "the rows above are the slot directory's" + (" and what was read of the tier before"
+                                                                 if listing.rows else "")
+            click.echo(f"the shared tier {found.shared.url} could not be read ({read}): {listing.error}", err=True)
+            click.get_current_context().exit(1)
 
     @sessions.command()
     @click.argument("key")
@@ -321,36 +422,69 @@ def register(cli: click.Group) -> None:
         A key's every file goes (its siblings: conversations that share the key). A
         running server that holds one of them in its slot, saved or not yet, drops
         its saves of it and erases the slot.
+
+        With a shared tier, each key chosen is removed there too (a tombstone), and
+        --all and --tenant T take the conversations the tier holds with no file here as
+        well. A tier that cannot be read removes nothing.
         """
         if sum((bool(keys), everything, tenant is not None)) != 1:
             raise click.UsageError("give KEY..., --all or --tenant T (one of them)")
+        not_keys = [key for key in keys if not _is_key(key)]
+        if not_keys:
+            raise click.ClickException(f"no session {', '.join(map(repr, not_keys))}: not a conversation key "
+                                       "(letters, digits, _ and - make one); nothing removed")
+        # The shared tier is read before the store's lock is taken (the running server takes
+        # it around each save): a slow tier never holds up the server's saves.
+        live: dict[str, list[dict[str, Any]]] = {}
+        damaged: dict[str, str] = {}
+        if found.shared is not None:
+            listing = _read_shared(found)
+            if listing.error is not None:
+                raise click.ClickException(f"the shared tier {found.shared.url} could not be read: "
+                                           f"{listing.error}; nothing removed")
+            live, damaged = listing.live(), listing.damaged()
         with found.store.lock():
             parked = dict(found.store.sessions())  # a key once, whatever its siblings
             # Held by a running server and not saved yet: no file, yet theirs to remove.
             held = [key for key in found.store.held_by_server() if key not in parked]
+            # Held by the shared tier alone: no file here, none in a slot of this server (a key
+            # whose head there is damaged is chosen too: its removal fails, and says why).
+            shared_only = [key for key in [*live, *damaged] if key not in parked and key not in held]
+            shared_only = list(dict.fromkeys(shared_only))
             if everything:
-                chosen = list(parked) + held
+                chosen = list(parked) + held + shared_only
             elif tenant is not None:
                 chosen = [key for key, sidecar in parked.items() if tenant_of(key, sidecar) == tenant]
-                chosen += [key for key in held if strata_serve.tenant_of(key) == tenant]
+                chosen += [key for key in held + shared_only if strata_serve.tenant_of(key) == tenant]
             else:
-                shared = _shared_keys(found, list(keys))
-                unknown = [key for key in keys if key not in parked and key not in held and key not in shared]
+                unknown = [key for key in keys if key not in parked and key not in held and key not in live
+                           and key not in damaged]
                 if unknown:
-                    raise click.ClickException(f"no session {', '.join(map(repr, unknown))} in "
-                                               f"{found.store.directory}; nothing removed")
-                chosen = list(keys)
+                    where = f"{found.store.directory}" + (" or the shared tier" if found.shared is not None else "")
+                    raise click.ClickException(f"no session {', '.join(map(repr, unknown))} in {where}; "
+                                               "nothing removed")
+                chosen = list(dict.fromkeys(keys))
             removed = dict(found.store.remove_by_hand(chosen))
         for key in chosen:
             if key in removed:
                 click.echo(f"removed {key} ({_size(removed[key])})")
-            else:
+            elif key in held:
                 click.echo(f"removed {key}: held by the running server, not saved yet; it is never written, "
                            "and the server erases it from its slot when it would save it")
-        if found.shared is not None:
-            for name in _remove_shared(found, chosen):
+        failed: dict[str, str] = {}
+        if found.shared is not None and chosen:
+            names, failed = _remove_shared(found, chosen)
+            failed = {key: damaged.get(key, why) for key, why in failed.items()}
+            for key in chosen:
+                if key not in removed and key not in held and key not in failed:
+                    click.echo(f"removed {key}: the shared tier held it alone")
+            for name in names:
                 click.echo(f"removed {name} from the shared tier")
-        click.echo(f"{len(chosen)} session(s) removed")
+        click.echo(f"{sum(key in removed or key in held or key not in failed for key in chosen)} session(s) removed")
+        if failed:
+            raise click.ClickException(
+                "not removed from the shared tier: " + "; ".join(f"{key} ({why})" for key, why in failed.items())
+                + "; run rm again once the tier answers (a damaged head is for its store's own tools to remove)")
 
     @sessions.command()
     @click.option("--max-gb", type=float, required=True, help="Keep at most this many GB, newest first.")
