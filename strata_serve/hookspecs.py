@@ -307,6 +307,22 @@ def collect_metrics(service: Service) -> Any:
 
 
 @hookspec
+def collect_degraded(service: Service) -> str | None:
+    """Say what this plugin cannot do now though the server still answers: ``/health`` reports it.
+
+    While any plugin gives a reason, ``/health`` answers 200 with
+    ``{"status": "degraded", "degraded": {"<plugin>": "<reason>"}}``: the server answers
+    every request, less well (a balancer checking for 200 keeps it; one preferring whole
+    replicas reads the status). A 503 is kept for what stops answers: the engine down, the
+    server stopping. Must be synchronous and cheap (every health check asks); anyone may
+    read ``/health``, so name no path, address or secret.
+
+    :param service: The running service.
+    :returns: A short reason, or None when all is well.
+    """
+
+
+@hookspec
 def register_commands(cli: click.Group) -> None:
     """Add commands to the ``strata-serve`` command line.
 

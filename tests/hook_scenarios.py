@@ -163,6 +163,24 @@ async def other_metrics_still_collected(env: Env, plugin: object) -> None:
     assert collected["counted"] == [strata_serve.Metric("answers", "Answers counted", "counter", 1)]
 
 
+class Unwell:
+    strata_name = "unwell"
+
+    @strata_serve.hookimpl
+    def collect_degraded(self):
+        return "its store does not answer"
+
+
+@scenario("collect_degraded")
+async def other_reasons_still_reported(env: Env, plugin: object) -> None:
+    client = await env.client(plugin, Unwell())
+    await answered(client)
+    resp = await client.get("/health")
+    assert resp.status == 200, await resp.text()
+    reported = await resp.json()
+    assert reported["status"] == "degraded" and reported["degraded"]["unwell"] == "its store does not answer"
+
+
 @scenario("engine_verdict")
 async def parking_still_saves(env: Env, plugin: object) -> None:
     import strata_auto_sessions

@@ -136,9 +136,12 @@ async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "stopping"}, status=503)
     # Ready by strata's account (started, hooks run, let through), and answering now.
     engine_ok = service.engine.ready and await service.engine.health()
-    return web.json_response(
-        {"status": "ok" if engine_ok else "engine_unavailable"}, status=200 if engine_ok else 503
-    )
+    if not engine_ok:
+        return web.json_response({"status": "engine_unavailable"}, status=503)
+    # Answering, less well (a plugin's store hung): 200, so a balancer keeps the replica.
+    degraded = {name: str(reason) for name, reason in call_each_sync(service.pm, "collect_degraded", service=service)
+                if reason}
+    return web.json_response({"status": "degraded", "degraded": degraded} if degraded else {"status": "ok"})
 
 
 def _host_name(request: web.Request) -> str:

@@ -142,6 +142,12 @@ def collect_metrics(service):
 
 
 @strata_serve.hookimpl
+def collect_degraded(service):
+    parking = _parking(service)
+    return None if parking is None or parking.shared is None else parking.shared.degraded()
+
+
+@strata_serve.hookimpl
 def register_commands(cli):
     from strata_auto_sessions.commands import register
 

@@ -99,6 +99,7 @@ class AutoSessionsStats:
     shared_fetches_not_worth: int = counter("Newer shared files not fetched: not worth it, or not for this engine")
     shared_stale_set_aside: int = counter("Local copies removed as older than the shared tier's")
     shared_removed_here: int = counter("Local copies removed after a removal by hand on another server")
+    shared_damaged_heads: int = counter("Damaged heads the shared tier's sweep passed over")
     #: 1 when the store ignores conditional writes and shared mode was refused.
     shared_refused: int = gauge("Whether shared mode was refused (the store ignores conditional writes)")
 

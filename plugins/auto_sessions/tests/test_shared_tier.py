@@ -4,7 +4,12 @@ that refuses a store ignoring conditional writes, against a named stand-in."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,6 +19,7 @@ from strata_auto_sessions.shared import (
     ConditionFailed, ConditionsIgnored, DirectoryTier, Head, S3Tier, SharedTierError, check_conditions, tier_for,
 )
 from strata_auto_sessions.config import SharedConfig
+from strata_auto_sessions.shared.sync import sweep
 
 from .shared_fixtures import S3_ENV, make_tier, new_bucket
 
@@ -170,3 +176,126 @@ async def test_the_url_chooses_the_tier(tmp_path, s3_env):
     await s3.close()
     with pytest.raises(ValueError, match="file:// or s3://"):
         SharedConfig(url="ftp://nowhere")
+
+
+async def test_a_directory_tier_keeps_what_it_stores_to_its_owner_whatever_the_umask(tmp_path):
+    # The objects hold transcripts: they were 0644 (0666 under umask 0) while the slot
+    # directory's files are 0600.
+    root = tmp_path / "shared"
+    root.mkdir()
+    tier = DirectoryTier(root)
+    source = tmp_path / "state.bin"
+    source.write_bytes(b"a transcript")
+    previous = os.umask(0)
+    try:
+        await tier.put("auto-chat.bin.u1", source)
+        first = await tier.put_head("auto-chat.bin", head(1), None)
+        await tier.put_head("auto-chat.bin", head(2), first)
+        fetched = tmp_path / "fetched.bin"
+        await tier.fetch("auto-chat.bin.u1", fetched)
+    finally:
+        os.umask(previous)
+        await tier.close()
+    made = list(root.rglob("*"))
+    assert any(path.is_file() for path in made) and any(path.is_dir() for path in made)
+    modes = {str(path.relative_to(root)): oct(stat.S_IMODE(path.stat().st_mode)) for path in made}
+    assert all(modes[str(path.relative_to(root))] == (oct(0o700) if path.is_dir() else oct(0o600))
+               for path in made), modes
+    assert stat.S_IMODE(fetched.stat().st_mode) == 0o600
+
+
+#: A server process that dies in the middle of an upload: the tier's ``put`` of a source
+#: that stops coming (a FIFO for the directory; for S3, whose large files go in parts, the
+#: second part is never read), killed once the store shows the upload begun.
+KILLED_UPLOAD = """
+import asyncio, sys, time
+from pathlib import Path
+
+kind, where, source = sys.argv[1:4]
+if kind == "directory":
+    from strata_auto_sessions.shared import DirectoryTier
+    tier = DirectoryTier(Path(where))
+else:
+    from strata_auto_sessions.shared import s3
+    s3.PART_BYTES = 5 * 1024 * 1024
+    read_part = s3._read_part
+
+    def stalled(path, offset, size):
+        if offset:
+            time.sleep(3600)
+        return read_part(path, offset, size)
+
+    s3._read_part = stalled
+    tier = s3.S3Tier(where, "strata/prefix", endpoint_url=sys.argv[4])
+asyncio.run(tier.put("auto-killed.bin.u1", Path(source)))
+"""
+
+
+async def begun(tier) -> bool:
+    """Whether the store shows the upload begun: a file under the directory; an S3
+    multipart upload holding a part."""
+    if isinstance(tier, DirectoryTier):
+        return bool(await leftovers(tier))
+    client = await tier._c()
+    for upload in (await client.list_multipart_uploads(Bucket=tier.bucket)).get("Uploads", []):
+        parts = await client.list_parts(Bucket=tier.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+        if parts.get("Parts"):
+            return True
+    return False
+
+
+async def leftovers(tier) -> list[str]:
+    """What the store holds beside its finished objects and heads: every file under the
+    directory; the bucket's objects and open multipart uploads."""
+    if isinstance(tier, DirectoryTier):
+        return sorted(str(path) for path in tier.root.rglob("*") if path.is_file())
+    client = await tier._c()
+    objects = await client.list_objects_v2(Bucket=tier.bucket)
+    uploads = await client.list_multipart_uploads(Bucket=tier.bucket)
+    return sorted([item["Key"] for item in objects.get("Contents", [])]
+                  + [f"upload of {item['Key']}" for item in uploads.get("Uploads", [])])
+
+
+async def test_an_upload_killed_midway_leaves_nothing_once_its_lease_is_over(tier, tmp_path):
+    # A killed upload's partial object stayed forever: the directory's temporary (the sweep
+    # passed over dot-files), S3's open multipart upload (nothing aborted it).
+    kind = "directory" if isinstance(tier, DirectoryTier) else "s3"
+    source = tmp_path / "state.bin"
+    if kind == "directory":
+        os.mkfifo(source)
+        args = [str(tier.root), str(source)]
+    else:
+        source.write_bytes(os.urandom(12 * 1024 * 1024))
+        args = [tier.bucket, str(source), tier._endpoint_url]
+    child = subprocess.Popen([sys.executable, "-c", KILLED_UPLOAD, kind, *args])
+    writer = None
+    try:
+        if kind == "directory":  # a first MiB and a half, then nothing (the source stays open)
+            writer = await asyncio.to_thread(os.open, source, os.O_WRONLY)
+            await asyncio.to_thread(os.write, writer, os.urandom(1536 * 1024))
+        deadline = time.monotonic() + 30
+        while not await begun(tier):
+            assert child.poll() is None and time.monotonic() < deadline, "the upload never began"
+            await asyncio.sleep(0.05)
+        child.kill()
+        child.wait(10)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+        if writer is not None:
+            os.close(writer)
+    assert await leftovers(tier), "the killed upload left something"
+
+    async def call(work):
+        return await asyncio.wait_for(work, 10)
+
+    # Within its lease an upload may still be under way: kept.
+    await sweep(tier, SharedConfig(url="file:///unused", transfer_timeout_s=1, lease_s=3600), call)
+    assert await leftovers(tier)
+    short = SharedConfig(url="file:///unused", transfer_timeout_s=0.5, lease_s=1)
+    deadline = time.monotonic() + 20
+    while left := await leftovers(tier):
+        assert time.monotonic() < deadline, f"left once its lease was over: {left}"
+        await asyncio.sleep(0.2)
+        await sweep(tier, short, call)

@@ -1,31 +1,41 @@
 """The shared tier on a directory every server mounts (NFS, CephFS, any POSIX file system).
 
 Objects are files in ``objects/``, heads in ``heads/``, written to a temporary beside
-them and renamed into place (never half a file under its name). A head's
-compare-and-swap holds a lock file in ``locks/``, made with ``O_EXCL`` (``flock`` does
-not hold across machines on every network file system) and holding its expiry: one
-left by a server that died is broken once expired. Every call runs in a thread
-(``asyncio.to_thread``): a slow mount never blocks the event loop.
+them and renamed into place (never half a file under its name); a temporary a killed
+server left is removed by the sweep once ``lease_s`` old (:meth:`DirectoryTier.remove_partial`).
+A head's compare-and-swap holds a lock file in ``locks/``, made with ``O_EXCL`` (``flock``
+does not hold across machines on every network file system) and holding its expiry: one
+left by a server that died is broken once expired. Files are made 0600 and directories
+0700 whatever the umask (the objects hold transcripts): every server sharing the directory
+runs as the same user.
+
+Every call runs in one of the tier's own threads (:class:`TierThreads`), never the event
+loop's default executor: a slow mount never blocks the event loop, and a hung one
+(``open()`` that never returns) holds the tier's threads alone.
 """
 
 from __future__ import annotations
 
 import builtins
 
-import asyncio
 import json
 import os
 import shutil
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
-from strata_auto_sessions.shared.tier import ConditionFailed, Head, Listed, SharedTierError
+from strata_auto_sessions.shared.tier import (
+    ConditionFailed, DamagedHead, Head, Listed, SharedTierError, TierThreads, new_upload,
+)
 
 #: How long a lock file holds before another server may break it.
 LOCK_EXPIRY_S = 30.0
 #: How long a compare-and-swap waits for the lock.
 LOCK_WAIT_S = 5.0
+#: What a file of the tier may be: its owner's alone.
+FILE_MODE, DIRECTORY_MODE = 0o600, 0o700
 
 
 class DirectoryTier:
@@ -37,12 +47,17 @@ class DirectoryTier:
         self.lock_expiry_s = lock_expiry_s
         self.lock_wait_s = lock_wait_s
         self._objects, self._heads, self._locks = root / "objects", root / "heads", root / "locks"
+        self.threads = TierThreads(self.where)
 
     def _ready(self) -> None:
         if not self.root.is_dir():
             raise SharedTierError(f"{self.root} is not a directory (is the shared file system mounted?)")
         for sub in (self._objects, self._heads, self._locks):
-            sub.mkdir(mode=0o700, exist_ok=True)
+            try:
+                sub.mkdir(mode=DIRECTORY_MODE)
+            except FileExistsError:
+                continue
+            os.chmod(sub, DIRECTORY_MODE)  # whatever the umask
 
     @staticmethod
     def _safe(name: str) -> str:
@@ -53,14 +68,14 @@ class DirectoryTier:
     # -- objects ------------------------------------------------------------
 
     async def put(self, name: str, source: Path) -> None:
-        await asyncio.to_thread(self._put, self._safe(name), source)
+        await self.threads.run(self._put, self._safe(name), source)
 
     def _put(self, name: str, source: Path) -> None:
         self._ready()
         target = self._objects / name
-        temp = target.with_name(f".{name}.{uuid.uuid4().hex[:8]}.tmp")
+        temp = target.with_name(_temporary(name))
         try:
-            with open(source, "rb") as src, open(temp, "xb") as dst:
+            with open(source, "rb") as src, _create(temp, "wb") as dst:
                 shutil.copyfileobj(src, dst, 1024 * 1024)
                 dst.flush()
                 os.fsync(dst.fileno())
@@ -70,15 +85,15 @@ class DirectoryTier:
             raise
 
     async def fetch(self, name: str, target: Path) -> int:
-        return await asyncio.to_thread(self._fetch, self._safe(name), target)
+        return await self.threads.run(self._fetch, self._safe(name), target)
 
     def _fetch(self, name: str, target: Path) -> int:
-        with open(self._objects / name, "rb") as src, open(target, "wb") as dst:
+        with open(self._objects / name, "rb") as src, _create(target, "wb", exclusive=False) as dst:
             shutil.copyfileobj(src, dst, 1024 * 1024)
             return dst.tell()
 
     async def list(self, prefix: str) -> builtins.list[Listed]:
-        return await asyncio.to_thread(self._list, prefix)
+        return await self.threads.run(self._list, prefix)
 
     def _list(self, prefix: str) -> builtins.list[Listed]:
         self._ready()
@@ -93,12 +108,12 @@ class DirectoryTier:
         return sorted(found, key=lambda listed: listed.name)
 
     async def delete(self, name: str) -> None:
-        await asyncio.to_thread((self._objects / self._safe(name)).unlink, True)
+        await self.threads.run((self._objects / self._safe(name)).unlink, True)
 
     # -- heads ----------------------------------------------------------------
 
     async def head(self, name: str) -> tuple[Head, str] | None:
-        return await asyncio.to_thread(self._head, self._safe(name))
+        return await self.threads.run(self._head, self._safe(name))
 
     def _head(self, name: str) -> tuple[Head, str] | None:
         try:
@@ -106,13 +121,16 @@ class DirectoryTier:
         except FileNotFoundError:
             return None
         except ValueError as exc:
-            raise SharedTierError(f"head {name} is damaged: {exc}") from None
+            raise DamagedHead(f"head {name} is damaged: {exc}") from None
         if not isinstance(raw, dict) or not isinstance(raw.get("version"), str):
-            raise SharedTierError(f"head {name} is damaged: no version")
-        return Head.decode(json.dumps(raw.get("head")).encode()), raw["version"]
+            raise DamagedHead(f"head {name} is damaged: no version")
+        try:
+            return Head.decode(json.dumps(raw.get("head")).encode()), raw["version"]
+        except DamagedHead as exc:
+            raise DamagedHead(f"head {name} is damaged: {exc}") from None
 
     async def heads(self, prefix: str) -> builtins.list[str]:
-        return await asyncio.to_thread(self._heads_named, prefix)
+        return await self.threads.run(self._heads_named, prefix)
 
     def _heads_named(self, prefix: str) -> builtins.list[str]:
         self._ready()
@@ -120,7 +138,7 @@ class DirectoryTier:
                       if entry.name.startswith(prefix) and not entry.name.startswith("."))
 
     async def put_head(self, name: str, head: Head, expect: str | None) -> str:
-        return await asyncio.to_thread(self._put_head, self._safe(name), head, expect)
+        return await self.threads.run(self._put_head, self._safe(name), head, expect)
 
     def _put_head(self, name: str, head: Head, expect: str | None) -> str:
         self._ready()
@@ -128,9 +146,9 @@ class DirectoryTier:
             self._check(name, expect)
             version = uuid.uuid4().hex
             target = self._heads / name
-            temp = target.with_name(f".{name}.{version[:8]}.tmp")
+            temp = target.with_name(_temporary(name))
             try:
-                with open(temp, "x") as handle:
+                with _create(temp, "w") as handle:
                     json.dump({"version": version, "head": json.loads(head.encode())}, handle)
                     handle.flush()
                     os.fsync(handle.fileno())
@@ -141,7 +159,7 @@ class DirectoryTier:
             return version
 
     async def delete_head(self, name: str, expect: str) -> None:
-        await asyncio.to_thread(self._delete_head, self._safe(name), expect)
+        await self.threads.run(self._delete_head, self._safe(name), expect)
 
     def _delete_head(self, name: str, expect: str) -> None:
         self._ready()
@@ -159,8 +177,47 @@ class DirectoryTier:
     def _locked(self, name: str) -> _LockFile:
         return _LockFile(self._locks / f"{name}.lock", self.lock_expiry_s, self.lock_wait_s)
 
+    # -- what killed uploads left ---------------------------------------------------------
+
+    async def remove_partial(self, older_than_s: float) -> int:
+        return await self.threads.run(self._remove_partial, older_than_s)
+
+    def _remove_partial(self, older_than_s: float) -> int:
+        """Temporaries (an object or a head being written) not touched for ``older_than_s``:
+        their writer died (one under way writes them as it goes)."""
+        self._ready()
+        now, removed = time.time(), 0
+        for sub in (self._objects, self._heads):
+            for entry in os.scandir(sub):
+                if not (entry.name.startswith(".") and entry.name.endswith(".tmp")):
+                    continue
+                try:
+                    if now - entry.stat(follow_symlinks=False).st_mtime > older_than_s:
+                        os.unlink(entry.path)
+                        removed += 1
+                except FileNotFoundError:
+                    continue
+        return removed
+
     async def close(self) -> None:
-        return None
+        self.threads.close()
+
+
+def _temporary(name: str) -> str:
+    """A temporary beside ``name``'s file: a dot-file, which no listing shows."""
+    return f".{name}.{new_upload()[:8]}.tmp"
+
+
+def _create(path: Path, mode: str, *, exclusive: bool = True) -> Any:
+    """``path`` opened for writing, made 0600 whatever the umask (``exclusive``: only if new)."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
+    fd = os.open(path, flags, FILE_MODE)
+    try:
+        os.fchmod(fd, FILE_MODE)
+        return os.fdopen(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 class _LockFile:
@@ -182,6 +239,7 @@ class _LockFile:
                     raise SharedTierError(f"{self.path.name} is locked by another server") from None
                 time.sleep(0.02)
                 continue
+            os.fchmod(fd, FILE_MODE)
             with os.fdopen(fd, "w") as handle:
                 json.dump({"token": self.token, "expires": time.time() + self.expiry_s}, handle)
             return

@@ -6,7 +6,10 @@ compare-and-swap is a conditional write: ``If-Match`` on the ETag read, ``If-Non
 *`` for a first one, and a delete with ``If-Match``. Endpoint, region and credentials come
 from the usual AWS settings (``AWS_ENDPOINT_URL``, ``AWS_REGION``/``AWS_DEFAULT_REGION``,
 ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, ...). Files are sent in
-parts of :data:`PART_BYTES`, each read in a thread: the event loop never reads a disk.
+parts of :data:`PART_BYTES`, each read in one of the tier's own threads (:class:`TierThreads`):
+the event loop never reads a disk. A multipart upload that fails is aborted beside the
+caller (bounded: the caller never waits on a hung store for it); one a killed server left
+open is aborted by the sweep once ``lease_s`` old (:meth:`S3Tier.remove_partial`).
 """
 
 from __future__ import annotations
@@ -17,10 +20,11 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
-from strata_auto_sessions.shared.tier import ConditionFailed, Head, Listed, SharedTierError
+from strata_auto_sessions.shared.tier import ConditionFailed, Head, Listed, SharedTierError, TierThreads
 
 #: A file larger than this is sent as a multipart upload, in parts this size.
 PART_BYTES = 32 * 1024 * 1024
@@ -49,6 +53,9 @@ class S3Tier:
         self._timeout_s = timeout_s
         self._stack: contextlib.AsyncExitStack | None = None
         self._client: Any = None
+        self.threads = TierThreads(self.where)
+        #: Aborts of failed multipart uploads, under way beside their callers.
+        self._aborts: set[asyncio.Task[None]] = set()
 
     async def _c(self) -> Any:
         if self._client is None:
@@ -73,42 +80,51 @@ class S3Tier:
 
     async def put(self, name: str, source: Path) -> None:
         client = await self._c()
-        size = await asyncio.to_thread(lambda: source.stat().st_size)
+        size = await self.threads.run(lambda: source.stat().st_size)
         key = self._object(name)
         with _errors(name):
             if size <= PART_BYTES:
-                body = await asyncio.to_thread(source.read_bytes)
+                body = await self.threads.run(source.read_bytes)
                 await client.put_object(Bucket=self.bucket, Key=key, Body=body)
                 return
             upload = await client.create_multipart_upload(Bucket=self.bucket, Key=key)
             try:
                 parts = []
                 for number, offset in enumerate(range(0, size, PART_BYTES), start=1):
-                    chunk = await asyncio.to_thread(_read_part, source, offset, PART_BYTES)
+                    chunk = await self.threads.run(_read_part, source, offset, PART_BYTES)
                     sent = await client.upload_part(Bucket=self.bucket, Key=key, UploadId=upload["UploadId"],
                                                     PartNumber=number, Body=chunk)
                     parts.append({"ETag": sent["ETag"], "PartNumber": number})
                 await client.complete_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload["UploadId"],
                                                        MultipartUpload={"Parts": parts})
             except BaseException:
-                with contextlib.suppress(Exception):
-                    await client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload["UploadId"])
+                # Beside the caller: awaited here, on a hung store, the abort would hold a
+                # caller that gave up (its timeout) as long as botocore's own retries.
+                abort = asyncio.ensure_future(self._abort(key, upload["UploadId"]))
+                self._aborts.add(abort)
+                abort.add_done_callback(self._aborts.discard)
                 raise
+
+    async def _abort(self, key: str, upload_id: str) -> None:
+        with contextlib.suppress(Exception):
+            client = await self._c()
+            await asyncio.wait_for(client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id),
+                                   self._timeout_s)
 
     async def fetch(self, name: str, target: Path) -> int:
         client = await self._c()
         with _errors(name, missing=True):
             answer = await client.get_object(Bucket=self.bucket, Key=self._object(name))
-            handle = await asyncio.to_thread(open, target, "wb")
+            handle = await self.threads.run(_create_private, target)
             try:
                 written = 0
                 async with answer["Body"] as body:
                     while chunk := await body.read(4 * 1024 * 1024):
-                        await asyncio.to_thread(handle.write, chunk)
+                        await self.threads.run(handle.write, chunk)
                         written += len(chunk)
                 return written
             finally:
-                await asyncio.to_thread(handle.close)
+                await self.threads.run(handle.close)
 
     async def list(self, prefix: str) -> builtins.list[Listed]:
         client = await self._c()
@@ -162,10 +178,51 @@ class S3Tier:
         with _errors(name, conditional=True):
             await client.delete_object(Bucket=self.bucket, Key=self._head_key(name), IfMatch=expect)
 
+    # -- what killed uploads left ---------------------------------------------------------
+
+    async def remove_partial(self, older_than_s: float) -> int:
+        """Abort the multipart uploads under the objects begun, and last sent a part, more
+        than ``older_than_s`` ago: the server sending them died (the store keeps their
+        parts until aborted)."""
+        client = await self._c()
+        now, aborted = time.time(), 0
+        with _errors("multipart uploads"):
+            paginator = client.get_paginator("list_multipart_uploads")
+            async for page in paginator.paginate(Bucket=self.bucket, Prefix=self._object("")):
+                for upload in page.get("Uploads", []):
+                    if now - upload["Initiated"].timestamp() <= older_than_s:
+                        continue
+                    # Some stores answer a fixed date for Initiated (moto's server does):
+                    # the newest part tells too.
+                    parts = await client.list_parts(Bucket=self.bucket, Key=upload["Key"],
+                                                    UploadId=upload["UploadId"])
+                    if any(now - part["LastModified"].timestamp() <= older_than_s
+                           for part in parts.get("Parts", [])):
+                        continue
+                    with contextlib.suppress(FileNotFoundError), _errors(upload["Key"], missing=True):
+                        await client.abort_multipart_upload(Bucket=self.bucket, Key=upload["Key"],
+                                                            UploadId=upload["UploadId"])
+                    aborted += 1
+        return aborted
+
     async def close(self) -> None:
+        if self._aborts:
+            await asyncio.wait(list(self._aborts), timeout=self._timeout_s)
+        self.threads.close()
         if self._stack is not None:
             stack, self._stack, self._client = self._stack, None, None
             await stack.aclose()
+
+
+def _create_private(path: Path) -> Any:
+    """``path`` opened for writing, 0600 whatever the umask."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        return os.fdopen(fd, "wb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _read_part(path: Path, offset: int, size: int) -> bytes:

@@ -45,8 +45,8 @@ from strata_auto_sessions.config import SharedConfig, size_text
 from strata_auto_sessions.digests import digest_matches, sample_digest
 from strata_auto_sessions.naming import PREFIX, TEMP_PREFIX, file_key
 from strata_auto_sessions.shared.tier import (
-    ConditionFailed, ConditionsIgnored, Head, SharedTier, SharedTierError, check_conditions, new_upload, object_name,
-    writer_name,
+    ConditionFailed, ConditionsIgnored, DamagedHead, Head, SharedTier, SharedTierError, check_conditions, new_upload,
+    object_name, writer_name,
 )
 from strata_auto_sessions.sidecar import DamagedSidecar, Sidecar
 
@@ -144,6 +144,11 @@ class SharedParking:
         #: (``time.monotonic()``), so that a request waits for the store once, not at every switch.
         self._down_until = 0.0
         self._checking: asyncio.Task[bool] | None = None
+        #: A call on the tier was given up (it did not answer in its bound): why, and
+        #: until when (``time.monotonic()``) every call fails at once instead of holding
+        #: another thread or request on it; None once a call made since answers.
+        self.unwell: str | None = None
+        self._unwell_since = self._unwell_until = 0.0
 
     @classmethod
     async def start(cls, parking: AutoSessions, service: Any, config: SharedConfig) -> SharedParking | None:
@@ -194,12 +199,38 @@ class SharedParking:
             self._checking = self._spawn(self._check())
 
     async def _call(self, work: Awaitable[T], timeout: float | None = None) -> T:
-        """``work``, given up after ``timeout`` (``timeout_s``) as :class:`SharedTierError`."""
+        """``work``, given up after ``timeout`` (``timeout_s``) as :class:`SharedTierError`.
+
+        A call given up marks the tier unwell: for ``retry_s`` every call fails at once
+        (a hung store holds one caller once, never a thread or a request at each call),
+        and ``/health`` says so until a call made since answers."""
         limit = self.config.timeout_s if timeout is None else timeout
+        began = time.monotonic()
+        if began < self._unwell_until:
+            _discard(work)
+            raise SharedTierError(f"{self.tier.where} is taken for hung ({self.unwell}); not asked again for "
+                                  f"{self._unwell_until - began:.0f} s (shared.retry_s)")
         try:
-            return await asyncio.wait_for(work, limit)
+            answer = await asyncio.wait_for(work, limit)
         except TimeoutError:
+            now = time.monotonic()
+            if self.unwell is None or now >= self._unwell_until:
+                log.warning("[strata] auto sessions: shared tier %s did not answer within %g s: taken for hung, "
+                            "no call on it for %g s (shared.retry_s); local parking alone meanwhile",
+                            self.tier.where, limit, self.config.retry_s)
+            self.unwell = f"a call did not answer within {limit:g} s"
+            self._unwell_since, self._unwell_until = now, now + self.config.retry_s
             raise SharedTierError(f"{self.tier.where} did not answer within {limit:g} s") from None
+        if self.unwell is not None and began > self._unwell_since:
+            log.info("[strata] auto sessions: shared tier %s answers again", self.tier.where)
+            self.unwell = None
+        return answer
+
+    def degraded(self) -> str | None:
+        """What ``/health`` says of the tier: None while it answers."""
+        if self.unwell is None:
+            return None
+        return f"shared tier not answering ({self.unwell}): conversations are parked locally alone"
 
     def _spawn(self, work: Awaitable[Any]) -> asyncio.Task[Any]:
         task: asyncio.Task[Any] = asyncio.ensure_future(work)
@@ -243,7 +274,7 @@ class SharedParking:
                     return
         finally:
             self._uploads.pop(name, None)
-            await asyncio.to_thread(self._save_ledger)
+            await self._write_ledger()
 
     async def _retry_later(self) -> None:
         while self._failed and self.refused is None:
@@ -372,7 +403,7 @@ class SharedParking:
             except Exception:
                 self.stats.shared_fetch_failures += 1
                 log.exception("[strata] auto sessions: shared tier: fetching %s failed", name)
-        await asyncio.to_thread(self._save_ledger)
+        await self._write_ledger()
 
     async def _bring_in_file(self, name: str) -> None:
         current = await self._call(self.tier.head(name))
@@ -494,13 +525,22 @@ class SharedParking:
         except OSError as exc:
             log.warning("[strata] auto sessions: shared tier: cannot record %s: %s", LEDGER_NAME, exc)
 
+    async def _write_ledger(self) -> None:
+        """:meth:`_save_ledger` in a thread, waited for at most ``timeout_s``: a request
+        never waits longer on it (the write goes on; the next one records the same)."""
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self._save_ledger), self.config.timeout_s)
+        except TimeoutError:
+            log.warning("[strata] auto sessions: shared tier: recording %s took over %g s; not waited for",
+                        LEDGER_NAME, self.config.timeout_s)
+
     # -- the shared tier's own upkeep ---------------------------------------------------
 
     async def _sweep_loop(self) -> None:
         while self.refused is None:
             try:
                 if await self._check():
-                    await sweep(self.tier, self.config, self._call)
+                    await sweep(self.tier, self.config, self._call, self.stats)
             except (SharedTierError, OSError) as exc:
                 log.info("[strata] auto sessions: shared tier: sweep not done: %s", exc)
             except Exception:
@@ -521,15 +561,26 @@ class SharedParking:
                         len(self._uploads), ", ".join(sorted(self._uploads)))
         for task in list(self._tasks):
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await asyncio.to_thread(self._save_ledger)
+        if self._tasks:  # a call on the tier ends at its cancellation; bounded all the same
+            await asyncio.wait(list(self._tasks), timeout=self.config.timeout_s)
+        await self._write_ledger()
         await self._close_tier()
 
     async def _close_tier(self) -> None:
+        """The tier closed, within ``timeout_s``: a call stuck in it (a hung mount) is left
+        to its thread, which never keeps the process alive."""
         try:
             await asyncio.wait_for(self.tier.close(), self.config.timeout_s)
         except (TimeoutError, SharedTierError, OSError) as exc:
             log.info("[strata] auto sessions: shared tier: closing: %s", exc)
+
+
+def _discard(work: Awaitable[Any]) -> None:
+    """A call not made: its coroutine closed (never awaited, never warned of)."""
+    if asyncio.iscoroutine(work):
+        work.close()
+    elif isinstance(work, asyncio.Future):
+        work.cancel()
 
 
 def _unlink(*paths: Path) -> None:
@@ -537,19 +588,31 @@ def _unlink(*paths: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-async def sweep(tier: SharedTier, config: SharedConfig, call: Any) -> tuple[int, int]:
+async def sweep(tier: SharedTier, config: SharedConfig, call: Any, stats: Any = None) -> tuple[int, int]:
     """Forget conversations no server saved for ``max_age_days`` (their heads, by
-    compare-and-swap: one saved meanwhile stays), tombstones as old, and objects no head
+    compare-and-swap: one saved meanwhile stays), tombstones as old, objects no head
     names once ``lease_s`` has passed since they were written (a fetch or an upload
-    under way ends sooner). Returns (heads, objects) removed."""
+    under way ends sooner), and what uploads that never ended left (a killed server's
+    partial object or open multipart upload) once as old. A damaged head is logged,
+    counted (``stats.shared_damaged_heads``) and passed over, its conversation's objects
+    kept: it never stops the sweep. Returns (heads, objects) removed."""
     now = time.time()
     max_age = config.max_age_days * 86400
     live: set[str] = set()
+    unknown: list[str] = []  # the objects' names of conversations whose head is damaged begin so
     heads_removed = 0
     for name in await call(tier.heads(PREFIX)):
         if not name.endswith(".bin"):
             continue
-        current = await call(tier.head(name))
+        try:
+            current = await call(tier.head(name))
+        except DamagedHead as exc:
+            unknown.append(name[: -len(".bin")] + ".")
+            if stats is not None:
+                stats.shared_damaged_heads += 1
+            log.warning("[strata] auto sessions: shared tier: %s: damaged head passed over by the sweep, its "
+                        "objects kept: %s", name, exc)
+            continue
         if current is None:
             continue
         head, version = current
@@ -567,9 +630,13 @@ async def sweep(tier: SharedTier, config: SharedConfig, call: Any) -> tuple[int,
         live.update(objects or ())
     objects_removed = 0
     for listed in await call(tier.list(PREFIX)):
-        if listed.name not in live and now - listed.modified > config.lease_s:
+        if listed.name not in live and not listed.name.startswith(tuple(unknown)) \
+                and now - listed.modified > config.lease_s:
             await call(tier.delete(listed.name))
             objects_removed += 1
+    remove_partial = getattr(tier, "remove_partial", None)  # a tier of a plugin's may have none
+    if remove_partial is not None:
+        objects_removed += await call(remove_partial(config.lease_s))
     if heads_removed or objects_removed:
         log.info("[strata] auto sessions: shared tier: expired %d conversation file(s), removed %d object(s) no "
                  "head names", heads_removed, objects_removed)

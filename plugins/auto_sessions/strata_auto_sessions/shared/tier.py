@@ -18,12 +18,18 @@ from __future__ import annotations
 
 import builtins
 
+import asyncio
 import json
+import threading
 import time
 import uuid
+from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
+
+T = TypeVar("T")
 
 
 class SharedTierError(OSError):
@@ -34,6 +40,11 @@ class SharedTierError(OSError):
 class ConditionFailed(SharedTierError):
     """A conditional write was refused: the head is not the version the writer read (or a
     first write found one)."""
+
+
+class DamagedHead(SharedTierError):
+    """A head that is not one: cut short, not JSON, or a field of the wrong type. Another
+    head, and the rest of the store, are unaffected."""
 
 
 class ConditionsIgnored(SharedTierError):
@@ -77,16 +88,28 @@ class Head:
 
     @classmethod
     def decode(cls, data: builtins.bytes) -> Head:
-        """:raises SharedTierError: when it is not a head."""
+        """:raises DamagedHead: when it is not a head (every field's type is checked: a
+            reader compares and subtracts them)."""
         try:
             raw = json.loads(data)
             fields = {name: raw[name] for name in cls.__dataclass_fields__ if name in raw}
             head = cls(**fields)
         except (ValueError, TypeError, KeyError) as exc:
-            raise SharedTierError(f"not a head record: {exc}") from None
-        if not isinstance(head.generation, int) or head.generation < 0:
-            raise SharedTierError(f"not a head record: generation {head.generation!r}")
+            raise DamagedHead(f"not a head record: {exc}") from None
+        for name, kinds in _FIELD_TYPES.items():
+            value = getattr(head, name)
+            if isinstance(value, bool) or not isinstance(value, kinds):
+                raise DamagedHead(f"not a head record: {name} {value!r}")
+        if head.generation < 0:
+            raise DamagedHead(f"not a head record: generation {head.generation!r}")
         return head
+
+
+#: What each field of a head may hold, as read back from JSON (a float may be written as an int).
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "generation": (int,), "upload": (str, type(None)), "tokens": (int,), "bytes": (int,), "digest": (str,),
+    "created": (int, float), "written": (int, float), "removed": (int, float, type(None)), "writer": (str,),
+}
 
 
 def object_name(name: str, upload: str) -> str:
@@ -161,7 +184,123 @@ class SharedTier(Protocol):
         """
         ...
 
+    async def remove_partial(self, older_than_s: float) -> int:
+        """Remove what uploads that never ended left (a server killed mid-upload): partial
+        objects, open multipart uploads, begun more than ``older_than_s`` ago. How many."""
+        ...
+
     async def close(self) -> None: ...
+
+
+#: How many threads a tier's blocking calls may hold at once.
+TIER_THREADS = 8
+
+
+@dataclass
+class _Job:
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
+    running: bool = False
+    abandoned: bool = False
+
+
+class TierThreads:
+    """The threads a tier's blocking calls run in: a few daemon threads of the tier's own,
+    never the event loop's default executor.
+
+    A call that never returns (``open()`` on a hung NFS mount blocks in the kernel, and no
+    thread blocked there can be stopped) then holds one of these, not a thread the rest of
+    the server waits for, and a daemon thread never keeps the process alive at its exit. A
+    call its caller stopped waiting for before it began is never run; one already running
+    is counted as stuck until it returns; with every thread stuck, a call is refused at
+    once rather than queued behind them.
+    """
+
+    def __init__(self, where: str, size: int = TIER_THREADS):
+        self.where, self.size = where, size
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._jobs: deque[_Job] = deque()
+        self._threads = self._idle = 0
+        #: Calls running whose caller gave up on them.
+        self.stuck = 0
+        self._closed = False
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in one of the threads.
+
+        :raises SharedTierError: when every thread is stuck in a call, or the tier is closed.
+        """
+        loop = asyncio.get_running_loop()
+        job = _Job(fn, args, loop, loop.create_future())
+        with self._lock:
+            if self._closed:
+                raise SharedTierError(f"{self.where} is closed")
+            if self.stuck >= self.size:
+                raise SharedTierError(f"{self.where}: {self.stuck} calls on it have not returned; none is made "
+                                      "until one does")
+            self._jobs.append(job)
+            if self._idle:
+                self._idle -= 1
+                self._wake.notify()
+            elif self._threads < self.size:
+                self._threads += 1
+                threading.Thread(target=self._work, name=f"strata-shared-tier-{self._threads}", daemon=True).start()
+        try:
+            return await job.future
+        except asyncio.CancelledError:
+            with self._lock:
+                if job.running and not job.abandoned:
+                    self.stuck += 1
+                job.abandoned = True
+            raise
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                while not self._jobs and not self._closed:
+                    self._idle += 1
+                    self._wake.wait()
+                if not self._jobs:
+                    self._threads -= 1
+                    return
+                job = self._jobs.popleft()
+                if job.abandoned:
+                    continue
+                job.running = True
+            result: Any = None
+            error: BaseException | None = None
+            try:
+                result = job.fn(*job.args)
+            except BaseException as exc:  # delivered to the caller, never lost in this thread
+                error = exc
+            with self._lock:
+                job.running = False
+                if job.abandoned:
+                    self.stuck -= 1
+                    continue
+            try:
+                job.loop.call_soon_threadsafe(_deliver, job.future, result, error)
+            except RuntimeError:
+                pass  # the loop is closed: nobody waits any more
+
+    def close(self) -> None:
+        """Idle threads end; stuck ones are left to the process's exit (daemon threads)."""
+        with self._lock:
+            self._closed = True
+            self._idle = 0
+            self._wake.notify_all()
+
+
+def _deliver(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 #: Where the start check writes: a name no conversation file takes.
