@@ -188,6 +188,7 @@ def test_a_damaged_block_is_not_joined(tmp_path):
     target.write_bytes(bytes(raw))
     with pytest.raises(CorruptBlock, match="digest"):
         store.materialize(chain, tmp_path / "out.bin")
+    assert not (tmp_path / "out.bin").exists()
     target.unlink()
     with pytest.raises(CorruptBlock, match="missing"):
         store.materialize(chain, tmp_path / "out.bin")
