@@ -10,8 +10,8 @@ context) against four set-ups on the same model, and writes
   request (another system prompt, streamed) sent at the same instant.
 
 The set-ups: llama-server alone with one slot (``-np 1``) and with its own default (4 slots
-over one KV pool), strata-serve with the plain one-slot engine (``side_slot_tokens = 0``)
-and strata-serve's default (a side slot beside the main one). For each main turn after the
+over one KV pool), strata-serve with the plain one-slot engine (``side_slot_tokens = 0``, the default)
+and strata-serve with a side slot beside the main one (``side_slot_tokens = 2048``). For each main turn after the
 first: time to first token, prompt tokens the engine read again, and strata-serve's saves
 and restores. Side requests ask for a short answer (the title 64 tokens, not Claude Code's
 32,000), so that the set-ups that do not bound them spend no minutes writing.
@@ -42,7 +42,7 @@ from strata_serve.models import packaged_model_path
 RESULTS = Path(__file__).resolve().parent / "results"
 CTX = 8192
 SETUPS = ("llama-server -np 1", "llama-server default (4 slots)", "strata-serve side_slot_tokens = 0",
-          "strata-serve default")
+          "strata-serve side_slot_tokens = 2048")
 
 
 def words(name: str, tokens: int) -> str:
@@ -69,7 +69,7 @@ async def setup(name: str, model: Path, work: Path) -> AsyncIterator[tuple[str, 
     from strata_serve.api import SERVICE, create_app
     from strata_serve.plugins import get_plugin_manager
 
-    side = {"side_slot_tokens": 0} if "= 0" in name else {}
+    side = {"side_slot_tokens": 0 if name.endswith("= 0") else 2048}
     settings = Settings(server={"port": free_port("127.0.0.1")},
                         engine={"model": model, "ctx_size": CTX, "slot_save_path": slot_dir, "log_level": "DEBUG",
                                 **side})

@@ -214,10 +214,13 @@ class EngineSettings(BaseModel):
     parallel: int = Field(1, ge=1)
     #: With one slot (``parallel = 1``), a second, small slot beside it for side requests
     #: (titles, tags, follow-ups, probes), so they never take the main conversation's
-    #: slot: the engine's one KV pool holds ``ctx_size + side_slot_tokens`` tokens. 0: the
-    #: plain one-slot engine. Off with an attached engine (``url``), strict tenant
-    #: isolation, ``ctx_size = 0`` or ``-np``/``-c`` in ``extra_args``. See docs/side-lane.md.
-    side_slot_tokens: int = Field(2048, ge=0)
+    #: slot: the engine's one KV pool holds ``ctx_size + side_slot_tokens`` tokens. 0 (the
+    #: default): the plain one-slot engine. Off by default because the shared pool is not
+    #: free: the engine attends over both slots' tokens, so whatever the side slot holds
+    #: slows the main conversation's every token (agent workloads, docs/side-lane.md). Off
+    #: with an attached engine (``url``), strict tenant isolation, ``ctx_size = 0`` or
+    #: ``-np``/``-c`` in ``extra_args``. See docs/side-lane.md.
+    side_slot_tokens: int = Field(0, ge=0)
     slot_save_path: Path | None = None
     #: ``--cache-ram`` in MiB; None leaves the engine's default (8192), 0 turns it off.
     cache_ram_mib: int | None = Field(None, ge=-1)

@@ -123,3 +123,18 @@ def test_an_empty_key_from_the_environment_stops_the_start_too(monkeypatch):
 def test_allowed_origins_from_the_environment_and_compared_in_lower_case(monkeypatch):
     monkeypatch.setenv("STRATA_SERVER__ALLOWED_ORIGINS", "http://UI.example:3000, https://[::1]:8443")
     assert load_settings().server.allowed_origins == ["http://ui.example:3000", "https://[::1]:8443"]
+
+
+def test_the_default_engine_is_the_plain_one_slot_engine(tmp_path):
+    """No side slot by default: its pool is shared, and what it holds slows the main
+    conversation's every token (#39). ``side_slot_tokens`` turns it on."""
+    from strata_serve.engine.llama_server import build_command
+
+    settings = load_settings().engine
+    settings.model, settings.ctx_size = tmp_path / "m.gguf", 8192
+    assert settings.side_slot_tokens == 0 and not settings.side_lane and settings.engine_slots == 1
+    command = build_command(settings, tmp_path / "llama-server", 1)
+    assert command[command.index("-np") + 1] == "1" and command[command.index("-c") + 1] == "8192"
+    assert "--kv-unified" not in command
+    settings.side_slot_tokens = 2048
+    assert settings.side_lane and "--kv-unified" in build_command(settings, tmp_path / "llama-server", 1)

@@ -238,7 +238,7 @@ def workspace(tmp_path: Path) -> dict[str, Path]:
 @pytest.fixture
 def cli_server(strata_client_factory, strata_settings_factory):
     """strata-serve as ``strata-serve run`` has it (every installed plugin but the examples,
-    the default engine: a side slot beside the main one), on the demo model at
+    the default engine: one slot, ``engine.side_slot_tokens`` = 0), on the demo model at
     ``ctx_size``, with the request log."""
 
     async def make(ctx_size: int) -> tuple[Any, RequestLog, str]:
