@@ -26,6 +26,8 @@ kept are counted from its records with its default threshold instead.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import dataclasses
 import datetime
 import json
 import os
@@ -184,14 +186,26 @@ def run_once(system: System, model: Path, work: Path, salt: int, args: list[str]
 
 
 def compare(model: Path, work: Path, rounds: int, chosen: list[System], args: list[str],
-            agent_sim: Path) -> dict[str, Any]:
-    """Every system in ``chosen``, ``rounds`` times, in turn (the order turns each round)."""
+            agent_sim: Path, at_once: bool = False) -> dict[str, Any]:
+    """Every system in ``chosen``, ``rounds`` times, in turn (the order turns each round).
+
+    ``at_once``: the systems of a round run at the same time instead, for a machine too
+    busy for wall times to compare: each then meets the same load, and what compares is
+    the CPU time of each engine (of one thread: ``--engine-threads 1``) and layer."""
     runs: dict[str, list[dict[str, Any]]] = {s.key: [] for s in chosen}
     for round_ in range(rounds):
         order = chosen[round_ % len(chosen):] + chosen[:round_ % len(chosen)]
         salt = int(time.time())
-        for system in order:
-            found = run_once(system, model, work / f"{system.key}-{round_}", salt, args, agent_sim)
+        if at_once:
+            with concurrent.futures.ThreadPoolExecutor(len(order)) as pool:
+                started = [pool.submit(run_once, system, model, work / f"{system.key}-{round_}", salt, args,
+                                       agent_sim) for system in order]
+                results = [future.result() for future in started]
+        else:
+            results = []
+        for n, system in enumerate(order):
+            found = results[n] if at_once else run_once(system, model, work / f"{system.key}-{round_}", salt,
+                                                         args, agent_sim)
             found["round"] = round_
             runs[system.key].append(found)
             print(f"  agent-sim, round {round_ + 1}, {system.name}: {found['wall_s']:.1f} s, contexts kept "
@@ -200,7 +214,7 @@ def compare(model: Path, work: Path, rounds: int, chosen: list[System], args: li
                   f"{found.get('engine_cpu_s') or 0:.1f} s, read {found.get('prefill_tokens', 0):,} tokens in "
                   f"{found.get('prefill_s', 0):.1f} s", flush=True)
     return {"version": VERSION, "args": args, "rounds": rounds, "systems": {s.key: s.name for s in chosen},
-            "runs": runs, "ratios": ratios(runs)}
+            "runs": runs, "ratios": ratios(runs), "at_once": at_once}
 
 
 def ratios(runs: dict[str, list[dict[str, Any]]]) -> dict[str, list[float]]:
@@ -300,6 +314,9 @@ def main() -> None:
     parser.add_argument("--before", type=Path, help="a checkout of strata-serve to compare (its tree)")
     parser.add_argument("--quick", action="store_true", help="a tenth of the tokens")
     parser.add_argument("--half", action="store_true", help="half the tokens")
+    parser.add_argument("--engine-threads", type=int, help="every engine's threads (-t)")
+    parser.add_argument("--at-once", action="store_true",
+                        help="the systems of a round at the same time (a busy machine: compare CPU times)")
     parser.add_argument("--work", type=Path, help="keep each run's files (logs) here")
     parser.add_argument("--out", type=Path, default=RESULTS / "agent-sim.md")
     parser.add_argument("--json", type=Path, help="write the raw figures here too")
@@ -312,11 +329,17 @@ def main() -> None:
         sys.exit("SmolLM2 is not installed: run `make setup`")
     chosen = [s for s in systems(options.before, every=bool(options.only))
               if not options.only or s.key in options.only]
+    if options.engine_threads:
+        # On a machine shared with other work, an engine of one thread does not spin waiting
+        # for a second one that is not running: its CPU time is then its work.
+        chosen = [dataclasses.replace(s, extra_args=(*s.extra_args, "-t", str(options.engine_threads)))
+                  for s in chosen]
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="strata-agent-sim-") as tmp:
         work = options.work or Path(tmp)
-        found = compare(Path(model), work, options.rounds, chosen, QUICK_ARGS if options.quick else HALF_ARGS if options.half else ARGS, agent_sim)
+        found = compare(Path(model), work, options.rounds, chosen, QUICK_ARGS if options.quick else HALF_ARGS if options.half else ARGS, agent_sim,
+                        options.at_once)
     from bench.run import machine
 
     text = ["# cache-pressure agent-sim through strata-serve", "",
