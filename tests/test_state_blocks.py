@@ -15,7 +15,7 @@ import pytest
 
 from strata_serve.demo_model import write_demo_model
 from strata_serve.engine.llama_server import LlamaServer
-from strata_serve.engine.llama_server.state_file import LlamaStateFormat, cut_bytes, join_bytes, parse
+from strata_serve.engine.llama_server.state_file import LlamaStateFormat, cut_bytes, join_bytes, parse, shifting_flag
 from strata_serve.engine.state_blocks import CutState, StateBlock, StateRefusal
 from strata_serve.memory_engine import MemoryEngine
 from strata_serve.models import packaged_model_path
@@ -131,6 +131,19 @@ def test_blocks_that_do_not_fit_the_layout_are_not_joined(tmp_path):
         FORMAT.join(state.layout, [state_with_gap.tail, *partial_first[1:]], tmp_path / "out.bin")
     with pytest.raises(ValueError, match="not a layout record"):
         FORMAT.join(b"{}", state.blocks, tmp_path / "out.bin")
+
+
+@pytest.mark.parametrize("args, env, found", [
+    ([], {}, None),
+    (["--context-shift"], {}, "--context-shift"),
+    (["--cache-reuse", "256"], {}, "--cache-reuse"),
+    (["--cache-reuse=0"], {}, None),
+    ([], {"LLAMA_ARG_CONTEXT_SHIFT": "1"}, "LLAMA_ARG_CONTEXT_SHIFT"),
+    (["--no-context-shift"], {"LLAMA_ARG_CONTEXT_SHIFT": "1"}, None),
+    ([], {"LLAMA_ARG_CACHE_REUSE": "64"}, "LLAMA_ARG_CACHE_REUSE"),
+])
+def test_the_flags_that_move_cells_are_found(args, env, found):
+    assert shifting_flag(args, env) == found
 
 
 def test_the_backends_say_what_they_can_cut():
@@ -260,3 +273,21 @@ async def test_a_sliding_window_model_is_refused_even_with_swa_full(llama_server
         assert isinstance(refused, StateRefusal) and refused.reason == "swa", (flags, refused)
         await server.stop()
 
+
+
+async def test_an_engine_that_shifts_its_context_is_refused_by_its_flags(llama_server_factory):
+    """A context shift drops tokens and renumbers the cells after them, whose rows were
+    computed beside the dropped tokens: such a state is not a function of its tokens. The
+    backend refuses every state of an engine started with a flag that moves cells, whatever
+    its file shows (here the file shows it too: new cells were written over freed ones, out
+    of position order)."""
+    server = await llama_server_factory(ctx_size=256, extra_args=["--context-shift"])
+    status, body = await server.request("POST", "/completion", json={
+        "prompt": PROMPT[:200], "n_predict": 120, "temperature": 0, "id_slot": 0})
+    assert status == 200 and body["tokens_predicted"] == 120  # past the 256-token context: shifted
+    await server.save("shifted.bin", 0)
+    path = server.info.slot_save_path / "shifted.bin"  # type: ignore[operator]
+    refused = server.state_format.cut(path, BLOCK)  # type: ignore[union-attr]
+    assert isinstance(refused, StateRefusal) and refused.reason == "shifted"
+    by_file = LlamaStateFormat().cut(path, BLOCK)
+    assert isinstance(by_file, StateRefusal) and by_file.reason == "cells"

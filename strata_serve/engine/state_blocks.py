@@ -61,7 +61,7 @@ class StateRefusal:
     """Why a state is not cut into blocks (it is then kept whole).
 
     ``reason`` is one of a small set of words a caller may count (``state_version``,
-    ``tokens_format``, ``media``, ``streams``, ``cells``, ``swa``, ``recurrent``,
+    ``tokens_format``, ``media``, ``streams``, ``cells``, ``shifted``, ``swa``, ``recurrent``,
     ``layout``, ``empty``, ``unreadable``); ``detail`` says what was found.
     """
 

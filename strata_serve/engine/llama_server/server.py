@@ -25,7 +25,7 @@ from strata_serve.engine.llama_server.client import EngineClient, StreamReply
 from strata_serve.engine.llama_server.command import build_command, clears_idle_slots, free_port, state_layout
 from strata_serve.engine.llama_server.output import forward_output
 from strata_serve.engine.llama_server.state import EngineState
-from strata_serve.engine.llama_server.state_file import LlamaStateFormat
+from strata_serve.engine.llama_server.state_file import LlamaStateFormat, shifting_flag
 from strata_serve.engine.state_blocks import StateFormat
 from strata_serve.files import make_private_dir
 from strata_serve.engine.results import EngineError, Timings
@@ -100,6 +100,7 @@ class LlamaServer:
         if self.managed:
             # What the engine is started with; an attached engine's flags are not known.
             self.info.layout = state_layout(list(settings.extra_args), dict(os.environ))
+            self.state_format = LlamaStateFormat(shifting_flag(list(settings.extra_args), dict(os.environ)))
         self._client = EngineClient(url, self._state, lambda: self._proc, managed=self.managed,
                                     restart_on_crash=settings.restart_on_crash)
 

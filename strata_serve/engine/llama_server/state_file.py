@@ -21,7 +21,8 @@ into a file any slot restores.
 Covered: one stream holding cells at positions 0..n-1 of the tokens (n the tokens, or one
 fewer when the last generated token was not read yet), without media. Refused, with the
 reason: another state version, media, cells in several streams, cells that are not that
-plain sequence (after a context shift), a sliding-window model's cache (``iswa`` writes a
+plain sequence, an engine that moves cells (``--context-shift``, ``--cache-reuse``:
+the file cannot show it), a sliding-window model's cache (``iswa`` writes a
 second cache holding only the window, whose rows depend on where the state ends, with or
 without ``--swa-full``), recurrent or hybrid memory, and any layout that does not read to
 the file's last byte.
@@ -32,13 +33,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from strata_serve.engine.state_blocks import StateBlock, CutState, StateRefusal
 
-__all__ = ["LlamaStateFormat", "STATE_VERSION", "parse"]
+__all__ = ["LlamaStateFormat", "STATE_VERSION", "parse", "shifting_flag"]
 
 STATE_MAGIC = 0x67677371  # 'ggsq', LLAMA_STATE_SEQ_MAGIC
 STATE_VERSION = 4  # LLAMA_STATE_SEQ_VERSION
@@ -296,7 +297,7 @@ def parse(data: bytes | memoryview) -> ParsedState | StateRefusal:
         found = (f"cell {first_off} at position {cache.positions[first_off]}" if first_off is not None
                  else "a cache that does not hold the tokens")
         return StateRefusal("cells", f"{n} cells for {len(tokens)} tokens, {found}: not the plain sequence of the"
-                       " tokens (a context shift, or a trimmed cache)")
+                       " tokens (a trimmed cache)")
     return ParsedState(tokens=tokens, cache=cache)
 
 
@@ -414,12 +415,47 @@ def join_bytes(layout_record: bytes, blocks: Sequence[StateBlock], *, n_stream: 
     return out
 
 
+def shifting_flag(args: Sequence[str], env: Mapping[str, str]) -> str | None:
+    """The flag (or variable) of ``args``/``env`` by which llama-server moves cells to other
+    positions, if any: ``--context-shift`` (drops tokens from the middle and renumbers the
+    rest) or ``--cache-reuse N`` (moves reused chunks of a cache). The cells then sit at
+    positions 0..n-1 of the slot's tokens again, yet their rows were computed beside other
+    tokens: the state is no longer a function of its tokens, and no file shows it.
+    As llama-server reads them: a variable is the default, the last flag wins."""
+    found: str | None = None
+    if env.get("LLAMA_ARG_CONTEXT_SHIFT", "").lower() in ("1", "true", "on", "enabled"):
+        found = "LLAMA_ARG_CONTEXT_SHIFT"
+    reuse = env.get("LLAMA_ARG_CACHE_REUSE", "")
+    if reuse.isdigit() and int(reuse) > 0:
+        found = "LLAMA_ARG_CACHE_REUSE"
+    for index, arg in enumerate(args):
+        name, _, inline = arg.partition("=")
+        if name == "--context-shift":
+            found = name
+        elif name == "--no-context-shift" and found in ("--context-shift", "LLAMA_ARG_CONTEXT_SHIFT"):
+            found = None
+        elif name == "--cache-reuse":
+            value = inline or (args[index + 1] if index + 1 < len(args) else "0")
+            found = name if value.isdigit() and int(value) > 0 else None
+    return found
+
+
 class LlamaStateFormat:
-    """llama-server's slot file (state version 4, packed server tokens version 1), in blocks."""
+    """llama-server's slot file (state version 4, packed server tokens version 1), in blocks.
+
+    ``shifting``: the flag by which the engine moves cells (:func:`shifting_flag`); every
+    state is then refused (``shifted``), its bytes not being those of its tokens alone.
+    """
 
     version = f"llama-ggsq-{STATE_VERSION}.server-tokens-{TOKENS_VERSION}.blocks-{BLOCKS_VERSION}"
 
+    def __init__(self, shifting: str | None = None):
+        self.shifting = shifting
+
     def cut(self, path: Path, block_tokens: int) -> CutState | StateRefusal:
+        if self.shifting:
+            return StateRefusal("shifted", f"the engine runs with {self.shifting}: a state's cells may have been "
+                                "moved beside other tokens, which no file shows")
         try:
             data = Path(path).read_bytes()
         except OSError as e:
