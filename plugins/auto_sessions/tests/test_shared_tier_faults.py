@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import sys
 import time
 from pathlib import Path
@@ -295,3 +296,44 @@ async def test_a_damaged_head_never_stops_the_sweep(tier, tmp_path, caplog):
     assert stats.shared_damaged_heads >= 2
     said = [line for line in log_lines(caplog) if "damaged head passed over by the sweep" in line]
     assert any("auto-cut.bin" in line for line in said) and any("auto-typed.bin" in line for line in said), said
+
+
+async def test_calls_on_a_hung_directory_hold_a_few_threads_then_are_refused_at_once(tmp_path):
+    # Before: each abandoned call held one more thread of the event loop's default pool,
+    # and the calls after it queued behind them, each waiting out its own timeout.
+    from strata_auto_sessions.shared import DirectoryTier, SharedTierError
+    from strata_auto_sessions.shared.tier import TIER_THREADS
+
+    root = tmp_path / "shared"
+    root.mkdir()
+    tier = DirectoryTier(root)
+    await tier.put_head("auto-chat.bin", Head(generation=1, upload="u1"), None)
+    hang_every_file(root)
+    threads = threading.active_count()
+    try:
+        refused = None
+        for _ in range(4 * TIER_THREADS):
+            began = time.monotonic()
+            try:
+                await asyncio.wait_for(tier.head("auto-chat.bin"), 0.2)
+            except TimeoutError:
+                continue
+            except SharedTierError as exc:
+                refused, took = exc, time.monotonic() - began
+                break
+        assert refused is not None and took < 0.1, "refused at once, not after its timeout"
+        assert threading.active_count() - threads <= TIER_THREADS
+        # The default pool was never touched: it runs work at once.
+        assert await asyncio.wait_for(asyncio.to_thread(lambda: "ran"), 2) == "ran"
+    finally:
+        release(root)
+    deadline = time.monotonic() + 10
+    while True:  # the calls let through return their threads: it answers again
+        try:
+            await tier.put_head("auto-other.bin", Head(generation=1, upload="u1"), None)
+            break
+        except SharedTierError:
+            assert time.monotonic() < deadline, "the tier never answered again"
+            await asyncio.sleep(0.05)
+    assert (await tier.head("auto-other.bin"))[0].generation == 1
+    await tier.close()
