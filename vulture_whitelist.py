@@ -21,7 +21,7 @@ from strata_serve.service import Service
 from strata_serve.slot_state import SlotRegistry
 from strata_serve.tenants import in_tenant
 from strata_serve.testing import (KeyRecorder, ask, assert_openai_error, chat_body, conversation, llama_server_factory,
-                                  until_idle)
+                                  until, until_idle)
 from strata_serve.timing import PhaseTotals
 
 _ = (
@@ -39,7 +39,7 @@ _ = (
     SlotRegistry.nothing_durable, SlotRegistry.file_gone, SlotRegistry.corrections, EngineMeasures.prefill_seconds,
     EngineMeasures.bytes_per_token, PhaseTotals.snapshot,
     # strata_serve.testing, the pytest plugin: its fixtures and helpers are for plugins' tests.
-    KeyRecorder, ask, assert_openai_error, chat_body, conversation, llama_server_factory, until_idle,
+    KeyRecorder, ask, assert_openai_error, chat_body, conversation, llama_server_factory, until, until_idle,
     # pydantic-settings calls these on a settings source (config.py).
     _FileSource.get_field_value, Settings.settings_customise_sources,
     # logging's record, rewritten by cli.py's filter.

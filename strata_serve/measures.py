@@ -4,7 +4,10 @@ The service records them as the engine answers (``service.measures``): the prefi
 speed from every answer's timings, the bytes per token of the engine's state from
 every slot file saved or restored through it, and, for every request, where its
 conversation's state came from (``request.state_source``), which the client reads in
-``X-Strata-State`` and a stats plugin counts. No plugin keeps a measurement of its own.
+``X-Strata-State`` and a stats plugin counts. One writer: the service (``service.py``)
+alone calls :meth:`EngineMeasures.answered` and :meth:`EngineMeasures.state_file`. No
+plugin measures the engine itself; a plugin may measure what only it does (auto-sessions
+the speed of its own restores and of its fetches from a shared tier).
 """
 
 from __future__ import annotations

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import inspect
+import time
 from pathlib import Path
 from typing import Any
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -71,6 +73,21 @@ async def ask(client: Any, messages: list[dict[str, Any]], *, key: str | None = 
     resp = await client.post("/v1/chat/completions", json=chat(messages, **extra), headers=headers)
     assert resp.status == 200, await resp.text()
     return await resp.json()
+
+
+async def until(condition: Callable[[], Any], timeout: float = 10, what: str = "the condition") -> None:
+    """Wait until ``condition()`` is true (it may return an awaitable), looking every 10 ms;
+    fail naming ``what`` past ``timeout`` seconds. The way a test waits for something to
+    happen, instead of sleeping for a time it hopes is enough."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout:g} s"
+        await asyncio.sleep(0.01)
 
 
 async def until_idle(service: Service, timeout: float = 10) -> None:

@@ -79,8 +79,15 @@ async def test_engine_killed_mid_request_is_restarted(strata_client_factory, rec
     first_pid = engine.pid
     long = chat_body("Go on and on", max_tokens=3500, ignore_eos=True)
     in_flight = asyncio.create_task(client.post("/v1/chat/completions", json=long))
-    await until(lambda: recorder.keys, what="the request reaching the engine")
-    await asyncio.sleep(0.2)
+    await until(lambda: recorder.keys, what="the request reaching pre_request")
+
+    async def answering() -> bool:
+        return any(slot.processing for slot in await engine.slots())
+
+    deadline = time.monotonic() + 30
+    while not await answering():
+        assert time.monotonic() < deadline, "the engine never began the answer"
+        await asyncio.sleep(0.01)
     os.kill(first_pid, signal.SIGKILL)
     resp = await in_flight
     body = await resp.json()

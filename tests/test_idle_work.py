@@ -54,7 +54,16 @@ async def test_a_busy_service_never_starts_it_and_cancel_stops_it(strata_client_
     await client.post("/v1/chat/completions", json=chat_body())
     first = plugin.handle
     first.cancel()
-    await asyncio.sleep(0.5)
+    assert first.done
+    # Work asked for later with the same delay has run: the first, had it not been
+    # cancelled, would have run before it.
+    later = asyncio.Event()
+
+    async def mark() -> None:
+        later.set()
+
+    client.app[SERVICE].when_idle(0.3, mark, name="later work")
+    await asyncio.wait_for(later.wait(), 10)
     assert plugin.ran == [] and first.done
 
 

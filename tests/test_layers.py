@@ -16,9 +16,11 @@ CORE = ROOT / "strata_serve"
 #: Code that runs in the server: the core and the bundled plugins (not their tests).
 SERVED = [CORE, *sorted(ROOT.glob("plugins/*/strata_*")), *sorted(ROOT.glob("examples/*/strata_*"))]
 
-#: SlotRegistry's recording methods: the service's alone (slot_state.py says so).
+#: SlotRegistry's recording methods: the service's alone (slot_state.py says so); and
+#: EngineMeasures' (measures.py says so).
 REGISTRY_RECORDS = {"engine_started", "sent", "finished", "untouched", "saved", "restored", "moved", "emptied",
                     "unknown", "located", "adopt_engine_counts"}
+MEASURES_RECORDS = {"answered", "state_file"}
 #: A request's fields and the only modules that set them (hook_types.py says so).
 REQUEST_WRITERS = {
     "slot": {"strata_serve/service.py"},
@@ -124,6 +126,10 @@ def _writes(path: pathlib.Path) -> list[tuple[str, str, int]]:
                 and (node.func.value.attr if isinstance(node.func.value, ast.Attribute) else node.func.value.id)
                 == "slots"):
             found.append(("registry", node.func.attr, node.lineno))
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in MEASURES_RECORDS and isinstance(node.func.value, ast.Attribute)
+                and node.func.value.attr == "measures"):
+            found.append(("measures", node.func.attr, node.lineno))
         targets = node.targets if isinstance(node, ast.Assign) else (
             [node.target] if isinstance(node, ast.AugAssign | ast.AnnAssign) else [])
         for target in targets:
@@ -133,12 +139,12 @@ def _writes(path: pathlib.Path) -> list[tuple[str, str, int]]:
     return found
 
 
-def test_the_service_alone_records_in_the_slot_registry_and_places_a_request():
+def test_the_service_alone_records_in_the_slot_registry_and_the_measures_and_places_a_request():
     wrong = []
     for path in _served_files():
         where = path.relative_to(ROOT).as_posix()
         for what, name, line in _writes(path):
-            allowed = {"strata_serve/service.py"} if what == "registry" else REQUEST_WRITERS[name]
+            allowed = REQUEST_WRITERS[name] if what == "request" else {"strata_serve/service.py"}
             if where not in allowed:
                 wrong.append(f"{where}:{line}: {what} {name}")
     assert wrong == []
@@ -148,6 +154,8 @@ def test_the_writer_check_sees_a_plugin_writing(tmp_path):
     plugin = tmp_path / "plugin.py"
     plugin.write_text("def pre_request(request, service):\n"
                       "    service.slots.emptied(request.slot)\n"
-                      "    request.conversation_named = True\n")
+                      "    request.conversation_named = True\n"
+                      "    service.measures.answered(None)\n")
     assert sorted(_writes(plugin), key=lambda write: write[2]) == [("registry", "emptied", 2),
-                                                                   ("request", "conversation_named", 3)]
+                                                                   ("request", "conversation_named", 3),
+                                                                   ("measures", "answered", 4)]

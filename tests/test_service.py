@@ -9,7 +9,7 @@ import aiohttp
 
 import strata_serve
 from strata_serve.api import SERVICE
-from strata_serve.testing import assert_openai_error, chat_body, until_idle
+from strata_serve.testing import assert_openai_error, chat_body, until, until_idle
 
 
 class Gate:
@@ -45,12 +45,13 @@ async def test_ten_concurrent_clients_never_interleave(strata_client_factory, re
 async def test_fifo_serves_in_arrival_order(strata_client_factory, recorder):
     gate = Gate()
     client = await strata_client_factory(gate, recorder)
+    fifo = client.app[SERVICE].fifo
     first = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body("first")))
     await gate.entered.wait()
     later = []
     for n in range(4):
         later.append(asyncio.create_task(client.post("/v1/chat/completions", json=chat_body(f"later {n}"))))
-        await asyncio.sleep(0.05)
+        await until(lambda n=n: fifo.waiting == n + 1, what=f"request {n} waiting in the FIFO")
     gate.release.set()
     await asyncio.gather(first, *later)
     import hashlib
@@ -65,7 +66,8 @@ async def test_queue_limit_answers_503_with_retry_after(strata_client_factory, s
     holding = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body("one")))
     await gate.entered.wait()
     waiting = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body("two")))
-    await asyncio.sleep(0.1)
+    fifo = client.app[SERVICE].fifo
+    await until(lambda: fifo.waiting == 1, what="the second request waiting in the FIFO")
     refused = await client.post("/v1/chat/completions", json=chat_body("three"))
     assert_openai_error(await refused.json(), 503, refused.status)
     assert int(refused.headers["Retry-After"]) > 0
@@ -87,14 +89,10 @@ async def test_client_that_leaves_the_queue_never_reaches_the_engine(strata_clie
             await with_timeout
         except TimeoutError:
             pass
-    for _ in range(50):
-        if service.fifo.waiting == 0:
-            break
-        await asyncio.sleep(0.02)
-    assert service.fifo.waiting == 0
+    await until(lambda: service.fifo.waiting == 0, what="the impatient request leaving the FIFO")
     gate.release.set()
     assert (await holding).status == 200
-    await asyncio.sleep(0.1)
+    await until_idle(service)  # anything still in line would have had its turn by now
     assert len(gate.keys) == 1, "the impatient request must not have been served"
     assert [e[0] for e in recorder.events].count("pre") == 1
 
@@ -128,14 +126,15 @@ async def test_disconnect_mid_stream_cancels_and_post_request_sees_it(strata_cli
 
 
 class SlowSteps:
-    """A plugin whose ``pre_request`` does some work that waits (as a save does), and whose
-    ``post_request`` waits until told to go on."""
+    """A plugin whose ``pre_request`` does some work that waits (as a save does) until told
+    to go on, and whose ``post_request`` waits until told to go on."""
 
     strata_name = "slow_steps"
 
-    def __init__(self, pre_s: float = 0.0):
-        self.pre_s = pre_s
+    def __init__(self):
         self.pre_steps: list[str] = []
+        self.pre_release = asyncio.Event()
+        self.pre_release.set()
         self.post_entered = asyncio.Event()
         self.post_release = asyncio.Event()
         self.post_release.set()
@@ -144,8 +143,7 @@ class SlowSteps:
     @strata_serve.hookimpl
     async def pre_request(self, request):
         self.pre_steps.append("begun")
-        if self.pre_s:
-            await asyncio.sleep(self.pre_s)
+        await self.pre_release.wait()
         self.pre_steps.append("finished")
 
     @strata_serve.hookimpl
@@ -170,12 +168,17 @@ async def test_a_plain_answer_leaves_before_post_request_and_the_next_request_wa
     assert first.headers["X-Strata-State"] and first.headers["X-Strata-Slot"] == "0"
     assert (await first.json())["choices"], "the whole answer"
     assert plugin.post_entered.is_set() and plugin.posts_done == 0, "post_request is still at work"
-    # The request's turn lasts until post_request has finished: the next one waits for it.
-    second = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body("two")))
-    await asyncio.sleep(0.3)
-    assert not second.done() and [e[0] for e in recorder.events].count("pre") == 1
-    plugin.post_release.set()
-    assert (await asyncio.wait_for(second, 30)).status == 200
+    # The request's turn lasts until post_request has finished: the next one waits for it in
+    # the FIFO. (On a connection of its own: on the first's, kept alive, the server would not
+    # read it before the first's handler ends, FIFO or not.)
+    fifo = client.app[SERVICE].fifo
+    async with aiohttp.ClientSession() as other_connection:
+        second = asyncio.create_task(other_connection.post(client.make_url("/v1/chat/completions"),
+                                                           json=chat_body("two")))
+        await until(lambda: fifo.waiting == 1, what="the second request waiting in the FIFO")
+        assert not second.done() and [e[0] for e in recorder.events].count("pre") == 1
+        plugin.post_release.set()
+        assert (await asyncio.wait_for(second, 30)).status == 200
     await until_idle(client.app[SERVICE])  # its answer, too, left before its post_request
     assert plugin.posts_done == 2
     assert [e[0] for e in recorder.events if e[0] in ("pre", "post")] == ["pre", "post", "pre", "post"]
@@ -183,21 +186,22 @@ async def test_a_plain_answer_leaves_before_post_request_and_the_next_request_wa
 
 async def test_a_plugin_step_that_waits_runs_to_its_end_when_the_client_leaves_meanwhile(
         strata_client_factory, recorder):
-    plugin = SlowSteps(pre_s=0.6)
+    plugin = SlowSteps()
     client = await strata_client_factory(plugin, recorder)
+    plugin.pre_release.clear()
     url = client.make_url("/v1/chat/completions")
     async with aiohttp.ClientSession() as session:
         with contextlib.suppress(TimeoutError):
             await session.post(url, json=chat_body("leaves"), timeout=aiohttp.ClientTimeout(total=0.2))
             raise AssertionError("the answer came before the client left")
     assert plugin.pre_steps == ["begun"], "the client left while the step was at work"
+    plugin.pre_release.set()  # the step goes on, its client gone
     deadline = time.monotonic() + 10
     while not recorder.outcomes:
         assert time.monotonic() < deadline, "post_request never ran"
         await asyncio.sleep(0.02)
     assert plugin.pre_steps == ["begun", "finished"], "the step was cut"
     assert recorder.outcomes[-1].status == "cancelled"
-    plugin.pre_s = 0  # the server goes on as before
     assert (await client.post("/v1/chat/completions", json=chat_body("next"))).status == 200
     assert plugin.pre_steps[-2:] == ["begun", "finished"]
 
@@ -344,8 +348,10 @@ async def test_tenants_never_share_a_key(strata_client_factory, strata_settings_
     assert refused.status == 401
 
 
-async def test_normal_stop_finishes_the_request_then_runs_on_shutdown(strata_client_factory, recorder):
-    client = await strata_client_factory(recorder)
+async def test_normal_stop_finishes_the_request_then_runs_on_shutdown(strata_client_factory, strata_settings_factory,
+                                                                     recorder):
+    # A grace far longer than the answer takes, even on a busy machine: the stop waits for it.
+    client = await strata_client_factory(recorder, settings=strata_settings_factory(server={"shutdown_grace_s": 120}))
     in_flight = asyncio.create_task(
         client.post("/v1/chat/completions", json=chat_body("finish me", max_tokens=200, ignore_eos=True))
     )
@@ -355,7 +361,7 @@ async def test_normal_stop_finishes_the_request_then_runs_on_shutdown(strata_cli
         await asyncio.sleep(0.01)
     service = client.app[SERVICE]
     shutdown = asyncio.create_task(service.shutdown())
-    await asyncio.sleep(0.05)
+    await until(lambda: service.closing, what="the stop beginning")
     refused = await client.post("/v1/chat/completions", json=chat_body("too late"))
     assert_openai_error(await refused.json(), 503, refused.status)
     reply = await in_flight

@@ -15,7 +15,7 @@ from strata_auto_sessions import ParkingMode
 import strata_serve
 from strata_serve.api import SERVICE
 from strata_serve.hook_types import Verdict
-from strata_serve.testing import ask, conversation
+from strata_serve.testing import ask, conversation, until
 from tests.parked_state import (
     STATE_HEADER,
     TOLERANCE,
@@ -443,8 +443,8 @@ async def test_an_idle_server_saves_the_held_conversation_so_the_switch_does_not
     client = await auto_client(idle_save_s=0.2)
     a, b = conversation("idle-a"), conversation("idle-b")
     await ask(client, a)
-    await asyncio.sleep(0.8)
     key_a = key_of(client, a)
+    await until(lambda: parking(client).stats.idle_saves == 1, what="the idle save")
     assert (slot_dir(client) / f"auto-{key_a}.bin").exists()
     assert any(f"auto-{key_a}.bin" in line and "(idle)" in line for line in log_lines(caplog))
     await ask(client, b)  # the switch: A is on disk already
@@ -456,12 +456,24 @@ async def test_an_idle_server_saves_the_held_conversation_so_the_switch_does_not
 
 async def test_a_request_arriving_during_an_idle_save_waits_and_is_answered(auto_client):
     client = await auto_client(idle_save_s=0.05)
+    service = client.app[SERVICE]
     a = conversation("busy-a")
+    real_save, saving, go_on = service.engine.save, asyncio.Event(), asyncio.Event()
+
+    async def save_held_open(filename, slot=0):
+        saving.set()
+        await go_on.wait()  # the idle save is running while the requests arrive
+        return await real_save(filename, slot)
+
+    service.engine.save = save_held_open
     await ask(client, a)
-    await asyncio.sleep(0.06)  # the idle save is about to start, or running
-    replies = await asyncio.gather(*(ask(client, conversation(f"busy-{n}")) for n in range(3)))
+    await asyncio.wait_for(saving.wait(), 10)
+    asking = [asyncio.create_task(ask(client, conversation(f"busy-{n}"))) for n in range(3)]
+    await until(lambda: service.fifo.waiting == 3, what="the requests waiting for the idle save")
+    go_on.set()
+    replies = await asyncio.gather(*asking)
     assert all(r["choices"] for r in replies)
-    assert parking(client).stats.save_failures == 0
+    assert parking(client).stats.save_failures == 0 and parking(client).stats.idle_saves == 1
 
 
 async def test_past_the_ram_budget_every_return_still_finds_its_state(auto_client):

@@ -20,7 +20,7 @@ import strata_quirks_llama_cpp
 import strata_serve
 from strata_serve.api import SERVICE
 from strata_serve.hook_types import StrataRequest, Verdict
-from strata_serve.testing import ask, conversation
+from strata_serve.testing import ask, conversation, until
 
 from .conftest import MIN_TOKENS
 from .test_auto_sessions import key_of, log_lines, parking, slot_dir
@@ -150,10 +150,7 @@ async def test_unreused_restores_of_continued_conversations_pause_parking_and_it
     assert parking(client).mode is ParkingMode.PAUSED
     assert any("parking paused" in line for line in log_lines(caplog))
     monkeypatch.setattr(service.engine, "restore", real_restore)
-    import asyncio
-
-    await asyncio.sleep(0.3)
-    assert parking(client).mode is ParkingMode.ON, "the pause ended"
+    await until(lambda: parking(client).mode is ParkingMode.ON, what="the pause's end (retry_after_s 0.2)")
     assert any("parking resumes" in line for line in log_lines(caplog))
 
 
@@ -216,11 +213,11 @@ async def test_post_request_sees_a_client_that_left_during_the_switch(auto_clien
     a, b = conversation("post-a"), conversation("post-b")
     await ask(client, a)
     real_save = service.engine.save
-    saving = asyncio.Event()
+    saving, saved_on = asyncio.Event(), asyncio.Event()
 
     async def slow_save(filename, slot=0):
         saving.set()
-        await asyncio.sleep(0.3)
+        await saved_on.wait()  # at work until the client has left
         return await real_save(filename, slot)
 
     monkeypatch.setattr(service.engine, "save", slow_save)
@@ -228,6 +225,8 @@ async def test_post_request_sees_a_client_that_left_during_the_switch(auto_clien
     leaving = asyncio.create_task(client.post("/v1/chat/completions", json=body))
     await asyncio.wait_for(saving.wait(), 10)
     leaving.cancel()
+    await asyncio.gather(leaving, return_exceptions=True)
+    saved_on.set()
     deadline = asyncio.get_running_loop().time() + 10
     while len(outcomes) < 2:
         assert asyncio.get_running_loop().time() < deadline, outcomes

@@ -165,17 +165,19 @@ async def test_a_client_that_leaves_during_the_switch_save_leaves_no_temporary(a
     url = str(client.make_url("")).rstrip("/")
     await read_all(url, a)
     real_save = service.engine.save
-    saving = asyncio.Event()
+    saving, client_gone = asyncio.Event(), asyncio.Event()
 
     async def slow_save(filename, slot=0):
         saving.set()
-        await asyncio.sleep(0.5)  # the client gives up meanwhile
+        await client_gone.wait()  # the client gives up meanwhile
         return await real_save(filename, slot)
 
     monkeypatch.setattr(service.engine, "save", slow_save)
     leaving = asyncio.create_task(client.post("/v1/chat/completions", json=body(b, stream=False)))
     await asyncio.wait_for(saving.wait(), 10)
     leaving.cancel()
+    await asyncio.gather(leaving, return_exceptions=True)
+    client_gone.set()
     await settle(client)
     directory = Path(service.engine.info.slot_save_path)
     assert not list(directory.glob("tmp-*")), "the save ran to its end, nothing half-written"
