@@ -1,181 +1,37 @@
-"""The service FIFO and the context handed to hooks."""
+"""The service: what hooks get as ``service``, and the path of a request through the FIFO (:mod:`strata_serve.fifo`)."""
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
 import logging
 import time
 from dataclasses import replace
 from typing import Any, Literal, TypeVar
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import pluggy
 from pydantic import BaseModel
 
 from strata_serve.config import ConfigError, Settings
 from strata_serve.engine.base import Engine, EngineUnavailable, SlotErased, SlotRestored, SlotSaved
+from strata_serve.fifo import QueueFull, ServiceFIFO, ShuttingDown
 from strata_serve.hook_types import EngineError, Outcome, StrataRequest, Verdict
 from strata_serve.measures import EngineMeasures, state_source
 from strata_serve.hook_calls import broadcast, first_result
 from strata_serve.keying import choose_key
 from strata_serve.side_lane import MAIN, SIDE, bound_generation, choose_lane, pool_tokens
-from strata_serve.slot_choice import Claim, SlotChooser, choose_slot, claim_for, last_tasks, locate, slot_for
+from strata_serve.slot_choice import Claim, choose_slot, claim_for, last_tasks, locate, slot_for
 from strata_serve.slot_state import SlotRegistry, SlotState, tokens_after
 from strata_serve.timing import PhaseTotals, span, timeline_of
 
 log = logging.getLogger("strata_serve.service")
 
+__all__ = ["IdleWork", "QueueFull", "Service", "ServiceFIFO", "ShuttingDown"]
+
 M = TypeVar("M", bound=BaseModel)
 
 #: How long work cut off by a stop is given to unwind before the stop goes on without it.
 CUT_UNWIND_S = 2.0
-
-
-class QueueFull(Exception):
-    """More requests are waiting than ``server.queue_limit`` allows."""
-
-
-class ShuttingDown(Exception):
-    """The server is stopping and takes no new requests."""
-
-
-class ServiceFIFO:
-    """Admits requests to the engine's ``capacity`` slots, in arrival order.
-
-    With one slot it is a plain FIFO. With several, each waiter in arrival order is
-    given a slot as soon as one it may use is free (``chooser`` says which: the slot
-    that holds its conversation, or the cheapest to displace), so a request waiting
-    for its conversation's slot does not hold back those behind it; an exclusive
-    waiter does hold back everyone behind it, so it cannot be starved.
-
-    At most ``limit`` requests may wait; a waiter that is cancelled (its client
-    went away) leaves the line without taking a turn.
-    """
-
-    def __init__(self, capacity: int = 1, limit: int = 64, chooser: SlotChooser | None = None):
-        self.capacity = capacity
-        self.limit = limit
-        self.chooser = chooser
-        #: Busy slots and the conversation key each runs (None: none).
-        self.busy: dict[int, str | None] = {}
-        self.exclusive = False
-        self._waiters: collections.deque[tuple[asyncio.Future[int], Claim]] = collections.deque()
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    @property
-    def holders(self) -> int:
-        return 1 if self.exclusive else len(self.busy)
-
-    @property
-    def waiting(self) -> int:
-        return sum(1 for w, _ in self._waiters if not w.done())
-
-    @property
-    def idle(self) -> bool:
-        return self.holders == 0 and self.waiting == 0
-
-    def slot_free(self, slot: int) -> bool:
-        """No one holds ``slot``. (A waiter that could use it would have been given it.)"""
-        return not self.exclusive and slot not in self.busy
-
-    def resize(self, capacity: int) -> None:
-        """The engine turned out to run ``capacity`` slots (an attached engine)."""
-        self.capacity = capacity
-        self._grant()
-
-    def _place(self, claim: Claim) -> int | None:
-        if self.exclusive:
-            return None
-        if claim.exclusive:
-            return -1 if not self.busy else None
-        if claim.key is not None and claim.key in self.busy.values():
-            return None  # one conversation runs in one slot at a time
-        free = [n for n in range(self.capacity) if n not in self.busy]
-        if claim.slot is not None:
-            return claim.slot if claim.slot in free else None
-        if not free:
-            return None
-        if self.chooser is None:
-            return free[0]
-        return self.chooser(claim, free)
-
-    def _take(self, slot: int, claim: Claim) -> None:
-        if slot == -1:
-            self.exclusive = True
-        else:
-            self.busy[slot] = claim.key
-        self._idle.clear()
-
-    def _grant(self) -> None:
-        for entry in list(self._waiters):
-            waiter, claim = entry
-            if waiter.done():
-                self._waiters.remove(entry)
-                continue
-            slot = self._place(claim)
-            if slot is None:
-                if claim.exclusive or self.exclusive:
-                    break  # nobody passes a waiting exclusive claim
-                continue
-            self._waiters.remove(entry)
-            self._take(slot, claim)
-            waiter.set_result(slot)
-
-    async def acquire(self, claim: Claim | None = None, *, exclusive: bool = False) -> int:
-        """Wait for a turn; the slot granted (-1: all of them, ``exclusive``).
-
-        :raises QueueFull: when ``limit`` requests wait already.
-        """
-        claim = claim or Claim(exclusive=exclusive)
-        if not self._waiters:
-            slot = self._place(claim)
-            if slot is not None:
-                self._take(slot, claim)
-                return slot
-        if self.waiting >= self.limit:
-            raise QueueFull()
-        waiter: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._waiters.append((waiter, claim))
-        self._idle.clear()
-        self._grant()
-        try:
-            return await waiter
-        except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
-                # The turn was handed to us just as we were cancelled: pass it on.
-                self.release(waiter.result())
-            else:
-                self._waiters = collections.deque(e for e in self._waiters if e[0] is not waiter)
-                self._grant()
-                self._update_idle()
-            raise
-
-    def release(self, slot: int) -> None:
-        """End a turn: ``slot`` as granted by :meth:`acquire` (-1: every slot)."""
-        if slot == -1:
-            self.exclusive = False
-        else:
-            del self.busy[slot]
-        self._grant()
-        self._update_idle()
-
-    def _update_idle(self) -> None:
-        if self.idle:
-            self._idle.set()
-
-    async def wait_idle(self) -> None:
-        await self._idle.wait()
-
-    @contextlib.asynccontextmanager
-    async def hold(self, claim: Claim | None = None, *, exclusive: bool = False) -> AsyncIterator[int]:
-        slot = await self.acquire(claim, exclusive=exclusive)
-        try:
-            yield slot
-        finally:
-            self.release(slot)
 
 
 class IdleWork:

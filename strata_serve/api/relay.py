@@ -29,7 +29,8 @@ from strata_serve.api.registry import Api
 from strata_serve.config import EngineSettings
 from strata_serve.engine.base import ContextOverflow, Engine, EngineUnavailable, JSONAnswer
 from strata_serve.hook_types import KeyRefused, Outcome, StrataRequest, Timings
-from strata_serve.service import QueueFull, Service, ShuttingDown
+from strata_serve.fifo import QueueFull, ShuttingDown
+from strata_serve.service import Service
 
 log = logging.getLogger("strata_serve.api")
 
