@@ -267,4 +267,4 @@ def test_agent_sim_ratios_pair_each_run_with_the_bare_run_of_its_round_and_ram_s
                                         "runs": {k: [{**r, "kept": (3, 3), "continued": (6, 6),
                                                       "load_before": (1.0, 1.0, 1.0)} for r in v]
                                                  for k, v in runs.items()}, "ratios": found}))
-    assert "| strata-serve, its defaults | 145.0 (110.0-180.0) | 1.000 (0.900-1.100) | 6/6 | 6/6 |" in table
+    assert "| strata-serve, its defaults | 145.0 (110.0-180.0) | 1.000 (0.900-1.100) | 6/6 | 12/12 |" in table
