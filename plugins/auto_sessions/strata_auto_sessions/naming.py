@@ -64,6 +64,18 @@ def sibling_of(match: re.Match[str]) -> int:
     return int(match["sibling"] or 0)
 
 
+def sibling_name(name: str, sibling: int) -> str:
+    """The state file of another sibling of the key conversation file ``name`` names
+    (``auto-x.bin``, 2 -> ``auto-x.2.bin``).
+
+    :raises ValueError: when ``name`` is not a conversation file's name.
+    """
+    match = SESSION_NAME.fullmatch(name)
+    if match is None:
+        raise ValueError(f"not a conversation file: {name!r}")
+    return f"{PREFIX}{match['key']}{f'.{sibling}' if sibling else ''}.bin"
+
+
 def fresh_temp_name(key: str, suffix: str) -> str:
     """A fresh temporary's name for the conversation's ``.bin`` or ``.json`` (``suffix``)."""
     return f"{TEMP_PREFIX}{file_key(key)}-{uuid.uuid4().hex[:8]}{suffix}"

@@ -189,7 +189,10 @@ class AutoSessions:
         choice = None
         if key is not None and self.shared is not None:
             with span("auto_sessions.shared"):
-                await self.shared.bring_in(key)  # a newer state another server saved, where it pays
+                busy = frozenset(other.sibling for other in service.slots
+                                 if other.key == key and other.tenant == request.tenant)
+                # a newer state another server saved, or its conversation, where it pays
+                await self.shared.bring_in(key, request, busy)
             self.siblings.forget(key)  # the key's files, as the shared tier left them
         if key is not None:
             held = Sibling(in_slot.sibling, self.prompts.get(key), time.time()) if same_key else None

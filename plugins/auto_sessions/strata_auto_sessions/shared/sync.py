@@ -3,17 +3,29 @@
 The engine reads and writes the slot directory alone; this module keeps the shared tier
 in step with it, never on a request's path for long and never failing one:
 
+- a conversation's identity is what its state holds, not a file's name: the head records
+  the prompt the state was made from (its chain of message digests), and two states are
+  of one conversation when one's prompt continues the other's (:func:`standing`). Sibling
+  numbers are chosen by each server, so a local file's head is found by that test (the
+  ledger then remembers it), never by its name: a conversation another server shares
+  under the same key and number gets a head of its own (the lowest number under the key
+  no other conversation holds).
 - after a save commits locally, the file, then its sidecar, then the head (by
-  compare-and-swap) are uploaded in the background. A head another server moved on
-  since this copy's generation (a newer turn saved there) is never overwritten: the
-  upload is dropped, logged and counted. A failed upload (the store down) is tried
-  again every ``retry_s`` until it lands or a newer save replaces it.
-- before a restore, the conversation's heads are read: a file this directory lacks, or
-  holds at an older generation than the shared one, is fetched when the cost rule says
-  it pays (its prefill against fetch and restore, at measured speeds), then restored as
-  ever. A stale local copy that could not be brought up to date is set aside, never
-  restored. A tombstone (``strata-serve sessions rm``) removes the local copy of a
-  conversation removed before its state began.
+  compare-and-swap) are uploaded in the background. The newest state of a conversation
+  wins wherever it was made: a head that holds less of it (an older turn, whichever
+  server wrote it) is moved on by compare-and-swap on the version read; one that holds
+  more (a newer turn saved elsewhere) is never overwritten: the upload is dropped,
+  logged and counted. A failed upload (the store down) is tried again every
+  ``retry_s`` until it lands or a newer save replaces it; one pending at a stop is
+  recorded in the ledger and tried again at the next start.
+- before a restore, the key's heads are read: a file here is brought up to its head when
+  the head holds more of its conversation, and a conversation this directory lacks is
+  fetched (under a sibling number free here) when the request continues its prompt,
+  each when the cost rule says it pays (its prefill against fetch and restore, at
+  measured speeds), then restored as ever. Never another conversation's state, nor an
+  older one over a newer. A stale local copy that could not be brought up to date is
+  set aside, never restored. A tombstone (``strata-serve sessions rm``) removes the
+  local copy of a conversation removed before its state began.
 - local pruning removes local copies only; the shared tier forgets a conversation no
   server saved for ``max_age_days``, and an upload's objects outlive the head that
   stopped naming them by ``lease_s``, so a fetch under way finishes.
@@ -21,8 +33,9 @@ in step with it, never on a request's path for long and never failing one:
 Every call on the tier is bounded (``timeout_s``, ``transfer_timeout_s``); every
 blocking file operation runs in a thread.
 
-Which generation each local file holds is kept beside the files (``auto-.shared.json``):
-a name no conversation file takes.
+Which head each local file's conversation has, and which generation of it the file
+holds, is kept beside the files (``auto-.shared.json``, a name no conversation file
+takes), for the files present alone, and written only when it changes.
 """
 
 from __future__ import annotations
@@ -35,6 +48,7 @@ import time
 import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -43,7 +57,11 @@ from strata_serve import first_result
 from strata_auto_sessions.compat import incompatibility
 from strata_auto_sessions.config import SharedConfig, size_text
 from strata_auto_sessions.digests import digest_matches, sample_digest
-from strata_auto_sessions.naming import PREFIX, TEMP_PREFIX, file_key
+from strata_auto_sessions.naming import (
+    PREFIX, SESSION_NAME, TEMP_PREFIX, file_key, key_of_file, session_name, sibling_name, sibling_of,
+)
+from strata_auto_sessions.prefix import shared_links
+from strata_auto_sessions.prompts import continues
 from strata_auto_sessions.shared.tier import (
     ConditionFailed, ConditionsIgnored, DamagedHead, Head, SharedTier, SharedTierError, check_conditions, new_upload,
     object_name, writer_name,
@@ -51,6 +69,8 @@ from strata_auto_sessions.shared.tier import (
 from strata_auto_sessions.sidecar import DamagedSidecar, Sidecar
 
 if TYPE_CHECKING:
+    from strata_serve import StrataRequest
+
     from strata_auto_sessions.parking import AutoSessions
 
 log = logging.getLogger("strata_auto_sessions")
@@ -59,6 +79,10 @@ log = logging.getLogger("strata_auto_sessions")
 LEDGER_NAME = f"{PREFIX}.shared.json"
 #: How often the shared tier is swept for expired conversations and unreferenced objects.
 SWEEP_EVERY_S = 3600.0
+#: How many times an upload reads the head again after another server wrote it meanwhile.
+UPLOAD_RACES = 4
+#: Conversations one key may hold in the shared tier (sibling numbers 0 to this).
+MAX_SHARED_SIBLINGS = 1000
 T = TypeVar("T")
 
 
@@ -75,35 +99,118 @@ def temp_for(name: str, suffix: str) -> str:
 
 @dataclass
 class _Local:
-    """What the ledger says of a local file: the shared generation it is, or was made
-    from (``dirty``: saved here since, not uploaded yet)."""
+    """What the ledger says of a local file: the head in the shared tier that is its
+    conversation's (``shared``; None while it has none), and the generation of that head
+    the file is, or was made from (``dirty``: saved here since, not uploaded yet)."""
 
     generation: int
     dirty: bool = False
+    shared: str | None = None
 
 
 class Ledger:
-    """``auto-.shared.json``: name -> the shared generation the local file holds."""
+    """``auto-.shared.json``: local file name -> :class:`_Local`.
+
+    It holds the files present here alone: an entry whose file went (pruned, removed) is
+    dropped at load and at each save, and the file is written only when what it says
+    changed."""
 
     def __init__(self, path: Path):
         self.path = path
         self.entries: dict[str, _Local] = {}
+        #: What the file holds now (None: not read or written yet).
+        self._written: str | None = None
 
     def load(self) -> None:
         try:
-            raw = json.loads(self.path.read_text())
+            text = self.path.read_text()
+            raw = json.loads(text)
         except (OSError, ValueError):
             return
         if isinstance(raw, dict):
             for name, entry in raw.items():
-                if isinstance(entry, dict) and isinstance(entry.get("generation"), int):
-                    self.entries[name] = _Local(entry["generation"], bool(entry.get("dirty")))
+                if SESSION_NAME.fullmatch(name) is None or not name.endswith(".bin"):
+                    continue
+                if isinstance(entry, dict) and type(entry.get("generation")) is int:
+                    # An earlier version's entry names no head: its file's own name was its head's.
+                    shared = entry.get("shared", name)
+                    self.entries[name] = _Local(entry["generation"], entry.get("dirty") is True,
+                                                shared if isinstance(shared, str) else None)
+        self._written = text
+        self.drop_gone()
+
+    def drop_gone(self) -> None:
+        """Forget the files no longer here."""
+        for name, entry in list(self.entries.items()):
+            if not (self.path.parent / name).is_file() and self.entries.get(name) is entry:
+                del self.entries[name]
 
     def save(self) -> None:
+        self.drop_gone()
+        text = json.dumps({name: {"generation": e.generation, "dirty": e.dirty, "shared": e.shared}
+                           for name, e in sorted(list(self.entries.items()))})
+        if text == self._written:
+            return  # nothing changed: not written again
         temp = self.path.with_name(temp_for(f"{PREFIX}ledger", ".json"))
-        temp.write_text(json.dumps({name: {"generation": e.generation, "dirty": e.dirty}
-                                    for name, e in self.entries.items()}))
+        temp.write_text(text)
         os.replace(temp, self.path)
+        self._written = text
+
+    def pending(self) -> list[str]:
+        """The files saved here and not uploaded yet."""
+        return sorted(name for name, entry in self.entries.items() if entry.dirty)
+
+
+class Standing(Enum):
+    """Where a local state stands against a head (:func:`standing`)."""
+
+    #: The same conversation; the local state holds more of it (a later turn).
+    AHEAD = "ahead"
+    #: The same conversation at the same point (the same prompt, as many tokens).
+    SAME = "same"
+    #: The same conversation; the head holds more of it.
+    BEHIND = "behind"
+    #: Another conversation (or one that cannot be told from another: a head without its prompt).
+    APART = "apart"
+
+
+def _prompt_parts(prompt: Any) -> tuple[int, str, list[str] | None] | None:
+    """A recorded prompt's units, digest and chain (None where it has none), or None when
+    it is not one."""
+    if not isinstance(prompt, dict):
+        return None
+    units, digest, chain = prompt.get("units"), prompt.get("digest"), prompt.get("chain")
+    if type(units) is not int or not isinstance(digest, str):
+        return None
+    if not (isinstance(chain, list) and chain and all(isinstance(link, str) for link in chain)):
+        chain = None
+    return units, digest, chain
+
+
+def standing(prompt: Any, tokens: int, head: Head) -> Standing:
+    """How a local state made from ``prompt`` (a sidecar's) holding ``tokens`` stands
+    against ``head``, by what each holds: one conversation's states are those whose
+    prompts continue one another (their chains of message digests, one the start of the
+    other); the longer prompt, then the more tokens, is the newer state."""
+    mine, theirs = _prompt_parts(prompt), _prompt_parts(head.prompt)
+    if mine is None or theirs is None:
+        return Standing.APART
+    (my_units, my_digest, my_chain), (units, digest, chain) = mine, theirs
+    if my_chain is not None and chain is not None:
+        shared = shared_links(my_chain, chain)
+        if shared < min(len(my_chain), len(chain)):
+            return Standing.APART
+        if len(my_chain) != len(chain):
+            return Standing.AHEAD if len(my_chain) > len(chain) else Standing.BEHIND
+        if my_units != units:  # alike as far as chains are recorded (MAX_LINKS)
+            return Standing.AHEAD if my_units > units else Standing.BEHIND
+        if my_digest != digest:
+            return Standing.APART
+    elif (my_units, my_digest) != (units, digest):
+        return Standing.APART
+    if tokens != head.tokens:
+        return Standing.AHEAD if tokens > head.tokens else Standing.BEHIND
+    return Standing.SAME
 
 
 class TransferSpeed:
@@ -174,6 +281,7 @@ class SharedParking:
         else:
             log.info("[strata] auto sessions: shared tier %s: conversations parked here are shared", tier.where)
         shared._spawn(shared._sweep_loop())
+        shared._resume_uploads()
         return shared
 
     async def _check(self) -> bool:
@@ -245,14 +353,28 @@ class SharedParking:
         if self.refused is not None:
             return
         entry = self.ledger.entries.get(name)
-        self.ledger.entries[name] = _Local(entry.generation if entry else 0, dirty=True)
+        self.ledger.entries[name] = _Local(entry.generation if entry else 0, dirty=True,
+                                           shared=entry.shared if entry else None)
         if name in self._uploads:
             self._again.add(name)  # uploaded again once the one under way ends
             return
         self._uploads[name] = self._spawn(self._upload_loop(name))
 
+    def _resume_uploads(self) -> None:
+        """The uploads an earlier run of this server left pending (the store down, a
+        restart before they landed): tried now, then every ``retry_s`` until they land."""
+        pending = [name for name in self.ledger.pending() if name not in self._uploads]
+        for name in pending:
+            self._uploads[name] = self._spawn(self._upload_loop(name))
+        if pending:
+            log.info("[strata] auto sessions: shared tier: %d upload(s) pending since the last run: %s",
+                     len(pending), ", ".join(pending))
+
     async def _upload_loop(self, name: str) -> None:
         try:
+            # That an upload is pending is on disk before it is tried: a restart before it
+            # lands tries it again (``_resume_uploads``).
+            await self._write_ledger()
             while True:
                 self._again.discard(name)
                 try:
@@ -292,6 +414,7 @@ class SharedParking:
         async with self.parking.store.lock_without_blocking(self.parking.config.lock_wait_s):
             snapshot = await asyncio.to_thread(self._snapshot, name)
         if snapshot is None:
+            self.ledger.entries.pop(name, None)
             return  # pruned or removed here since: nothing to share
         bin_temp, json_temp, sidecar = snapshot
         try:
@@ -317,50 +440,122 @@ class SharedParking:
         return bin_temp, json_temp, sidecar
 
     async def _send(self, name: str, bin_temp: Path, json_temp: Path, sidecar: Sidecar) -> None:
+        """Share local file ``name``'s state: under its conversation's head (the one that
+        holds an earlier or later state of it), or a head of its own under the key (another
+        server's conversation under the same key is never written over). A head that holds
+        more of the conversation than this state is left as it is; one that holds less
+        is moved on, by compare-and-swap on the version read (whichever server wrote it)."""
         began = time.monotonic()
-        base = self.ledger.entries.get(name, _Local(0)).generation
-        current = await self._call(self.tier.head(name))
-        head, version = current if current is not None else (None, None)
-        if head is not None and head.tombstone and head.removed is not None and head.removed >= sidecar.created:
-            self.stats.shared_uploads_removed += 1
-            log.info("[strata] auto sessions: shared tier: %s was removed by hand since its state began: not "
-                     "uploaded, and its copy here removed", name)
-            await self._remove_local(name)
-            return
-        if head is not None and not head.tombstone and head.generation > base:
-            self.stats.shared_uploads_lost += 1
-            self.ledger.entries[name] = _Local(base, dirty=False)
-            log.warning("[strata] auto sessions: shared tier: not uploading %s: another server saved a newer turn "
-                        "of it (generation %d, this copy was made from %d); its copy is kept", name,
-                        head.generation, base)
-            return
         digest = sidecar.digest or await asyncio.to_thread(sample_digest, bin_temp)
-        upload = new_upload()
-        objects = (object_name(name, upload), object_name(sidecar_name(name), upload))
-        try:
-            await self._call(self.tier.put(objects[0], bin_temp), self.config.transfer_timeout_s)
-            await self._call(self.tier.put(objects[1], json_temp), self.config.transfer_timeout_s)
-            new = Head(generation=(head.generation if head is not None else 0) + 1, upload=upload,
+        for _race in range(UPLOAD_RACES):
+            entry = self.ledger.entries.get(name) or _Local(0)
+            found = await self._shared_place(name, entry, sidecar)
+            if found is None:
+                return  # removed by hand since its state began
+            target, current = found
+            head, version = current if current is not None else (None, None)
+            base = entry.generation if entry.shared == target else 0
+            if head is not None and not head.tombstone:
+                where = standing(sidecar.prompt, sidecar.tokens, head)
+                if where is Standing.SAME and head.digest == digest:
+                    self.ledger.entries[name] = _Local(head.generation, name in self._again, target)
+                    return  # this very state is the shared one already
+                if head.generation > base and where is not Standing.AHEAD:
+                    self.stats.shared_uploads_lost += 1
+                    self.ledger.entries[name] = _Local(base, dirty=False, shared=target)
+                    log.warning("[strata] auto sessions: shared tier: not uploading %s: another server saved a "
+                                "newer turn of it (generation %d of %s, this copy was made from %d); its copy "
+                                "is kept", name, head.generation, target, base)
+                    return
+            upload = new_upload()
+            objects = (object_name(target, upload), object_name(sidecar_name(target), upload))
+            new = Head(generation=max(head.generation if head is not None else 0, base) + 1, upload=upload,
                        tokens=sidecar.tokens, bytes=sidecar.bytes, digest=digest, created=sidecar.created,
-                       writer=self._writer)
-            await self._call(self.tier.put_head(name, new, version))
-        except ConditionFailed:
-            self.stats.shared_uploads_lost += 1
-            self.ledger.entries[name] = _Local(base, dirty=False)
-            log.warning("[strata] auto sessions: shared tier: %s: another server saved it at the same time and "
-                        "won; this save is not shared", name)
-            await self._forget_objects(objects)
+                       writer=self._writer, prompt=sidecar.prompt)
+            try:
+                await self._call(self.tier.put(objects[0], bin_temp), self.config.transfer_timeout_s)
+                await self._call(self.tier.put(objects[1], json_temp), self.config.transfer_timeout_s)
+                await self._call(self.tier.put_head(target, new, version))
+            except ConditionFailed:
+                await self._forget_objects(objects)
+                if head is None or head.tombstone or await self._still_ahead(target, sidecar):
+                    continue  # a name taken meanwhile, or a head this state is newer than: again
+                self.stats.shared_uploads_lost += 1
+                self.ledger.entries[name] = _Local(base, dirty=False, shared=target)
+                log.warning("[strata] auto sessions: shared tier: %s: another server saved it at the same time and "
+                            "won; this save is not shared", name)
+                return
+            except BaseException:
+                await self._forget_objects(objects)
+                raise
+            self.ledger.entries[name] = _Local(new.generation, dirty=name in self._again, shared=target)
+            ms = (time.monotonic() - began) * 1000
+            self.stats.shared_uploads += 1
+            self.stats.shared_uploaded_bytes += sidecar.bytes
+            self.stats.shared_upload_ms += ms
+            log.info("[strata] auto sessions: shared tier: uploaded %s (%s, generation %d)%s in %.0f ms", name,
+                     size_text(sidecar.bytes), new.generation, "" if target == name else f" as {target}", ms)
             return
-        except BaseException:
-            await self._forget_objects(objects)
-            raise
-        self.ledger.entries[name] = _Local(new.generation, dirty=name in self._again)
-        ms = (time.monotonic() - began) * 1000
-        self.stats.shared_uploads += 1
-        self.stats.shared_uploaded_bytes += sidecar.bytes
-        self.stats.shared_upload_ms += ms
-        log.info("[strata] auto sessions: shared tier: uploaded %s (%s, generation %d) in %.0f ms", name,
-                 size_text(sidecar.bytes), new.generation, ms)
+        self.stats.shared_uploads_lost += 1
+        log.warning("[strata] auto sessions: shared tier: %s: other servers saved under its key %d times while "
+                    "it was uploaded; this save is not shared", name, UPLOAD_RACES)
+
+    async def _still_ahead(self, target: str, sidecar: Sidecar) -> bool:
+        """Whether the state of ``sidecar`` is newer than the head another server just wrote at ``target``."""
+        current = await self._call(self.tier.head(target))
+        return current is not None and not current[0].tombstone and \
+            standing(sidecar.prompt, sidecar.tokens, current[0]) is Standing.AHEAD
+
+    async def _shared_place(self, name: str, entry: _Local,
+                            sidecar: Sidecar) -> tuple[str, tuple[Head, str] | None] | None:
+        """Where local file ``name``'s conversation is shared: the name of its head and
+        that head with its version (None: a name no head takes, free for it). A head of
+        another conversation is never its place: one of its own is chosen then, the
+        lowest sibling number under the key no other conversation holds (its own number
+        here first). None when the key was removed by hand (``strata-serve sessions rm``)
+        since this state began: its copy here is then removed."""
+        if entry.shared is not None:
+            current = await self._call(self.tier.head(entry.shared))
+            if current is None or current[0].tombstone \
+                    or standing(sidecar.prompt, sidecar.tokens, current[0]) is not Standing.APART:
+                if current is not None and _removed_since(current[0], sidecar):
+                    await self._removed_here(name)
+                    return None
+                return entry.shared, current
+        match = SESSION_NAME.fullmatch(name)
+        assert match is not None
+        own = sibling_of(match)
+        free: tuple[str, tuple[Head, str] | None] | None = None
+        # Numbers are taken from the lowest up: the heads of the key are read in that order
+        # (its own number first) up to the first number no head takes, never listed.
+        for number in dict.fromkeys((own, *range(MAX_SHARED_SIBLINGS))):
+            shared = sibling_name(name, number)
+            try:
+                current = await self._call(self.tier.head(shared))
+            except DamagedHead:
+                continue  # taken, by what cannot be read: never written over
+            if current is None:
+                free = free or (shared, None)
+                if number != own:
+                    break
+                continue
+            if _removed_since(current[0], sidecar):  # rm KEY: every conversation of the key begun before
+                await self._removed_here(name)
+                return None
+            if current[0].tombstone:
+                free = free or (shared, current)
+            elif standing(sidecar.prompt, sidecar.tokens, current[0]) is not Standing.APART:
+                return shared, current
+        if free is not None:
+            return free
+        raise SharedTierError(f"{MAX_SHARED_SIBLINGS} conversations are shared under {name}'s key: no room "
+                              "for one more")
+
+    async def _removed_here(self, name: str) -> None:
+        self.stats.shared_uploads_removed += 1
+        log.info("[strata] auto sessions: shared tier: %s was removed by hand since its state began: not "
+                 "uploaded, and its copy here removed", name)
+        await self._remove_local(name)
 
     async def _forget_objects(self, objects: tuple[str, ...]) -> None:
         for obj in objects:
@@ -371,9 +566,15 @@ class SharedParking:
 
     # -- before a restore ---------------------------------------------------------------
 
-    async def bring_in(self, key: str) -> None:
+    async def bring_in(self, key: str, request: StrataRequest | None = None,
+                       busy: frozenset[int] = frozenset()) -> None:
         """Bring the conversation ``key``'s files up to the shared tier's state, where that
-        pays; any failure leaves the local files as they are (or a stale one set aside)."""
+        pays: a file here is replaced only by a newer state of its own conversation (one
+        whose prompt continues the file's), never by another conversation's or an older
+        one; a conversation this server lacks is fetched when ``request`` continues it,
+        under a sibling number no file here and none of ``busy`` (those the slots hold
+        unsaved) takes. Any failure leaves the local files as they are (or a stale one set
+        aside)."""
         if self.refused is not None:
             return
         if not self.checked:
@@ -385,7 +586,7 @@ class SharedParking:
             return  # it failed a lookup lately: local parking alone, at once
         try:
             names = [name for name in await self._call(self.tier.heads(f"{PREFIX}{file_key(key)}."))
-                     if name.endswith(".bin")]
+                     if name.endswith(".bin") and SESSION_NAME.fullmatch(name) is not None]
         except (SharedTierError, OSError) as exc:
             self.stats.shared_fetch_failures += 1
             self._down_until = time.monotonic() + self.config.retry_s
@@ -393,45 +594,124 @@ class SharedParking:
                         "no lookups for %g s (shared.retry_s)", key, exc, self.config.retry_s)
             return
         self._down_until = 0.0
-        for name in names:
+        try:
+            here, taken = await asyncio.to_thread(self._here, key)
+        except OSError as exc:
+            log.warning("[strata] auto sessions: shared tier: cannot list %s's files here: %s", key, exc)
+            return
+        lacking: list[tuple[str, Head]] = []
+        for shared in names:
             try:
-                await self._bring_in_file(name)
+                found = await self._bring_in_file(shared, here, request)
+                if found is not None:
+                    lacking.append((shared, found))
             except (SharedTierError, OSError, DamagedSidecar) as exc:
                 self.stats.shared_fetch_failures += 1
-                log.warning("[strata] auto sessions: shared tier: fetching %s failed: %s", name, exc)
-                await self._set_aside_if_stale(name)
+                log.warning("[strata] auto sessions: shared tier: fetching %s failed: %s", shared, exc)
+                mine = self._local_of(shared, here)
+                if mine is not None:
+                    await self._set_aside_if_stale(mine, shared)
             except Exception:
                 self.stats.shared_fetch_failures += 1
-                log.exception("[strata] auto sessions: shared tier: fetching %s failed", name)
+                log.exception("[strata] auto sessions: shared tier: fetching %s failed", shared)
+        if lacking and request is not None:
+            await self._bring_in_new(key, request, lacking, here, taken | busy)
         await self._write_ledger()
 
-    async def _bring_in_file(self, name: str) -> None:
-        current = await self._call(self.tier.head(name))
+    def _here(self, key: str) -> tuple[dict[str, Sidecar], set[int]]:
+        """The key's conversation files here whose sidecars read, by name, and the sibling
+        numbers any file of the key takes (damaged ones too: never written over)."""
+        store = self.parking.store
+        assert store is not None
+        start = f"{PREFIX}{file_key(key)}"
+        with os.scandir(self.directory) as entries:
+            names = [entry.name for entry in entries if entry.name.startswith(start)]
+        taken = set()
+        for name in names:
+            match = SESSION_NAME.fullmatch(name)
+            if match is not None and key_of_file(match["key"]) == key:
+                taken.add(sibling_of(match))
+        listing = getattr(store, "siblings", None)  # a store of the protocol's first versions has none
+        sidecars = listing(key) if listing is not None else [s for s in [store.sidecar(key)] if s is not None]
+        return {session_name(key, "bin", s.sibling): s for s in sidecars if s.key == key}, taken
+
+    def _local_of(self, shared: str, here: dict[str, Sidecar]) -> str | None:
+        """The file here that holds the conversation of head ``shared``, as the ledger says."""
+        return next((name for name, entry in self.ledger.entries.items()
+                     if entry.shared == shared and name in here), None)
+
+    async def _bring_in_file(self, shared: str, here: dict[str, Sidecar], request: StrataRequest | None) -> Head | None:
+        """Bring the file here that holds head ``shared``'s conversation up to it, where it is
+        newer; the head, when no file here holds its conversation and ``request`` continues it."""
+        current = await self._call(self.tier.head(shared))
         if current is None:
-            return
+            return None
         head = current[0]
-        local = await asyncio.to_thread(Sidecar.read, self.directory / sidecar_name(name))
-        has_local = local is not None and await asyncio.to_thread((self.directory / name).is_file)
+        name = self._local_of(shared, here)
+        if name is None and not head.tombstone:
+            # A file here of the same conversation the ledger does not tie to a head yet
+            # (saved, not uploaded): tied to this one.
+            name = next((mine for mine, sidecar in here.items()
+                         if (mine not in self.ledger.entries or self.ledger.entries[mine].shared is None)
+                         and standing(sidecar.prompt, sidecar.tokens, head) is not Standing.APART), None)
+            if name is not None:
+                entry = self.ledger.entries.get(name) or _Local(0)
+                self.ledger.entries[name] = _Local(entry.generation, entry.dirty, shared)
+        if name is None and head.tombstone and shared in here and shared not in self.ledger.entries:
+            name = shared  # a file from before the ledger, under the head's name
         if head.tombstone:
-            if has_local and local is not None and head.removed is not None and local.created <= head.removed:
+            local = here.get(name) if name is not None else None
+            if local is not None and name is not None and head.removed is not None and local.created <= head.removed:
                 self.stats.shared_removed_here += 1
                 log.info("[strata] auto sessions: shared tier: %s was removed by hand: its copy here is removed",
                          name)
                 await self._remove_local(name)
-            return
-        entry = self.ledger.entries.get(name)
-        if has_local and entry is not None and entry.generation >= head.generation:
-            return  # this copy is the shared one, or newer
-        if has_local and local is not None and entry is None and local.digest == head.digest:
-            self.ledger.entries[name] = _Local(head.generation)  # the same file, from before the ledger
+            return None
+        if name is None:
+            return head if request is not None and _continued_by(head, request) else None
+        local, entry = here[name], self.ledger.entries[name]
+        if entry.generation >= head.generation:
+            return None  # this copy is the shared one, or newer
+        where = standing(local.prompt, local.tokens, head)
+        if where is Standing.SAME and local.digest == head.digest:
+            self.ledger.entries[name] = _Local(head.generation, entry.dirty, shared)  # the same file
+            return None
+        if where in (Standing.AHEAD, Standing.APART):
+            # Newer here (or another conversation now): never replaced; shared if it is not yet.
+            if not entry.dirty and name not in self._uploads:
+                self.saved(name)
+            return None
+        why_not = self._not_worth(head)
+        if why_not is not None:
+            self.stats.shared_fetches_not_worth += 1
+            log.info("[strata] auto sessions: shared tier: not fetching %s: %s", shared, why_not)
+            await self._set_aside_if_stale(name, shared)
+            return None
+        await self._fetch(name, shared, head)
+        return None
+
+    async def _bring_in_new(self, key: str, request: StrataRequest, lacking: list[tuple[str, Head]],
+                            here: dict[str, Sidecar], taken: set[int]) -> None:
+        """Fetch the longest of the conversations ``lacking`` here that ``request`` continues,
+        unless a file here holds as much of it, under a sibling number none of ``taken`` is."""
+        shared, head = max(lacking, key=lambda found: (_units(found[1].prompt), found[1].tokens))
+        if any(_continued_by_prompt(sidecar.prompt, request) and _units(sidecar.prompt) >= _units(head.prompt)
+               for sidecar in here.values()):
             return
         why_not = self._not_worth(head)
         if why_not is not None:
             self.stats.shared_fetches_not_worth += 1
-            log.info("[strata] auto sessions: shared tier: not fetching %s: %s", name, why_not)
-            await self._set_aside_if_stale(name)
+            log.info("[strata] auto sessions: shared tier: not fetching %s: %s", shared, why_not)
             return
-        await self._fetch(name, head)
+        number = next(n for n in range(len(taken) + 1) if n not in taken)
+        try:
+            await self._fetch(session_name(key, "bin", number), shared, head)
+        except (SharedTierError, OSError, DamagedSidecar) as exc:
+            self.stats.shared_fetch_failures += 1
+            log.warning("[strata] auto sessions: shared tier: fetching %s failed: %s", shared, exc)
+        except Exception:
+            self.stats.shared_fetch_failures += 1
+            log.exception("[strata] auto sessions: shared tier: fetching %s failed", shared)
 
     def _not_worth(self, head: Head) -> str | None:
         """Why fetching a file of ``head`` does not pay, or None when it does (or cannot be
@@ -450,21 +730,29 @@ class SharedParking:
                     f"restoring it ({restore_s:.1f} s)")
         return None
 
-    async def _fetch(self, name: str, head: Head) -> None:
-        objects = head.objects(name, sidecar_name(name))
+    async def _fetch(self, name: str, shared: str, head: Head) -> None:
+        """Head ``shared``'s state, as local file ``name`` (its sidecar naming that file's sibling)."""
+        objects = head.objects(shared, sidecar_name(shared))
         assert objects is not None
+        match = SESSION_NAME.fullmatch(name)
+        assert match is not None
         began = time.monotonic()
         bin_temp, json_temp = self.directory / temp_for(name, ".bin"), self.directory / temp_for(name, ".json")
         try:
             await self._call(self.tier.fetch(objects[1], json_temp))
             sidecar = await asyncio.to_thread(Sidecar.load, json_temp)
+            if sidecar.key != key_of_file(match["key"]):
+                raise SharedTierError(f"{objects[1]} is the sidecar of {sidecar.key!r}, not of {name}'s key")
             refusal = incompatibility(sidecar, self.parking.fingerprint, build_range=self.parking.config.build_range)
             if refusal is not None:
                 self.stats.shared_fetches_not_worth += 1
-                log.info("[strata] auto sessions: shared tier: not fetching %s (%s): %s", name, refusal.reason,
+                log.info("[strata] auto sessions: shared tier: not fetching %s (%s): %s", shared, refusal.reason,
                          refusal.detail)
-                await self._set_aside_if_stale(name)
+                await self._set_aside_if_stale(name, shared)
                 return
+            if sidecar.sibling != sibling_of(match):
+                sidecar.sibling = sibling_of(match)  # which of the key's files it is here
+                await asyncio.to_thread(sidecar.write, json_temp)
             n = await self._call(self.tier.fetch(objects[0], bin_temp), self.config.transfer_timeout_s)
             matches = await asyncio.to_thread(digest_matches, bin_temp, head.digest)
             if n != head.bytes or not matches:
@@ -473,7 +761,7 @@ class SharedParking:
             assert self.parking.store is not None
             async with self.parking.store.lock_without_blocking(self.parking.config.lock_wait_s):
                 await asyncio.to_thread(self._put_in_place, name, bin_temp, json_temp)
-            self.ledger.entries[name] = _Local(head.generation)
+            self.ledger.entries[name] = _Local(head.generation, shared=shared)
         finally:
             await asyncio.to_thread(_unlink, bin_temp, json_temp)
         ms = (time.monotonic() - began) * 1000
@@ -481,8 +769,9 @@ class SharedParking:
         self.stats.shared_fetches += 1
         self.stats.shared_fetched_bytes += n
         self.stats.shared_fetch_ms += ms
-        log.info("[strata] auto sessions: shared tier: fetched %s (%s, generation %d, saved by %s) in %.0f ms",
-                 name, size_text(n), head.generation, head.writer or "another server", ms)
+        log.info("[strata] auto sessions: shared tier: fetched %s (%s, generation %d, saved by %s) in %.0f ms%s",
+                 shared, size_text(n), head.generation, head.writer or "another server", ms,
+                 "" if shared == name else f", as {name}")
 
     def _put_in_place(self, name: str, bin_temp: Path, json_temp: Path) -> None:
         # The sidecar first, as a local commit does: a crash between the two leaves a
@@ -492,21 +781,26 @@ class SharedParking:
         os.replace(json_temp, self.directory / sidecar_name(name))
         os.replace(bin_temp, self.directory / name)
 
-    async def _set_aside_if_stale(self, name: str) -> None:
-        """A newer state of ``name`` is in the shared tier and was not brought in: the copy
-        here is removed rather than restored stale."""
+    async def _set_aside_if_stale(self, name: str, shared: str) -> None:
+        """A newer state of local file ``name``'s conversation is in the shared tier (head
+        ``shared``) and was not brought in: the copy here is removed rather than restored
+        stale. A copy as new or newer, or of another conversation, stays."""
         current = None
         try:
-            current = await self._call(self.tier.head(name))
+            current = await self._call(self.tier.head(shared))
         except (SharedTierError, OSError):
             return
         entry = self.ledger.entries.get(name)
-        if current is None or current[0].tombstone or (entry is not None and entry.generation >= current[0].generation):
+        if current is None or current[0].tombstone or (
+                entry is not None and entry.shared == shared and entry.generation >= current[0].generation):
+            return
+        local = await asyncio.to_thread(Sidecar.read, self.directory / sidecar_name(name))
+        if local is None or standing(local.prompt, local.tokens, current[0]) is not Standing.BEHIND:
             return
         if await asyncio.to_thread((self.directory / name).is_file):
             self.stats.shared_stale_set_aside += 1
             log.info("[strata] auto sessions: shared tier: the copy of %s here is older than the shared one "
-                     "(generation %d): removed, never restored stale", name, current[0].generation)
+                     "(%s, generation %d): removed, never restored stale", name, shared, current[0].generation)
             await self._remove_local(name)
 
     async def _remove_local(self, name: str) -> None:
@@ -581,6 +875,25 @@ def _discard(work: Awaitable[Any]) -> None:
         work.close()
     elif isinstance(work, asyncio.Future):
         work.cancel()
+
+
+def _removed_since(head: Head, sidecar: Sidecar) -> bool:
+    """Whether ``head`` is a tombstone of a removal by hand made since ``sidecar``'s state began."""
+    return head.tombstone and head.removed is not None and head.removed >= sidecar.created
+
+
+def _units(prompt: Any) -> int:
+    parts = _prompt_parts(prompt)
+    return parts[0] if parts is not None else -1
+
+
+def _continued_by_prompt(prompt: Any, request: StrataRequest) -> bool:
+    return _prompt_parts(prompt) is not None and continues(prompt, request)
+
+
+def _continued_by(head: Head, request: StrataRequest) -> bool:
+    """Whether ``request``'s prompt starts with the whole prompt ``head``'s state was made from."""
+    return _continued_by_prompt(head.prompt, request)
 
 
 def _unlink(*paths: Path) -> None:

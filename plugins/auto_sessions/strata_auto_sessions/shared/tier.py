@@ -72,6 +72,10 @@ class Head:
     removed: float | None = None
     #: Who wrote it (host and process), for an operator reading the store.
     writer: str = ""
+    #: What the state was made from (the sidecar's ``prompt``: its units, digest and chain of
+    #: message digests): which conversation it is, and how far it went. None in a tombstone
+    #: and in a head of an earlier version.
+    prompt: dict[str, object] | None = None
 
     @property
     def tombstone(self) -> bool:
@@ -109,6 +113,7 @@ class Head:
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "generation": (int,), "upload": (str, type(None)), "tokens": (int,), "bytes": (int,), "digest": (str,),
     "created": (int, float), "written": (int, float), "removed": (int, float, type(None)), "writer": (str,),
+    "prompt": (dict, type(None)),
 }
 
 
