@@ -10,8 +10,18 @@ every return is the disk's) and, for the whole run:
 - every ``--fault-every`` seconds (60): the engine killed (SIGKILL), the engine frozen
   (SIGSTOP, SIGCONT some seconds later), the slot directory, a small tmpfs, filled up to its
   last byte with a ballast file and emptied again;
-- once, a sixth of the way in, strata-serve itself stopped (SIGTERM) and started again on
-  the same directory.
+- in turn with those, in cycles of their own: a hung shared tier (auto-sessions shares its
+  conversations through a directory tier; one conversation's head is replaced by a FIFO, so
+  that opening it blocks as on a hung NFS mount, and that conversation's next turn is sent;
+  then the FIFO's waiting readers are let go and the head put back), and slow readers (a
+  streamed request whose client reads its headers and a plain one whose client reads
+  nothing, both of answers made large with ``logprobs``, held unread for ``slow_s``);
+- once, strata-serve itself stopped (SIGTERM) and started again on the same directory:
+  during the first hung tier (a sixth of the way in when there is none); each stop is timed.
+
+``/health`` is asked every second throughout. The report gives, per kind of fault, what the
+other clients saw while it lasted (requests answered and failed, their latencies), the
+``/health`` answers, and how long each stop took.
 
 Every so often it records strata-serve's resident memory, its open files, the session files
 on disk, and the tokens re-read by returning conversations (a return's prompt tokens the
@@ -23,8 +33,9 @@ in a quiet round that must re-read nothing.
 It exits non-zero unless (:func:`judge`): every request was answered, or failed in its API's
 error shape with a status a fault explains (502/503, or a stream's error event, during an
 engine kill or the restart; refused connections only while strata-serve was down), never a
-500, never past :data:`DEADLINE_S`; every parked conversation returned from its state; and
-resources stayed flat (:class:`Limits`). The table goes to ``bench/results/soak.md``.
+500, never past :data:`DEADLINE_S`; other clients answered while the tier hung and while the
+slow readers held on; every stop ended within :data:`STOP_DEADLINE_S` without a SIGKILL;
+every parked conversation returned from its state; and resources stayed flat (:class:`Limits`). The table goes to ``bench/results/soak.md``.
 Mounting the tmpfs needs root.
 """
 
@@ -40,6 +51,7 @@ import random
 import signal
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -53,6 +65,7 @@ import requests
 
 from bench.run import machine
 from bench.systems import StrataServe, System, children
+from strata_auto_sessions.naming import session_name
 from strata_serve.demo_model import write_demo_model
 from tests.test_reliability import tmpfs
 
@@ -69,6 +82,17 @@ FAULT_MARGIN_S = 5.0
 #: it must get there within :data:`SETTLE_DEADLINE_S`.
 SETTLED_S = 4.0
 SETTLE_DEADLINE_S = 60.0
+#: A stop (SIGTERM) not over this long after it was asked is cut with SIGKILL: a stop that
+#: did not end.
+STOP_DEADLINE_S = 30.0
+#: How long the slow readers' answers may take to be made (one slot: the engine makes
+#: them in turn) before the readers' hold begins all the same.
+GENERATION_CAP_S = 180.0
+#: With a shared tier, an upload's snapshot lives as long as its calls on the tier (each
+#: bounded by ``timeout_s``, 5 s): a temporary is taken as left once seen this long.
+TIER_TEMPORARY_S = 15.0
+#: How often ``/health`` is asked.
+HEALTH_EVERY_S = 1.0
 #: The APIs that hold a conversation; ``/v1/completions`` requests are side requests.
 CONVERSATION_APIS = ("chat", "responses", "messages")
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses",
@@ -99,6 +123,9 @@ class Limits:
     #: Tokens a quiet return may re-read of what its conversation held (the engine reads at
     #: least one token again; a chat template may split a reply's last token differently).
     quiet_reread: int = 4
+    #: With a shared tier, each upload under way holds a snapshot of its file and sidecar
+    #: (two temporaries) beside the save's: at most one upload per conversation.
+    upload_temporaries: int = 2
 
 
 @dataclass(frozen=True)
@@ -126,6 +153,16 @@ class Plan:
     #: Share of client steps that are side requests (``/v1/completions``, no conversation).
     side_share: float = 0.15
     seed: int = 7
+    #: The faults of the shared tier and of slow clients, each in a cycle of its own (see
+    #: :meth:`Soak.schedule`): how long the tier hangs, how long the slow readers hold on
+    #: (each at most 0.6 of ``fault_every_s``), and the tokens of their answers (each with
+    #: 20 candidates' logprobs, about 1.7 KB a token: 2 MB, more than a loopback socket's
+    #: buffers hold, about 1.4 MB with the reader's 4 KiB).
+    hung_tier: bool = True
+    hang_s: float = 40.0
+    slow_reader: bool = True
+    slow_s: float = 60.0
+    slow_tokens: int = 1200
 
     @property
     def seconds(self) -> float:
@@ -271,6 +308,8 @@ class Record:
     #: The conversation's file was on disk when the request was sent.
     had_file: bool = False
     phase: str = "faults"
+    #: "client", or "hung_turn": the turn of the conversation whose head hangs, sent by the fault.
+    role: str = "client"
 
 
 def _sse(reply: requests.Response) -> Iterator[bytes]:
@@ -355,6 +394,64 @@ def send(url: str, api: str, body: dict[str, Any], pattern: str, record: Record)
     return None
 
 
+def slow_request(host: str, port: int, path: str, body: dict[str, Any]) -> socket.socket:
+    """A connection with a tiny receive buffer that has sent its request and reads nothing yet."""
+    payload = json.dumps(body).encode()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(10)
+    sock.connect((host, port))
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return sock
+
+
+def read_headers(sock: socket.socket, timeout: float) -> bytes:
+    """Read up to the end of the answer's headers, a byte at a time (nothing of the body)."""
+    sock.settimeout(timeout)
+    seen = b""
+    while not seen.endswith(b"\r\n\r\n"):
+        byte = sock.recv(1)
+        if not byte:
+            raise ConnectionError("closed before the end of its headers")
+        seen += byte
+    return seen
+
+
+def read_rest(sock: socket.socket, timeout: float) -> dict[str, Any]:
+    """Read all that is left, until the server ends the connection or its answer ends: the
+    bytes, and whether the answer came whole (a stream's end, or a plain answer's length)."""
+    sock.settimeout(timeout)
+    data = b""
+    ended = "the server closed the connection"
+    try:
+        while True:
+            chunk = sock.recv(1 << 16)
+            if not chunk:
+                break
+            data += chunk
+            if whole_answer(data):
+                ended = "the answer's end"
+                break
+    except TimeoutError:
+        ended = f"nothing for {timeout:.0f} s"
+    except OSError as exc:
+        ended = f"{type(exc).__name__}"
+    return {"bytes": len(data), "whole": whole_answer(data), "ended_by": ended}
+
+
+def whole_answer(data: bytes) -> bool:
+    """Whether ``data`` (what a reader got, its headers included when it had not read them) holds
+    a whole answer: a stream's ``[DONE]``, or a plain answer's ``Content-Length`` of bytes."""
+    if b"data: [DONE]" in data or data.endswith(b"\r\n0\r\n\r\n"):  # a stream's end, a chunked body's
+        return True
+    head, _, body = data.partition(b"\r\n\r\n")
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return len(body) >= int(line.split(b":", 1)[1])
+    return False
+
+
 def _json(content: bytes) -> Any:
     try:
         return json.loads(content)
@@ -382,9 +479,21 @@ class Conversation:
 
 @dataclass
 class Fault:
-    kind: str  # kill | stop | disk_full | restart
+    kind: str  # kill | stop | disk_full | restart | hung_tier | slow_reader
     began: float
     ended: float = 0.0
+    #: What the fault itself saw: a stop's duration, the hung conversation's turn, the slow readers.
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Health:
+    """One ``GET /health``: its status (None: no answer) and how long it took."""
+
+    at: float
+    status: int | None
+    took: float
+    body: str = ""
 
 
 @dataclass
@@ -446,10 +555,22 @@ class Soak:
     def __init__(self, plan: Plan, work: Path) -> None:
         self.plan, self.work = plan, work
         self.model = write_demo_model(work / "tiny.gguf", size="tiny")
+        auto: dict[str, Any] = {"min_tokens": plan.min_tokens, "keep": plan.keep}
+        #: The shared directory tier (with :attr:`Plan.hung_tier`), outside the slot directory's tmpfs.
+        self.shared_dir: Path | None = None
+        if plan.hung_tier:
+            self.shared_dir = work / "shared"
+            self.shared_dir.mkdir()
+            auto["shared"] = {"url": f"file://{self.shared_dir}"}
         self.system = System("strata-serve + auto-sessions, RAM cache off", "strata", cache_ram_mib=0,
-                             plugins={"auto_sessions": {"min_tokens": plan.min_tokens, "keep": plan.keep}},
-                             server={"shutdown_grace_s": 2})
+                             plugins={"auto_sessions": auto}, server={"shutdown_grace_s": 2})
         self.slot_dir = work / "slots"
+        self.health: list[Health] = []
+        #: Each stop of strata-serve: why, how long it took, whether it had to be killed.
+        self.stops: list[dict[str, Any]] = []
+        #: The hung tier under way: (its fault, the conversation, the FIFO, the head set aside).
+        self.hung: tuple[Fault, Conversation, Path, Path] | None = None
+        self.tier_back = threading.Event()
         self.records: list[Record] = []
         self.faults: list[Fault] = []
         self.samples: list[Sample] = []
@@ -469,6 +590,25 @@ class Soak:
     def start_server(self) -> None:
         self.server = StrataServe(self.system, self.model, self.plan.ctx, self.work, [])
 
+    def stop_server(self, why: str) -> dict[str, Any]:
+        """SIGTERM, then SIGKILL past :data:`STOP_DEADLINE_S`: how long the stop took, and whether it ended."""
+        assert self.server is not None
+        process = self.server.process
+        began = time.monotonic()
+        killed = False
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(STOP_DEADLINE_S)
+            except subprocess.TimeoutExpired:
+                killed = True
+                process.kill()
+                process.wait(10)
+        stop = {"why": why, "at": began, "took_s": round(time.monotonic() - began, 2), "killed": killed,
+                "tier_hung": self.hung is not None}
+        self.stops.append(stop)
+        return stop
+
     def new_conversation(self, api: str) -> Conversation:
         self.made += 1
         name = f"Soak{self.made}-{api}"
@@ -478,10 +618,11 @@ class Soak:
 
     # -- clients
 
-    def turn(self, conversation: Conversation, stream: bool, pattern: str, phase: str = "faults") -> Record:
+    def turn(self, conversation: Conversation, stream: bool, pattern: str, phase: str = "faults",
+             role: str = "client") -> Record:
         body = request_body(conversation.api, conversation.turns, self.plan.max_tokens, stream)
         record = Record(conversation.api, stream, pattern, time.monotonic(), held_before=conversation.held,
-                        phase=phase, had_file=conversation.key is not None
+                        phase=phase, role=role, had_file=conversation.key is not None
                         and (self.slot_dir / f"auto-{conversation.key}.bin").exists())
         text = send(self.url, conversation.api, body, pattern, record)
         self.records.append(record)
@@ -550,6 +691,9 @@ class Soak:
                 if earlier.kind == "disk_full" and not earlier.ended:
                     earlier.ended = time.monotonic()
             return
+        if kind == "tier_back":
+            self.unhang_tier()
+            return
         record = Fault(kind, time.monotonic())
         self.faults.append(record)
         try:
@@ -567,21 +711,178 @@ class Soak:
                 fill(self.slot_dir)
                 return  # over at the next disk_back
             elif kind == "restart":
-                self.server.stop()  # SIGTERM: in-flight streams end with an error event
+                # SIGTERM: in-flight streams end with an error event.
+                record.detail = self.stop_server("restart")
                 self.start_server()  # the same slot directory
+            elif kind == "hung_tier":
+                self.hang_tier(record)
+                return  # over at the next tier_back
+            elif kind == "slow_reader":
+                self.slow_readers(record)
         except Exception as exc:  # noqa: BLE001 - a fault that could not be made is a failed soak
             self.problems.append(f"the {kind} fault failed: {type(exc).__name__}: {exc}")
+        record.ended = record.ended or time.monotonic()  # slow readers: the hold alone
+
+    def cycles(self) -> list[str]:
+        """What each ``fault_every_s`` cycle holds, in turn: the engine's and the disk's faults
+        (``classic``), the hung tier, the slow readers (each when the plan has it)."""
+        return ["classic"] + (["hung_tier"] if self.plan.hung_tier else []) \
+            + (["slow_reader"] if self.plan.slow_reader else [])
+
+    # -- the hung tier
+
+    def take_keyed(self, timeout: float) -> Conversation | None:
+        """A conversation out of the clients' rotation, one the server has named (a key):
+        the first with a head in the shared tier, else, once each was seen, the first
+        named. At most one is held back while looking: the clients go on with the others."""
+        assert self.shared_dir is not None
+        deadline = time.monotonic() + timeout
+        fallback: Conversation | None = None
+        seen = 0
+        while time.monotonic() < deadline:
+            try:
+                conversation = self.free.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            seen += 1
+            if conversation.key and (self.shared_dir / "heads" / session_name(conversation.key, "bin")).exists():
+                if fallback is not None:
+                    self.free.put(fallback)
+                return conversation
+            if conversation.key and fallback is None:
+                fallback = conversation
+            else:
+                self.free.put(conversation)
+            if fallback is not None and seen >= 2 * len(self.conversations):
+                return fallback
+        return fallback
+
+    def hang_tier(self, record: Fault) -> None:
+        """One conversation's head becomes a FIFO (opening it blocks, as on a hung NFS mount),
+        and that conversation's next turn is sent; the conversation stays out of the
+        clients' rotation until :meth:`unhang_tier`."""
+        assert self.shared_dir is not None
+        conversation = self.take_keyed(DEADLINE_S)
+        if conversation is None or conversation.key is None:
+            raise RuntimeError("no conversation named by the server yet")
+        heads = self.shared_dir / "heads"
+        heads.mkdir(mode=0o700, exist_ok=True)
+        fifo = heads / session_name(conversation.key, "bin")
+        aside = self.work / "aside" / fifo.name
+        aside.parent.mkdir(exist_ok=True)
+        had_head = fifo.exists()
+        if had_head:
+            os.replace(fifo, aside)
+        os.mkfifo(fifo, 0o600)
+        self.tier_back.clear()
+        self.hung = (record, conversation, fifo, aside)
+        record.detail = {"conversation": conversation.name, "had_head": had_head}
+
+        def hung_turn() -> None:
+            try:
+                turn = self.turn(conversation, False, "read_all", role="hung_turn")
+                record.detail["turn"] = {"outcome": turn.outcome, "status": turn.status, "state": turn.state,
+                                         "took_s": round(turn.ended - turn.began, 2), "detail": turn.detail}
+            finally:
+                self.tier_back.wait()
+                self.free.put(conversation)
+
+        threading.Thread(target=hung_turn, daemon=True).start()
+
+    def unhang_tier(self) -> None:
+        """The tier comes back: the calls blocked opening the FIFO return (a writer opens it
+        and closes it: they read nothing), and the head is put back."""
+        if self.hung is None:
+            return
+        record, _conversation, fifo, aside = self.hung
+        with contextlib.suppress(OSError):  # ENXIO: no one waits on it
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        fifo.unlink(missing_ok=True)
+        if aside.exists():
+            os.replace(aside, fifo)
+        self.hung = None
+        self.tier_back.set()
         record.ended = time.monotonic()
+
+    # -- the slow readers
+
+    def slow_readers(self, record: Fault) -> None:
+        """A streamed request whose client reads its headers and a plain one whose client
+        reads nothing, held unread for ``slow_s`` while the other clients go on; then what
+        is left of each is read: how much came, and whether it was whole."""
+        host, port = self.url.removeprefix("http://").split(":")
+        extra = {"ignore_eos": True, "logprobs": True, "top_logprobs": 20}
+        prompt = [("user", "Tell me a very long story about the sea")]
+        readers = {}
+        for name, stream in (("stream", True), ("plain", False)):
+            body = {**request_body("chat", prompt, self.plan.slow_tokens, stream), **extra}
+            readers[name] = slow_request(host, int(port), PATHS["chat"], body)
+        detail: dict[str, Any] = {}
+        began = time.monotonic()
+        try:
+            try:
+                head = read_headers(readers["stream"], DEADLINE_S)
+                detail["stream_headers_s"] = round(time.monotonic() - began, 2)
+                detail["stream_status"] = head.split(b" ", 2)[1].decode() if head.startswith(b"HTTP/") else None
+            except OSError as exc:
+                detail["stream_headers"] = f"no headers: {type(exc).__name__}: {exc}"
+            # First the engine makes both answers (the engine's turns, whoever reads them);
+            # then the readers hold on, unread, for slow_s: the fault proper, its window.
+            detail["generation_over"] = self.wait_for_long_answers(2, GENERATION_CAP_S)
+            detail["generated_s"] = round(time.monotonic() - began, 1)
+            record.began = time.monotonic()
+            self.stop.wait(min(self.plan.slow_s, 0.6 * self.plan.fault_every_s))
+            record.ended = time.monotonic()
+            for name, sock in readers.items():
+                detail[name] = read_rest(sock, DEADLINE_S)
+        finally:
+            for sock in readers.values():
+                sock.close()
+        record.detail = detail
+
+    def wait_for_long_answers(self, count: int, cap_s: float) -> bool:
+        """Wait until the engine has made ``count`` answers of :attr:`Plan.slow_tokens` (its
+        own account of its slots, ``GET /slots``, outside the FIFO: a task that decoded half
+        of them is one of those; the other clients ask a dozen tokens), at most ``cap_s``."""
+        tasks: set[Any] = set()
+        deadline = time.monotonic() + cap_s
+        while time.monotonic() < deadline and not self.stop.is_set():
+            try:
+                reports = requests.get(self.url + "/slots", timeout=5).json()
+            except (requests.RequestException, ValueError):
+                reports = []
+            for report in reports if isinstance(reports, list) else []:
+                decoded = max((t.get("n_decoded", 0) for t in report.get("next_token") or [] if isinstance(t, dict)),
+                              default=0) if isinstance(report, dict) else 0
+                if decoded >= self.plan.slow_tokens // 2:
+                    tasks.add(report.get("id_task"))
+            if len(tasks) >= count and not any(isinstance(r, dict) and r.get("is_processing")
+                                                and r.get("id_task") in tasks for r in reports):
+                return True
+            time.sleep(0.2)
+        return False
 
     def schedule(self) -> list[tuple[float, str]]:
         """(seconds from the start, fault) for the whole run, in order."""
         every = self.plan.fault_every_s
-        plan: list[tuple[float, str]] = [(self.plan.seconds / 6, "restart")]
-        at = 0.0
+        hang = min(self.plan.hang_s, 0.6 * every)
+        plan: list[tuple[float, str]] = []
+        restart: float | None = None
+        at, n = 0.0, 0
         while at < self.plan.seconds:
-            plan += [(at + 0.1 * every, "kill"), (at + 0.35 * every, "disk_full"), (at + 0.6 * every, "disk_back"),
-                     (at + 0.7 * every, "stop")]
+            kind = self.cycles()[n % len(self.cycles())]
+            if kind == "classic":
+                plan += [(at + 0.1 * every, "kill"), (at + 0.35 * every, "disk_full"),
+                         (at + 0.6 * every, "disk_back"), (at + 0.7 * every, "stop")]
+            elif kind == "hung_tier" and at + 0.1 * every + hang < self.plan.seconds - self.plan.stop_s:
+                plan += [(at + 0.1 * every, "hung_tier"), (at + 0.1 * every + hang, "tier_back")]
+                if restart is None:  # the first ends with a stop while the tier still hangs
+                    restart = at + 0.1 * every + hang - 0.5
+            elif kind == "slow_reader":
+                plan.append((at + 0.1 * every, "slow_reader"))
             at += every
+            n += 1
+        plan.append((self.plan.seconds / 6 if restart is None else restart, "restart"))
         return sorted((t, kind) for t, kind in plan if t < self.plan.seconds - self.plan.stop_s)
 
     def faults_loop(self) -> None:
@@ -592,6 +893,8 @@ class Soak:
             self.fault(kind)
         if (self.slot_dir / BALLAST).exists():
             self.fault("disk_back")
+        if self.hung is not None:
+            self.fault("tier_back")
 
     # -- measures
 
@@ -610,6 +913,16 @@ class Soak:
     def sampler(self) -> None:
         while not self.stop.wait(self.plan.sample_every_s):
             self.sample()
+
+    def health_poller(self) -> None:
+        """``GET /health`` every :data:`HEALTH_EVERY_S`, as a balancer asks it."""
+        while not self.stop.wait(HEALTH_EVERY_S):
+            began = time.monotonic()
+            try:
+                reply = requests.get(self.url + "/health", timeout=10)
+                self.health.append(Health(began, reply.status_code, time.monotonic() - began, reply.text[:200]))
+            except requests.RequestException as exc:
+                self.health.append(Health(began, None, time.monotonic() - began, type(exc).__name__))
 
     # -- once the faults stop
 
@@ -684,7 +997,8 @@ class Soak:
         threads = [threading.Thread(target=self.client, args=(self.plan.seed * 100 + n,), daemon=True)
                    for n in range(self.plan.clients)]
         threads += [threading.Thread(target=self.faults_loop, daemon=True),
-                    threading.Thread(target=self.sampler, daemon=True)]
+                    threading.Thread(target=self.sampler, daemon=True),
+                    threading.Thread(target=self.health_poller, daemon=True)]
         for thread in threads:
             thread.start()
         self.stop.wait(self.plan.seconds)
@@ -699,12 +1013,15 @@ class Soak:
         returns = self.returns()
         self.sample()
         assert self.server is not None
+        stats = self.server.stats()
+        self.stop_server("the end")
         return {
             "plan": asdict(self.plan), "limits": asdict(Limits()),
             "began": self.began, "faults_over": faults_over, "ended": time.monotonic(),
             "records": [asdict(r) for r in self.records], "faults": [asdict(f) for f in self.faults],
             "samples": [asdict(s) for s in self.samples], "returns": returns, "problems": self.problems,
-            "stats": self.server.stats(), "load_average": os.getloadavg(),
+            "stats": stats, "load_average": os.getloadavg(),
+            "health": [asdict(h) for h in self.health], "stops": self.stops,
         }
 
 
@@ -730,6 +1047,25 @@ def thirds(samples: list[dict[str, Any]], began: float, ended: float) -> tuple[l
     third = (mine[-1]["at"] - mine[0]["at"]) / 3
     return ([s for s in mine if s["at"] <= mine[0]["at"] + third],
             [s for s in mine if s["at"] >= mine[-1]["at"] - third])
+
+
+def first_seen(samples: list[dict[str, Any]], name: str, until: dict[str, Any]) -> float:
+    """When temporary ``name`` was first seen in the samples up to ``until``, in a row."""
+    seen = until["at"]
+    for sample in reversed([s for s in samples if s["at"] <= until["at"]]):
+        if name not in (sample.get("temporary_names") or ()):
+            break
+        seen = sample["at"]
+    return seen
+
+
+def clean_window(fault: dict[str, Any], faults: list[dict[str, Any]]) -> tuple[float, float]:
+    """A fault's window up to the first restart begun inside it (a hung tier ends with one)."""
+    end = fault["ended"] or fault["began"]
+    for other in faults:
+        if other["kind"] == "restart" and fault["began"] < other["began"] < end:
+            end = other["began"]
+    return fault["began"], end
 
 
 def judge(found: dict[str, Any], limits: Limits = Limits()) -> list[str]:
@@ -767,8 +1103,28 @@ def judge(found: dict[str, Any], limits: Limits = Limits()) -> list[str]:
                 failures.append(f"{name}: re-read {back['held_before'] - (back['reused'] or 0)} of the "
                                 f"{back['held_before']} tokens it held (at most {limits.quiet_reread})")
     plan = found["plan"]
+    # With a shared tier, each upload under way holds a snapshot (a file and its sidecar).
+    allowed_temporaries = limits.temporaries + (limits.upload_temporaries * (plan.get("conversations", 0) + 1)
+                                                if plan.get("hung_tier") else 0)
+    for fault in faults:
+        if fault["kind"] in ("hung_tier", "slow_reader") and fault["ended"]:
+            if fault["kind"] == "slow_reader" and not (fault.get("detail") or {}).get("generation_over", True):
+                continue  # the engine was still making the answers: the hold did not begin clear of them
+            began, ended = clean_window(fault, faults)
+            others = [r for r in found["records"] if r.get("role", "client") == "client"
+                      and r["outcome"] == "answered" and began <= r["ended"] <= ended]
+            if not others:
+                failures.append(f"{fault['kind']} at {began - found['began']:.0f} s: no other client's request was "
+                                f"answered in its {ended - began:.0f} s")
+    for stop in found.get("stops") or []:
+        if stop["killed"]:
+            failures.append(f"the stop at {stop['at'] - found['began']:.0f} s ({stop['why']}"
+                            f"{', the tier hung' if stop.get('tier_hung') else ''}) had not ended "
+                            f"{STOP_DEADLINE_S:.0f} s after SIGTERM: killed")
     for before, sample in zip(found["samples"], found["samples"][1:]):
         left = set(before.get("temporary_names") or ()) & set(sample.get("temporary_names") or ())
+        if plan.get("hung_tier"):  # an upload's snapshot lives as long as its bounded calls
+            left = {name for name in left if sample["at"] - first_seen(found["samples"], name, sample) >= TIER_TEMPORARY_S}
         if left:
             failures.append(f"at {sample['at'] - found['began']:.0f} s: temporaries left in the slot directory "
                             f"since the sample before: {sorted(left)}")
@@ -777,8 +1133,9 @@ def judge(found: dict[str, Any], limits: Limits = Limits()) -> list[str]:
         if sample["session_files"] > plan["keep"] + limits.extra_files:
             failures.append(f"{at}: {sample['session_files']} session files, past keep = {plan['keep']} "
                             f"(+{limits.extra_files})")
-        if sample["temporaries"] > limits.temporaries:
-            failures.append(f"{at}: {sample['temporaries']} temporaries in the slot directory, more than one save's")
+        if sample["temporaries"] > allowed_temporaries:
+            failures.append(f"{at}: {sample['temporaries']} temporaries in the slot directory, more than one save's"
+                            + (" and one upload's per conversation" if plan.get("hung_tier") else ""))
     first, last = thirds(found["samples"], found["began"], found["faults_over"])
     if not first or not last:
         failures.append("too few samples of one process to compare the first and last thirds")
@@ -813,12 +1170,93 @@ def rows(found: dict[str, Any]) -> list[dict[str, Any]]:
             "returns": len(returns), "reread": sum(max(0, r["held_before"] - r["reused"]) for r in returns),
             "reread_filed": sum(max(0, r["held_before"] - r["reused"]) for r in returns if r.get("had_file")),
             "states": _states(returns),
-            "faults": ", ".join(f"{happened.count(k)} {k}" for k in ("kill", "stop", "disk_full", "restart")
-                                if happened.count(k)),
+            "faults": ", ".join(f"{happened.count(k)} {k}" for k in FAULT_NAMES if happened.count(k)),
             "saves": (sample["stats"] or {}).get("saves"), "prunes": (sample["stats"] or {}).get("prunes"),
         })
         previous = sample["at"]
     return out
+
+
+FAULT_NAMES = {"kill": "engine killed", "stop": "engine frozen", "disk_full": "slot directory full",
+               "restart": "strata-serve restarted", "hung_tier": "shared tier hung", "slow_reader": "slow readers"}
+
+
+def each_fault(found: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per kind of fault (and the time under none): the other clients' requests that began
+    while it lasted, their outcomes and latencies, the ``/health`` answers, and what the
+    fault itself saw."""
+    faults, records = found["faults"], [r for r in found["records"] if r.get("role", "client") == "client"]
+    health = found.get("health") or []
+    spans = [(f["began"], f["ended"] or f["began"]) for f in faults]
+
+    def under(t: float, windows: list[tuple[float, float]]) -> bool:
+        return any(a <= t <= b for a, b in windows)
+
+    out = []
+    for kind in [*FAULT_NAMES, None]:
+        if kind is None:
+            windows = []
+            during = [r for r in records if r["phase"] == "faults" and not any(
+                r["began"] <= b and r["ended"] >= a for a, b in spans)]
+            asked = [h for h in health if not under(h["at"], spans)]
+            seconds = (found["faults_over"] - found["began"]) - sum(b - a for a, b in spans)
+        else:
+            made = [f for f in faults if f["kind"] == kind]
+            if not made:
+                continue
+            windows = [clean_window(f, faults) for f in made]
+            during = [r for r in records if under(r["began"], windows)]
+            asked = [h for h in health if under(h["at"], windows)]
+            seconds = sum(b - a for a, b in windows)
+        answered = [r["ended"] - r["began"] for r in during if r["outcome"] == "answered"]
+        statuses: dict[str, int] = {}
+        for h in asked:
+            label = str(h["status"]) if h["status"] is not None else "none"
+            statuses[label] = statuses.get(label, 0) + 1
+        out.append({
+            "kind": kind, "made": len(windows), "seconds": max(seconds, 0.0), "requests": len(during),
+            "answered": len(answered), "failed": sum(r["outcome"] in ("failed_in_shape", "unreachable", "violation")
+                                                     for r in during),
+            "median_s": statistics.median(answered) if answered else None, "max_s": max(answered, default=None),
+            "health": statuses, "health_max_s": max((h["took"] for h in asked), default=None),
+            "saw": [] if kind is None else [_saw(f) for f in faults if f["kind"] == kind and _saw(f)],
+        })
+    return out
+
+
+def _saw(fault: dict[str, Any]) -> str:
+    """What one fault saw itself, in words."""
+    detail = fault.get("detail") or {}
+    if fault["kind"] == "restart" and detail:
+        return f"stop {detail['took_s']:.1f} s" + (" (killed)" if detail["killed"] else "") \
+            + (" with the tier hung" if detail.get("tier_hung") else "")
+    if fault["kind"] == "hung_tier" and detail:
+        turn = detail.get("turn")
+        if turn is None:
+            return "its conversation's turn: not sent"
+        return (f"its conversation's turn: {turn['outcome']}" + (f" (HTTP {turn['status']})" if turn["status"] else "")
+                + f" in {turn['took_s']:.1f} s" + (f", state {turn['state']}" if turn.get("state") else ""))
+    if fault["kind"] == "slow_reader" and detail:
+        parts = []
+        if "generated_s" in detail:
+            parts.append(f"both answers made {detail['generated_s']:.0f} s after they were sent"
+                         if detail.get("generation_over") else
+                         f"the answers not made within {GENERATION_CAP_S:.0f} s: held all the same")
+        if "stream_headers_s" in detail:
+            parts.append(f"stream headers after {detail['stream_headers_s']:.1f} s")
+        elif "stream_headers" in detail:
+            parts.append(f"stream: {detail['stream_headers']}")
+        for name in ("stream", "plain"):
+            got = detail.get(name)
+            if got:
+                parts.append(f"{name}: {got['bytes'] / 1e6:.2f} MB read afterwards, "
+                             f"{'whole' if got['whole'] else 'cut'} ({got['ended_by']})")
+        return "; ".join(parts)
+    return ""
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def _states(returns: list[dict[str, Any]]) -> str:
@@ -845,22 +1283,33 @@ def report(found: dict[str, Any], failures: list[str], command: str) -> str:
         f"Made by `{command}` on {datetime.date.today().isoformat()}; machine: {machine()}; shared with other "
         f"work: load average (1, 5, 15 min) at the end {', '.join(f'{x:.1f}' for x in found['load_average'])}.",
         f"`strata-serve run` (its own process), the real llama-server, the tiny demo model, context {plan['ctx']:,}, "
-        f"one slot, RAM cache off, auto-sessions with `min_tokens = {plan['min_tokens']}`, `keep = {plan['keep']}`; "
-        f"the slot directory a {plan['tmpfs_mib']} MiB tmpfs.",
+        f"one slot, RAM cache off, auto-sessions with `min_tokens = {plan['min_tokens']}`, `keep = {plan['keep']}`"
+        + (", a shared directory tier (its defaults: `timeout_s = 5`)" if plan.get("hung_tier") else "")
+        + f"; the slot directory a {plan['tmpfs_mib']} MiB tmpfs.",
         "",
         f"{plan['clients']} clients at once over {plan['conversations']} conversations at a time (chat completions, "
         f"Responses, Anthropic messages, in turn; {plan['opening']:,}-token openings growing {plan['grow']} tokens a "
         f"turn, a conversation past {plan['longest']:,} tokens left for a new one) and side requests "
         f"(`/v1/completions`, {plan['side_share']:.0%} of steps); streamed or not; clients that read everything, "
         "close right after the last event, close after two events, or close before the first byte. Every "
-        f"{plan['fault_every_s']:g} s: the engine killed (SIGKILL), the slot directory filled to its last byte and "
-        f"emptied again, the engine frozen (SIGSTOP) for {plan['stop_s']:g} s; a sixth of the way in, strata-serve "
-        "stopped (SIGTERM) and started again on the same directory.",
+        f"{plan['fault_every_s']:g} s, in turn, a cycle of: the engine killed (SIGKILL), the slot directory filled "
+        f"to its last byte and emptied again, the engine frozen (SIGSTOP) for {plan['stop_s']:g} s"
+        + (f"; or the shared tier hung for {min(plan['hang_s'], 0.6 * plan['fault_every_s']):g} s (one "
+           "conversation's head replaced by a FIFO, which blocks whoever opens it, as a hung NFS mount does, and "
+           "that conversation's next turn sent; then the FIFO's waiting readers let go, and the head put back)"
+           if plan.get("hung_tier") else "")
+        + (f"; or two slow readers held on for {min(plan['slow_s'], 0.6 * plan['fault_every_s']):g} s (answers of "
+           f"{plan['slow_tokens']:,} tokens with 20 candidates' logprobs, a receive buffer of 4 KiB: a stream whose "
+           "client read its headers, a plain answer whose client read nothing; then what was left read)"
+           if plan.get("slow_reader") else "")
+        + ". Once, strata-serve stopped (SIGTERM) and started again on the same directory"
+        + (", during the first hung tier" if plan.get("hung_tier") else ", a sixth of the way in") + ".",
         "",
         f"The faults ran {minutes:.1f} minutes (the last requests included); {answered_per_minute:.0f} requests "
         "answered a minute on this machine, whose load says how much of it the soak had. "
         f"Faults made: {kinds.count('kill')} kills, {kinds.count('stop')} freezes, {kinds.count('disk_full')} disk "
-        f"fills, {kinds.count('restart')} restart. Requests: {len(records):,} ("
+        f"fills, {kinds.count('hung_tier')} hung tiers, {kinds.count('slow_reader')} slow-reader pairs, "
+        f"{kinds.count('restart')} restart. Requests: {len(records):,} ("
         + ", ".join(f"{api} {n:,}" for api, n in by_api.items()) + "); "
         + ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in sorted(by_outcome.items())) + ".",
         "",
@@ -901,6 +1350,35 @@ def report(found: dict[str, Any], failures: list[str], command: str) -> str:
     most_files = max((s["session_files"] for s in found["samples"]), default=0)
     lines += [
         "",
+        "## Each fault",
+        "",
+        "Per kind of fault, over the time it lasted (a kill: until strata-serve said healthy again; a hung tier: "
+        "from the FIFO to the stop that ends it, or to the head put back; slow readers: while they held on unread, "
+        "once the engine had made both their answers): the other clients' "
+        "requests that began then (the hung conversation's own turn and the slow readers not counted), how many "
+        "were answered and failed, the latency of those answered (sent to last byte read; a client that closes "
+        "early is not counted), the `/health` answers (asked every "
+        f"{HEALTH_EVERY_S:g} s; `none`: no answer), and what the fault itself saw.",
+        "",
+        "| fault | made | s under it | requests | answered | failed | answered in, median / max s "
+        "| /health answers (slowest s) | the fault itself |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in each_fault(found):
+        health = ", ".join(f"{k} x{v}" for k, v in sorted(row["health"].items())) or "-"
+        lines.append(f"| {FAULT_NAMES[row['kind']] if row['kind'] else 'none (between faults)'} | {row['made'] or '-'} "
+                     f"| {row['seconds']:.0f} | {row['requests']} | {row['answered']} | {row['failed']} "
+                     f"| {_seconds(row['median_s'])} / {_seconds(row['max_s'])} "
+                     f"| {health} ({_seconds(row['health_max_s'])}) | {'; '.join(row['saw']) or '-'} |")
+    stops = found.get("stops") or []
+    if stops:
+        lines += ["", "Stops (SIGTERM to the process's exit; SIGKILL past "
+                  f"{STOP_DEADLINE_S:g} s): " + "; ".join(
+                      f"{stop['why']} at {stop['at'] - found['began']:.0f} s: {stop['took_s']:.1f} s"
+                      + (" (killed)" if stop["killed"] else "") + (", the tier hung" if stop.get("tier_hung") else "")
+                      for stop in stops) + "."]
+    lines += [
+        "",
         "## Once the faults stopped",
         "",
         f"Once the server had settled (nothing answered, saved or pruned for {SETTLED_S:g} s; "
@@ -917,7 +1395,8 @@ def report(found: dict[str, Any], failures: list[str], command: str) -> str:
         "",
     ]
     lines += ["Passed: every request answered or failed in its API's shape with a fault to explain it; no 500, "
-              "no hang; every parked conversation returned from its state; resources flat."] if not failures else \
+              "no hang; other clients answered while the tier hung and while slow readers held on; every stop "
+              "ended; every parked conversation returned from its state; resources flat."] if not failures else \
         ["**Failed**:", "", *[f"- {f}" for f in failures[:50]]]
     if len(failures) > 50:
         lines.append(f"- ... and {len(failures) - 50} more")
