@@ -1,4 +1,10 @@
-"""The service FIFO end to end: one request at a time, bounds, disconnects, normal stop."""
+"""The service FIFO end to end: one request at a time, bounds, disconnects, normal stop.
+
+What the service and the plugins decide (the FIFO's order and bounds, keys, hooks) runs on
+the in-memory engine (``strata_memory_client_factory``); what needs the engine to be at
+work (a client leaving mid-answer, a stop finishing or cutting an answer, the engine up
+during ``on_startup``) on the real one.
+"""
 
 import asyncio
 import contextlib
@@ -29,8 +35,8 @@ class Gate:
         await self.release.wait()
 
 
-async def test_ten_concurrent_clients_never_interleave(strata_client_factory, recorder):
-    client = await strata_client_factory(recorder)
+async def test_ten_concurrent_clients_never_interleave(strata_memory_client_factory, recorder):
+    client = await strata_memory_client_factory(recorder)
     bodies = [chat_body(f"Client number {n} says hello", max_tokens=6) for n in range(10)]
     replies = await asyncio.gather(*(client.post("/v1/chat/completions", json=b) for b in bodies))
     assert [r.status for r in replies] == [200] * 10
@@ -42,9 +48,9 @@ async def test_ten_concurrent_clients_never_interleave(strata_client_factory, re
     assert all(pairs[i][1] == pairs[i + 1][1] for i in range(0, 20, 2))
 
 
-async def test_fifo_serves_in_arrival_order(strata_client_factory, recorder):
+async def test_fifo_serves_in_arrival_order(strata_memory_client_factory, recorder):
     gate = Gate()
-    client = await strata_client_factory(gate, recorder)
+    client = await strata_memory_client_factory(gate, recorder)
     fifo = client.app[SERVICE].fifo
     first = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body("first")))
     await gate.entered.wait()
@@ -60,9 +66,9 @@ async def test_fifo_serves_in_arrival_order(strata_client_factory, recorder):
     assert gate.keys == expected
 
 
-async def test_queue_limit_answers_503_with_retry_after(strata_client_factory, strata_settings_factory):
+async def test_queue_limit_answers_503_with_retry_after(strata_memory_client_factory, strata_settings_factory):
     gate = Gate()
-    client = await strata_client_factory(gate, settings=strata_settings_factory(server={"queue_limit": 1}))
+    client = await strata_memory_client_factory(gate, settings=strata_settings_factory(server={"queue_limit": 1}))
     holding = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body("one")))
     await gate.entered.wait()
     waiting = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body("two")))
@@ -76,9 +82,9 @@ async def test_queue_limit_answers_503_with_retry_after(strata_client_factory, s
     assert (await waiting).status == 200
 
 
-async def test_client_that_leaves_the_queue_never_reaches_the_engine(strata_client_factory, recorder):
+async def test_client_that_leaves_the_queue_never_reaches_the_engine(strata_memory_client_factory, recorder):
     gate = Gate()
-    client = await strata_client_factory(gate, recorder)
+    client = await strata_memory_client_factory(gate, recorder)
     service = client.app[SERVICE]
     holding = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body("holder")))
     await gate.entered.wait()
@@ -154,9 +160,9 @@ class SlowSteps:
 
 
 async def test_a_plain_answer_leaves_before_post_request_and_the_next_request_waits_for_it(
-        strata_client_factory, recorder):
+        strata_memory_client_factory, recorder):
     plugin = SlowSteps()
-    client = await strata_client_factory(plugin, recorder)
+    client = await strata_memory_client_factory(plugin, recorder)
     plugin.post_release.clear()
     # The answer arrives while post_request still waits: the client does not pay for it.
     try:
@@ -185,9 +191,9 @@ async def test_a_plain_answer_leaves_before_post_request_and_the_next_request_wa
 
 
 async def test_a_plugin_step_that_waits_runs_to_its_end_when_the_client_leaves_meanwhile(
-        strata_client_factory, recorder):
+        strata_memory_client_factory, recorder):
     plugin = SlowSteps()
-    client = await strata_client_factory(plugin, recorder)
+    client = await strata_memory_client_factory(plugin, recorder)
     plugin.pre_release.clear()
     url = client.make_url("/v1/chat/completions")
     async with aiohttp.ClientSession() as session:
@@ -223,9 +229,9 @@ class Broken:
 
 
 async def test_a_raising_plugin_is_logged_by_name_and_the_request_goes_on(
-    strata_client_factory, recorder, caplog
+    strata_memory_client_factory, recorder, caplog
 ):
-    client = await strata_client_factory(Broken(), recorder)
+    client = await strata_memory_client_factory(Broken(), recorder)
     with caplog.at_level(logging.ERROR, logger="strata_serve.plugins"):
         resp = await client.post("/v1/chat/completions", json=chat_body("still works"))
     assert resp.status == 200
@@ -256,9 +262,9 @@ class SyncAndAsync:
         return "never-used"
 
 
-async def test_sync_and_async_impls_are_both_awaited(strata_client_factory, recorder):
+async def test_sync_and_async_impls_are_both_awaited(strata_memory_client_factory, recorder):
     plugin = SyncAndAsync()
-    client = await strata_client_factory(plugin, recorder)
+    client = await strata_memory_client_factory(plugin, recorder)
     assert (await client.post("/v1/chat/completions", json=chat_body())).status == 200
     assert plugin.calls == ["sync pre", "async post ok"]
     assert recorder.keys[0] != "never-used"
@@ -275,13 +281,13 @@ class Keyed:
         return self.key
 
 
-async def test_a_plugin_key_beats_the_default_and_bad_keys_are_dropped(strata_client_factory, recorder):
-    client = await strata_client_factory(Keyed("my-session_1"), recorder)
+async def test_a_plugin_key_beats_the_default_and_bad_keys_are_dropped(strata_memory_client_factory, recorder):
+    client = await strata_memory_client_factory(Keyed("my-session_1"), recorder)
     await client.post("/v1/chat/completions", json=chat_body())
     assert recorder.keys == ["my-session_1"]
 
     for bad in ("../../etc", "ends-in-a-newline\n", "x" * 65, ""):
-        client = await strata_client_factory(Keyed(bad), recorder)
+        client = await strata_memory_client_factory(Keyed(bad), recorder)
         await client.post("/v1/chat/completions", json=chat_body())
         assert recorder.keys[-1] is None, repr(bad)
 
@@ -296,20 +302,20 @@ class NamedKey:
 
 
 async def test_conversation_key_order_decides_which_plugin_wins(
-    strata_client_factory, strata_settings_factory, recorder
+    strata_memory_client_factory, strata_settings_factory, recorder
 ):
     first, second = NamedKey("first_keyer"), NamedKey("second_keyer")
-    client = await strata_client_factory(first, second, recorder)
+    client = await strata_memory_client_factory(first, second, recorder)
     await client.post("/v1/chat/completions", json=chat_body())
     assert recorder.keys[-1] == "from-second_keyer", "unordered: the last registered is asked first"
 
     settings = strata_settings_factory(server={"conversation_key_order": ["first_keyer"]})
-    client = await strata_client_factory(first, second, recorder, settings=settings)
+    client = await strata_memory_client_factory(first, second, recorder, settings=settings)
     await client.post("/v1/chat/completions", json=chat_body())
     assert recorder.keys[-1] == "from-first_keyer"
 
     settings = strata_settings_factory(server={"conversation_key_order": ["opening_key"]})
-    client = await strata_client_factory(first, second, recorder, settings=settings)
+    client = await strata_memory_client_factory(first, second, recorder, settings=settings)
     await client.post("/v1/chat/completions", json=chat_body("ordered"))
     assert len(recorder.keys[-1]) == 16, "the built-in default can be put first too"
 
@@ -324,8 +330,8 @@ class Refuser:
         return None
 
 
-async def test_a_keying_plugin_can_refuse_a_request_with_400(strata_client_factory, recorder):
-    client = await strata_client_factory(Refuser(), recorder)
+async def test_a_keying_plugin_can_refuse_a_request_with_400(strata_memory_client_factory, recorder):
+    client = await strata_memory_client_factory(Refuser(), recorder)
     resp = await client.post("/v1/chat/completions", json=chat_body(), headers={"X-Bad": "1"})
     body = await resp.json()
     assert_openai_error(body, 400, resp.status)
@@ -334,9 +340,9 @@ async def test_a_keying_plugin_can_refuse_a_request_with_400(strata_client_facto
     assert (await client.post("/v1/chat/completions", json=chat_body())).status == 200
 
 
-async def test_tenants_never_share_a_key(strata_client_factory, strata_settings_factory, recorder):
+async def test_tenants_never_share_a_key(strata_memory_client_factory, strata_settings_factory, recorder):
     settings = strata_settings_factory(server={"api_keys": {"alice": "ka", "bob": "kb"}})
-    client = await strata_client_factory(recorder, settings=settings)
+    client = await strata_memory_client_factory(recorder, settings=settings)
     for key in ("ka", "kb"):
         resp = await client.post("/v1/chat/completions", json=chat_body("same words"),
                                  headers={"Authorization": f"Bearer {key}"})
@@ -431,11 +437,11 @@ class BrokenStats:
         raise RuntimeError("no numbers today")
 
 
-async def test_collect_stats_gathers_every_plugin_and_skips_a_broken_one(strata_client_factory, recorder,
+async def test_collect_stats_gathers_every_plugin_and_skips_a_broken_one(strata_memory_client_factory, recorder,
                                                                          caplog):
     from strata_serve.plugins import call_each_sync
 
-    client = await strata_client_factory(BrokenStats(), recorder)
+    client = await strata_memory_client_factory(BrokenStats(), recorder)
     await client.post("/v1/chat/completions", json=chat_body())
     service = client.app[SERVICE]
     with caplog.at_level(logging.ERROR, logger="strata_serve.plugins"):
