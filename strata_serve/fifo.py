@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import AsyncIterator
+import logging
+from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from strata_serve.slot_choice import Claim, SlotChooser
 
+log = logging.getLogger("strata_serve.service")
 
 class QueueFull(Exception):
     """More requests are waiting than ``server.queue_limit`` allows."""
@@ -153,3 +156,60 @@ class ServiceFIFO:
             yield slot
         finally:
             self.release(slot)
+
+
+class IdleWork:
+    """Work a plugin asked to run once the service has been idle a while (``Service.when_idle``)."""
+
+    def __init__(self, fifo: ServiceFIFO, delay_s: float, work: Callable[[], Awaitable[Any]], name: str,
+                 slot: int | None = None, *, closing: Callable[[], bool],
+                 finished: Callable[[IdleWork], None]):
+        self._fifo = fifo
+        #: Whether the service is stopping (then the work never starts).
+        self._closing = closing
+        #: Called once the work is over, or will never run.
+        self._finished = finished
+        self._work = work
+        self.name = name
+        #: The slot whose idleness is awaited (None: the whole service).
+        self.slot = slot
+        self.running = False
+        self._task: asyncio.Task | None = None
+        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(delay_s, self._start)
+
+    def _start(self) -> None:
+        self._timer = None
+        fifo = self._fifo
+        quiet = fifo.idle if self.slot is None else fifo.slot_free(self.slot)
+        if quiet and not self._closing():
+            self._task = asyncio.create_task(self._run(), name=f"strata-idle-{self.name}")
+        else:
+            self._finished(self)
+
+    async def _run(self) -> None:
+        claim = Claim(exclusive=True) if self.slot is None else Claim(slot=self.slot)
+        try:
+            async with self._fifo.hold(claim):
+                if self._closing():
+                    return
+                self.running = True
+                try:
+                    await self._work()
+                except Exception:
+                    log.exception("[strata] %s (run while idle) failed", self.name)
+        finally:
+            self.running = False
+            self._finished(self)
+
+    def cancel(self) -> None:
+        """Do not start it; if it waits for its turn, it leaves the line. Running, it finishes."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._task is not None and not self.running:
+            self._task.cancel()
+        self._finished(self)
+
+    @property
+    def done(self) -> bool:
+        return self._timer is None and (self._task is None or self._task.done())
