@@ -57,13 +57,13 @@ def test_the_guides_pyproject_excerpt_is_the_examples():
 
 
 async def test_the_configured_order_decides_which_keying_plugin_wins(
-    strata_client_factory, strata_settings_factory, recorder
+    strata_memory_client_factory, strata_settings_factory, recorder
 ):
     (order,) = [e["server"]["conversation_key_order"] for e in guide_toml("Conversation keys")
                 if "conversation_key_order" in e.get("server", {})]
     assert order == ["session_header", "system_prompt_key"], "the guide's example is the order tested here"
     settings = strata_settings_factory(server={"conversation_key_order": order})
-    client = await strata_client_factory(*KEYING_PLUGINS, recorder, settings=settings)
+    client = await strata_memory_client_factory(*KEYING_PLUGINS, recorder, settings=settings)
     await client.post("/v1/chat/completions", json=with_system(), headers={"X-Session-Id": "s1"})
     await client.post("/v1/chat/completions", json=with_system())
     await client.post("/v1/chat/completions", json=chat_body())
@@ -73,7 +73,7 @@ async def test_the_configured_order_decides_which_keying_plugin_wins(
     assert len(built_in) == 16 and built_in != system_prompt, "neither answers: the built-in default"
 
     settings = strata_settings_factory(server={"conversation_key_order": order[::-1]})
-    client = await strata_client_factory(*KEYING_PLUGINS, recorder, settings=settings)
+    client = await strata_memory_client_factory(*KEYING_PLUGINS, recorder, settings=settings)
     await client.post("/v1/chat/completions", json=with_system(), headers={"X-Session-Id": "s1"})
     assert recorder.keys[-1] == system_prompt
     # The winner answered first, so the header was never read, let alone refused.
@@ -203,8 +203,8 @@ class _Returns:
         return self.key
 
 
-async def test_a_key_with_a_trailing_newline_is_not_a_key(strata_client_factory, recorder, caplog):
-    client = await strata_client_factory(_Returns("abc\n"), recorder)
+async def test_a_key_with_a_trailing_newline_is_not_a_key(strata_memory_client_factory, recorder, caplog):
+    client = await strata_memory_client_factory(_Returns("abc\n"), recorder)
     assert (await client.post("/v1/chat/completions", json=chat_body())).status == 200
     assert recorder.keys == [None]
     assert any("ignoring conversation key 'abc\\n'" in r.getMessage() for r in caplog.records)
