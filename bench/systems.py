@@ -174,8 +174,13 @@ class BareEngine(Running):
         self._start()
 
     def _start(self) -> None:
+        # A session of its own, as the engine strata-serve starts has: with the kernel's
+        # autogroup scheduling (on in most distributions) the CPU is shared out by session
+        # first, so an engine in the benchmark's session would get less of a busy machine
+        # than strata-serve's.
         with open(self.log, "ab") as log:
-            self.process = subprocess.Popen(self.command, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(self.command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
         wait_healthy(self.url, headers=self.headers, process=self.process, log=self.log)
 
     def engine_pid(self) -> int | None:
