@@ -78,7 +78,7 @@ async def command(tmp_path, url, *args) -> tuple[int, str, object]:
     exited with another code; anything else is a traceback)."""
     config = tmp_path / "strata.toml"
     config.write_text(f'[engine]\nslot_save_path = "{tmp_path / "cli"}"\n'
-                      f'[plugins.auto_sessions.shared]\nurl = "{url}"\ntimeout_s = 2\n')
+                      f'[plugins.auto_sessions.shared]\nurl = "{url}"\ntimeout_s = 15\n')
     result = await asyncio.to_thread(CliRunner().invoke, cli, ["sessions", "--config", str(config), *args])
     return result.exit_code, result.output, result.exception
 
