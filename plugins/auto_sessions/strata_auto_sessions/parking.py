@@ -45,6 +45,9 @@ __all__ = ["GB", "NAME", "AutoSessions", "AutoSessionsConfig", "AutoSessionsStat
 
 log = logging.getLogger("strata_auto_sessions")
 
+#: The side lane's slots (``engine.side_slot_tokens``): the main conversation's, and the side slot.
+MAIN_SLOT, SIDE_SLOT = 0, 1
+
 
 class AutoSessions:
     """One per service: the decisions around the slot the core describes."""
@@ -69,6 +72,9 @@ class AutoSessions:
         #: unchanged has its sidecar touched then (:func:`strata_auto_sessions.saving.park_slot`),
         #: not on the restore's path.
         self.used_since_written: set[tuple[str, int]] = set()
+        #: By slot, the state (:func:`strata_auto_sessions.saving.state_of`) its file was last
+        #: found or made current for: the same state later is still on file.
+        self.saved_states: dict[int, tuple[Any, ...]] = {}
         #: The files of each key (its siblings), as their choice needs them.
         self.siblings = SiblingIndex(store)
         self.idle_saves = IdleSaves(self)
@@ -158,12 +164,16 @@ class AutoSessions:
     async def before(self, request: StrataRequest, service: Any) -> None:
         self.idle_saves.cancel(request.slot)
         self.record_in_use(service)
-        if getattr(service, "side_lane", False) and request.slot != 0:
+        if getattr(service, "side_lane", False) and request.slot != MAIN_SLOT:
             # The main conversation stays in its slot while this request runs beside it, as a
             # one-slot engine's parks it: its file is made current first, so an engine crash
             # in the next ``idle_save_s`` loses nothing (the side lane holds the whole line,
             # so the idle save cannot run meanwhile). Skipped when its file is current.
-            await self.park_slot(service, 0, reason="a side request runs beside it")
+            await self.park_slot(service, MAIN_SLOT, reason="a side request runs beside it")
+        elif request.pinned:
+            # The main slot runs: a long side conversation may lose its room (an engine that
+            # picks the slot itself has every other slot parked below).
+            await self.park_side_at_risk(service, request.slot, incoming=request.conversation_key)
         in_slot = await service.slot(request.slot)
         if not request.pinned:
             # The engine picks the slot itself and may take any: park every other one
@@ -259,6 +269,29 @@ class AutoSessions:
         if action in ("restore", "erase"):
             # A slot changed by hand: park what it holds first, like a switch.
             await self.park_slot(service, slot, reason="slot action")
+        if action == "restore":
+            await self.park_side_at_risk(service, slot)
+
+    async def park_side_at_risk(self, service: Any, slot: int, *, incoming: str | None = None) -> None:
+        """Before the main slot of the side lane runs (a request, a restore): the side slot's
+        conversation saved when the main slot may take its room.
+
+        The main slot holds at most ``ctx_size`` tokens, so a side slot within its share
+        (``engine.side_slot_tokens``) always keeps its room. One holding more (a long
+        conversation beside a short main one) is emptied when the main slot needs that
+        room: by the engine, when a decode finds the pool full (it purges an idle slot),
+        and by the service, when a restore into the main slot finds no room. It is saved
+        first, as a switch would save it: when worth a file and its file is not current.
+        A conversation moving from the side slot to the main slot is saved by the move.
+        """
+        if not getattr(service, "side_lane", False) or slot != MAIN_SLOT:
+            return
+        side = await service.slot(SIDE_SLOT)
+        if side.key is None or side.empty or side.file_current or side.key == incoming:
+            return
+        if side.tokens is not None and side.tokens <= service.settings.engine.side_slot_tokens:
+            return
+        await self.park_slot(service, SIDE_SLOT, reason="the main slot may need its room", incoming=incoming)
 
     def after(self, request: StrataRequest, outcome: Outcome, service: Any) -> None:
         key = request.conversation_key

@@ -63,13 +63,21 @@ async def park_slot(parking: AutoSessions, service: Any, slot: int = 0, *, reaso
     key, sibling = in_slot.key, in_slot.sibling
     if key is None or in_slot.empty:
         return Parked.NOTHING_TO_KEEP
+    if not in_slot.file_current and parking.saved_states.get(slot) == state_of(in_slot):
+        # Nothing reached the slot since its file was made current; only its count was
+        # asked again (the side slot's, after each request in the main slot of the side
+        # lane: the engine may have emptied it, and the count says it did not).
+        service.slots.file_written(slot, key)
     declined = _not_to_save(parking, service, key, in_slot)
     if declined is not None:
+        if declined is Parked.ALREADY_CURRENT:
+            parking.saved_states[slot] = state_of(in_slot)
         return declined
     saved = await _save(parking, service, slot, key, in_slot)
     if isinstance(saved, Parked):
         return saved
     service.slots.file_written(slot, key)
+    parking.saved_states[slot] = state_of(service.slots[slot])
     parking.sync_soon()  # its fsyncs, beside the next request (fsync = "background")
     if parking.shared is not None:
         parking.shared.saved(of_sibling(parking.store.bin_name, key, sibling))  # uploaded in the background
@@ -86,6 +94,14 @@ async def park_slot(parking: AutoSessions, service: Any, slot: int = 0, *, reaso
         await prune(parking.store, parking.config, parking.stats, protect=in_use(service, key, incoming),
                     index=parking.siblings)
     return Parked.SAVED
+
+
+def state_of(in_slot: SlotState) -> tuple[Any, ...]:
+    """What tells one state of a slot from another without asking the engine: its
+    conversation, the last request it ran, when it began holding it (a restore), its
+    count and the engine process. Equal: the same tokens in the slot."""
+    return (in_slot.key, in_slot.tenant, in_slot.sibling, in_slot.tokens, in_slot.last_request, in_slot.since,
+            in_slot.generation)
 
 
 def _not_to_save(parking: AutoSessions, service: Any, key: str, in_slot: SlotState) -> Parked | None:
