@@ -217,15 +217,22 @@ def compare(model: Path, work: Path, rounds: int, chosen: list[System], args: li
             "runs": runs, "ratios": ratios(runs), "at_once": at_once}
 
 
-def ratios(runs: dict[str, list[dict[str, Any]]]) -> dict[str, list[float]]:
-    """Each strata-serve set-up's wall time over its bare baseline's, round by round."""
+def cpu_s(run: dict[str, Any]) -> float:
+    """The CPU time of a run: its engine's and its layer's (none for the bare engine)."""
+    return (run.get("engine_cpu_s") or 0.0) + (run.get("layer_cpu_s") or 0.0)
+
+
+def ratios(runs: dict[str, list[dict[str, Any]]], measure: Any = None) -> dict[str, list[float]]:
+    """Each strata-serve set-up's wall time (or ``measure`` of a run) over its bare
+    baseline's, round by round."""
+    measure = measure or (lambda run: run["wall_s"])
     found: dict[str, list[float]] = {}
     for key, theirs in runs.items():
         base = runs.get(baseline(key))
         if key.startswith("bare") or not base:
             continue
-        by_round = {r["round"]: r["wall_s"] for r in base}
-        found[key] = [r["wall_s"] / by_round[r["round"]] for r in theirs if r["round"] in by_round]
+        by_round = {r["round"]: measure(r) for r in base}
+        found[key] = [measure(r) / by_round[r["round"]] for r in theirs if r["round"] in by_round]
     return found
 
 
@@ -253,7 +260,12 @@ def report(found: dict[str, Any]) -> list[str]:
         "| engine CPU s | tokens read (prefill) | ms per token read |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    ratio = found["ratios"]
+    ratio = ratios(found["runs"], cpu_s) if found.get("at_once") else found["ratios"]
+    if found.get("at_once"):
+        lines[-2] = lines[-2].replace("ratio to llama-server -np 1", "CPU ratio to llama-server -np 1")
+        lines[-2:-2] = ["The systems of each round ran at the same time (`--at-once`, a machine busy with other "
+                        "work), each engine on one thread: the ratio is of CPU time (engine and layer), the work "
+                        "done, since wall times there say how the scheduler shared the machine out.", ""]
     for key, name in found["systems"].items():
         runs = found["runs"][key]
         if not runs:

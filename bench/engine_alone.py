@@ -60,11 +60,13 @@ async def _plain(session: aiohttp.ClientSession, url: str, messages: list[dict])
 
 
 async def measure(model: Path, work: Path, *, streams: int, stream_tokens: int, requests: int, blocks: int,
-                  clients: int, turns: int) -> dict[str, Any]:
+                  clients: int, turns: int, source: Path | None = None) -> dict[str, Any]:
+    """Every measure, interleaved; ``source``: strata-serve from that tree (an earlier version)."""
     found: dict[str, Any] = {"sizes": {"streams": streams, "stream_tokens": stream_tokens, "requests": requests,
                                        "blocks": blocks, "clients": clients, "turns": turns}}
     short = [{"role": "user", "content": "Say something about rivers."}]
-    async with strata_process(model, work, ctx=CTX_SIZE, plugins=DEFAULTS) as (strata_url, engine_url, pid), \
+    async with strata_process(model, work, ctx=CTX_SIZE, plugins=DEFAULTS, source=source) as (strata_url, engine_url,
+                                                                                               pid), \
             client_session() as session:
         urls = {"engine": engine_url, "strata": strata_url}
         for url in urls.values():
@@ -165,6 +167,7 @@ def cli() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="the tiny demo model instead of SmolLM2")
     parser.add_argument("--json", type=Path, help="write the raw figures here")
+    parser.add_argument("--before", type=Path, help="strata-serve from this tree (an earlier version) instead")
     options = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="strata-alone-") as tmp:
         model = write_demo_model(Path(tmp) / "tiny.gguf", size="tiny") if options.tiny \
@@ -173,7 +176,7 @@ def cli() -> None:
             raise SystemExit("SmolLM2 is not installed: run `make setup`")
         work = Path(tmp) / "work"
         work.mkdir()
-        found = asyncio.run(measure(Path(model), work, **sizes(options.quick)))
+        found = asyncio.run(measure(Path(model), work, **sizes(options.quick), source=options.before))
     print("\n".join(report(found, "tiny model" if options.tiny else "SmolLM2-135M")))
     if options.json:
         options.json.write_text(json.dumps(found, indent=1))

@@ -67,14 +67,16 @@ async def strata_process(model: Path, work: Path, ctx: int = 4096, plugins: dict
     log = open(work / "layer-cost.log", "wb")
     env = {**os.environ, **(extra_env or {})}
     if source is not None:  # another version of strata-serve, e.g. to compare with
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(source), env.get("PYTHONPATH")]))
+        # its core and its bundled plugins (installed editable from this checkout otherwise)
+        plugins = [str(p.parent) for p in sorted(source.glob("plugins/*/pyproject.toml"))]
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(source), *plugins, env.get("PYTHONPATH")]))
     # Run from the work directory: ``python -m`` puts its directory first on the path, and
     # from a checkout that would be the checkout's strata_serve whatever ``source`` says.
     proc = subprocess.Popen([sys.executable, "-m", "strata_serve.cli", "run", "--config", str(config),
                              "--log-level", "WARNING"], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work)
     url = f"http://127.0.0.1:{port}"
     try:
-        await until_answering(proc, "strata-serve", lambda session: session.get(url + "/health"), 120,
+        await until_answering(proc, "strata-serve", lambda session: session.get(url + "/health"), 300,
                               work / "layer-cost.log")
         yield url, f"http://127.0.0.1:{engine_port}", proc.pid
     finally:
