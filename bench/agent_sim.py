@@ -61,7 +61,7 @@ QUICK_ARGS = ["--max-context", "8192", "--max-tokens", "8", "--finalize-tokens",
 MISS_THRESHOLD = 0.66
 CTX_SIZE = 8192
 #: A run that takes longer than this has hung.
-RUN_TIMEOUT_S = 1800
+RUN_TIMEOUT_S = 7200
 
 
 #: ``-np`` among the engine's arguments: strata-serve then starts it without the side slot.
