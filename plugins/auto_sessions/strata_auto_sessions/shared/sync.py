@@ -656,7 +656,7 @@ class SharedParking:
                          and standing(sidecar.prompt, sidecar.tokens, head) is not Standing.APART), None)
             if name is not None:
                 entry = self.ledger.entries.get(name) or _Local(0)
-                self.ledger.entries[name] = _Local(entry.generation, entry.dirty, shared)
+                self.ledger.entries[name] = _Local(0, entry.dirty, shared)  # made from none of its generations
         if name is None and head.tombstone and shared in here and shared not in self.ledger.entries:
             name = shared  # a file from before the ledger, under the head's name
         if head.tombstone:
