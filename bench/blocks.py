@@ -204,7 +204,7 @@ def model_path(name: str, work: Path) -> Path:
     return write_demo_model(work / f"{name}.gguf", size=name)
 
 
-async def main(quick: bool, out: Path | None, names: list[str] | None = None) -> str:
+async def main(quick: bool, out: Path | None, names: list[str] | None = None, disk_only: bool = False) -> str:
     with tempfile.TemporaryDirectory(prefix="strata-blocks-") as tmp:
         work = Path(tmp)
         names = names or (["tiny"] if quick else ["tiny", "bench"])
@@ -220,8 +220,9 @@ async def main(quick: bool, out: Path | None, names: list[str] | None = None) ->
             try:
                 cpt = CHARS_PER_TOKEN.get(name, 1.0)
                 disk_rows[name] = await disk(engine, work / name, block_sizes, cpt)
-                write_rows[name] = await writes(engine, work / name, WRITE_BLOCKS, 1 if quick else 3,
-                                                CONVERSATIONS[name], cpt)
+                if not disk_only:
+                    write_rows[name] = await writes(engine, work / name, WRITE_BLOCKS, 1 if quick else 3,
+                                                    CONVERSATIONS[name], cpt)
             finally:
                 await engine.stop()
         report = table(disk_rows, write_rows, WRITE_BLOCKS)
@@ -235,5 +236,6 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="the tiny model only, one round of turns")
     parser.add_argument("--out", type=Path, default=None, help="also write the tables to this file")
     parser.add_argument("--models", default=None, help="comma-separated: tiny, bench, smollm2 (default: tiny,bench)")
+    parser.add_argument("--disk-only", action="store_true", help="the disk figure alone")
     args = parser.parse_args()
-    print(asyncio.run(main(args.quick, args.out, args.models.split(",") if args.models else None)))
+    print(asyncio.run(main(args.quick, args.out, args.models.split(",") if args.models else None, args.disk_only)))
