@@ -1,6 +1,6 @@
 """strata-serve against its own engine alone: streaming, a 1-token request, eight clients at once.
 
-``strata-serve run`` in its own process with its defaults (auto-sessions, the side slot),
+``strata-serve run`` in its own process with its defaults (its installed plugins),
 told its engine's port and key, so the same engine is asked directly too
 (:func:`bench.layer_cost.strata_process`). Each figure alternates the engine alone and
 strata-serve in one run, and is given as a ratio:
@@ -30,7 +30,7 @@ import aiohttp
 from bench.harness import chat, client_session, follow_up, percentile
 from bench.layer_cost import cpu_seconds, strata_process
 
-#: strata-serve with its defaults: auto-sessions with its own, the side slot.
+#: strata-serve with its defaults: auto-sessions with its own.
 DEFAULTS: dict[str, Any] = {"auto_sessions": {}}
 CTX_SIZE = 8192
 WORDS = ("river stone lantern orchard meadow harbour falcon ember willow quarry thistle copper marsh "
@@ -138,7 +138,7 @@ def report(found: dict[str, Any], model: str) -> list[str]:
         "",
         f"## Against its own engine alone, {model}",
         "",
-        "`strata-serve run` with its defaults (auto-sessions, the side slot) in its own process; the same engine "
+        "`strata-serve run` with its defaults (its installed plugins) in its own process; the same engine "
         "it started, asked directly, alternating with it in this one run. Streaming: "
         f"{s['streams']} streams of {s['stream_tokens']} tokens each way, tokens/s over the whole call. A 1-token "
         f"request: {s['requests']} each way, a new connection each. {s['clients']} clients at once, each its own "
