@@ -105,6 +105,7 @@ def test_two_tenants_never_share_a_block(tmp_path):
 def test_another_model_or_layout_never_shares_a_block(tmp_path):
     root = tmp_path / "store"
     store_at(root).save("a", staged(tmp_path, conversation(1)))
+    assert store_at(root, fingerprint={"model": "another"}).longest_prefix(None, conversation(1)) is None
     assert store_at(root, fingerprint={"model": "another"}).save("b", staged(tmp_path, conversation(1))).blocks_written == 5
     transposed = store_at(root).save("c", staged(tmp_path, conversation(1), v_trans=True))
     assert transposed.blocks_written == 5

@@ -250,7 +250,10 @@ class BlockStore:
         along the prompt's names to the first block the store lacks), continued by a
         manifest's tail where one continues it along the prompt; None when no block matches."""
         tokens = list(tokens)
-        ours = [m for m in self.manifests() if m.tenant == tenant and m.format_version == self.format.version]
+        # the tenant's manifests saved under this store's format and model (their root says so)
+        ours = [m for m in self.manifests() if m.tenant == tenant and m.format_version == self.format.version
+                and m.root == root_name(format_version=self.format.version, fingerprint=self.fingerprint,
+                                        layout=m.layout.encode(), tenant=tenant)]
         best: Chain | None = None
         for root in {m.root for m in ours}:
             of_root = [m for m in ours if m.root == root]
