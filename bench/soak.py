@@ -91,6 +91,9 @@ GENERATION_CAP_S = 180.0
 #: With a shared tier, an upload's snapshot lives as long as its calls on the tier (each
 #: bounded by ``timeout_s``, 5 s): a temporary is taken as left once seen this long.
 TIER_TEMPORARY_S = 15.0
+#: Once the slow readers read again, how long each waits for a byte before it gives up (a
+#: whole answer kept alive by the server ends no other way).
+READ_REST_S = 30.0
 #: How often ``/health`` is asked.
 HEALTH_EVERY_S = 1.0
 #: The APIs that hold a conversation; ``/v1/completions`` requests are side requests.
@@ -834,7 +837,7 @@ class Soak:
             self.stop.wait(min(self.plan.slow_s, 0.6 * self.plan.fault_every_s))
             record.ended = time.monotonic()
             for name, sock in readers.items():
-                detail[name] = read_rest(sock, DEADLINE_S)
+                detail[name] = read_rest(sock, READ_REST_S)
         finally:
             for sock in readers.values():
                 sock.close()
@@ -1111,6 +1114,8 @@ def judge(found: dict[str, Any], limits: Limits = Limits()) -> list[str]:
             if fault["kind"] == "slow_reader" and not (fault.get("detail") or {}).get("generation_over", True):
                 continue  # the engine was still making the answers: the hold did not begin clear of them
             began, ended = clean_window(fault, faults)
+            if ended - began < 1.0:
+                continue  # not held (the run ended first): nothing to judge
             others = [r for r in found["records"] if r.get("role", "client") == "client"
                       and r["outcome"] == "answered" and began <= r["ended"] <= ended]
             if not others:
