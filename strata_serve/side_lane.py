@@ -69,9 +69,8 @@ def choose_lane(settings: EngineSettings, slots: SlotRegistry, request: StrataRe
 
     The main slot's conversation stays there; a conversation the side slot holds stays
     there while it fits; an empty or nameless main slot is taken first (displacing it
-    costs nothing); so is a main slot whose conversation is cheaper to lose than the side
-    slot's long one (:func:`side_costlier`); any other request goes to the side slot when
-    it fits, else to the main slot.
+    costs nothing); any other request goes to the side slot when it fits, else to the
+    main slot.
     """
     key, tenant = request.conversation_key, request.tenant
 
@@ -86,25 +85,9 @@ def choose_lane(settings: EngineSettings, slots: SlotRegistry, request: StrataRe
     if holds(SIDE):
         return (SIDE, left - bound) if fits else (MAIN, None)  # type: ignore[operator]
     main = slots[MAIN]
-    if main.empty or (main.key is None and main.tokens is not None) or side_costlier(settings, slots):
+    if main.empty or (main.key is None and main.tokens is not None):
         return MAIN, None
     return (SIDE, left - bound) if fits else (MAIN, None)  # type: ignore[operator]
-
-
-def side_costlier(settings: EngineSettings, slots: SlotRegistry) -> bool:
-    """Whether the side slot holds a conversation longer than its share (``side_slot_tokens``)
-    that costs more to lose than the main slot's: more tokens to read again.
-
-    Whichever request arrived first took the main slot, so a long conversation may run in
-    the side slot beside a short one (a chat's first question, a probe). A request held
-    in neither slot then displaces the main slot's cheaper conversation rather than that
-    long one, which keeps the side slot until it outgrows the room beside the main slot
-    and moves there.
-    """
-    main, side = slots[MAIN], slots[SIDE]
-    if side.key is None or side.tokens is None or main.tokens is None:
-        return False
-    return side.tokens > settings.side_slot_tokens and side.tokens > main.tokens
 
 
 def bound_generation(request: StrataRequest, limit: int) -> bool:

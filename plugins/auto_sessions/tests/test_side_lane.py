@@ -317,41 +317,6 @@ async def test_a_main_restore_that_empties_the_side_slot_saves_its_conversation_
     assert timings["cache_n"] >= side_held - 2, (timings, side_held)
 
 
-async def test_a_long_conversation_in_the_side_slot_keeps_it_beside_a_shorter_main_one(auto_client, caplog):
-    """The first request took the empty main slot; a long conversation that came later
-    runs in the side slot. A request held in neither slot (its title) then displaces the
-    cheaper main conversation, not the long one: the long one's turns come back from the
-    side slot, and the short one's from its file. The long one, past the side slot's share,
-    is saved before the main slot runs, once per turn of its own."""
-    caplog.set_level(logging.INFO, logger="strata_auto_sessions")
-    client = await auto_client(engine=LANE, idle_save_s=0)
-    service = client.app[SERVICE]
-    short = [{"role": "system", "content": SYSTEM}, *conversation("short")]
-    _, headers = await main_turn(client, short)
-    assert headers["X-Strata-Slot"] == str(MAIN)
-    short_key = headers["X-Strata-Conversation"]
-    long_chat = chat_of("long", 2200)
-    timings, headers = await main_turn(client, long_chat)
-    assert headers["X-Strata-Slot"] == str(SIDE), headers
-    long_key, long_held = headers["X-Strata-Conversation"], prompt_of(timings)
-    assert service.slots[SIDE].tokens > SIDE_SLOT > service.slots[MAIN].tokens
-    for turn in range(1, 3):
-        await task_request(client, TITLE, long_chat[-2:])
-        assert service.slots[SIDE].key == long_key and service.slots[MAIN].key != short_key
-        long_chat = then(long_chat, turn)
-        timings, headers = await main_turn(client, long_chat)
-        assert (headers["X-Strata-Slot"], headers["X-Strata-State"]) == (str(SIDE), "slot"), headers
-        assert timings["cache_n"] >= long_held - 2, (timings, long_held)
-        long_held = prompt_of(timings)
-        short = then(short, turn)
-        _, headers = await main_turn(client, short)
-        assert (headers["X-Strata-Slot"], headers["X-Strata-State"]) == (str(MAIN), "disk"), headers
-        assert service.slots[SIDE].key == long_key
-    side_saves = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[strata] auto sessions: saved ")
-                  and r.getMessage().endswith(f"(from slot {SIDE})")]
-    assert len(side_saves) == 3, side_saves  # its three turns: never again while it did not change
-
-
 async def test_without_the_bound_the_engine_purges_the_idle_main_slot(llama_server_factory, caplog):
     """The control: the same engine, a side answer of 32,000 tokens sent to it directly."""
     caplog.set_level(logging.DEBUG, logger=ENGINE_LOGGER)
@@ -366,32 +331,6 @@ async def test_without_the_bound_the_engine_purges_the_idle_main_slot(llama_serv
     assert any(f"purging slot {MAIN}" in line for line in engine_lines(caplog)), "the main slot was purged"
     reports = {report.id: report for report in await bare.slots()}
     assert reports[MAIN].tokens == 0
-
-
-@pytest.mark.parametrize(("main", "side", "slot"), [
-    (300, 3000, MAIN),    # a long conversation beside a shorter main one: the main slot is displaced
-    (3200, 2900, SIDE),   # the main conversation is the costlier: the side slot, as before
-    (300, 1500, SIDE),    # a side conversation within its share is a side request's: displaced
-    (300, None, SIDE),    # nothing nameable in the side slot
-])
-def test_a_request_held_in_neither_slot_displaces_the_cheaper_conversation(tmp_path, main, side, slot):
-    from strata_serve import StrataRequest
-    from strata_serve.api.openai import CHAT
-    from strata_serve.config import EngineSettings
-    from strata_serve.side_lane import choose_lane
-    from strata_serve.slot_state import SlotRegistry, SlotState
-
-    settings = EngineSettings(model=tmp_path / "m.gguf", ctx_size=CTX, side_slot_tokens=SIDE_SLOT)
-    slots = SlotRegistry([SlotState(MAIN, key="main", tokens=main),
-                          SlotState(SIDE, key=None if side is None else "side", tokens=side or 200)])
-    title = StrataRequest(route="chat", body={"messages": [{"role": "user", "content": "a title"}]},
-                          conversation_key="title", api=CHAT)
-    assert choose_lane(settings, slots, title)[0] == slot
-    # Each conversation a slot holds stays there.
-    for held, key in ((MAIN, "main"), (SIDE, "side")):
-        if slots[held].key == key:
-            own = StrataRequest(route="chat", body={"messages": []}, conversation_key=key, api=CHAT)
-            assert choose_lane(settings, slots, own)[0] == held
 
 
 @pytest.mark.parametrize("tokens", [0, SIDE_SLOT])
