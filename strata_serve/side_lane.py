@@ -1,6 +1,6 @@
 """The side lane: small requests run in a second slot, beside the main conversation.
 
-The default engine runs two slots over one KV pool (``engine.side_slot_tokens``, see
+With ``engine.side_slot_tokens`` set (0 by default: one slot), the engine runs two slots over one KV pool (see
 ``engine/llama_server/command.py``): slot :data:`MAIN` holds the conversation a one-slot
 engine would hold, slot :data:`SIDE` takes the requests that fit beside it (a chat UI's
 title, tags and follow-ups, an agent's session title, a one-token probe), so the main

@@ -175,8 +175,8 @@ def strata_settings_factory(tmp_path: Path, strata_demo_model: Path) -> Callable
     """``make(engine={...}, server={...}, plugins={...})``: settings for a test server.
 
     Its engine is the plain one-slot engine (``side_slot_tokens = 0``), which most tests
-    are about; ``engine={"side_slot_tokens": 2048}`` gives the default set-up, a side
-    slot beside the main one.
+    are about; ``engine={"side_slot_tokens": 2048}`` gives the side lane, a side slot
+    beside the main one (off by default).
     """
 
     def make(**sections: Any) -> Settings:

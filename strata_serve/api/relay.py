@@ -330,6 +330,10 @@ async def relay(request: web.Request, api: Api, body: dict[str, Any]) -> web.Str
 #: bound against runaway memory far above any answer (8,192 tokens, each with 20
 #: ``logprobs``, are about 25 MB).
 CLIENT_BUFFER_BYTES = 256 * 1024 * 1024
+#: The most held at once, over every connection, for clients still reading answers whose
+#: turn has ended: a client whose unread answer would pass it is cut off at once (without
+#: it, clients that never read could each leave an answer in memory, turn after turn).
+CLIENTS_HELD_BYTES = 512 * 1024 * 1024
 
 
 class ClientWrites:
@@ -341,6 +345,9 @@ class ClientWrites:
     the turn is over, :meth:`drained` waits for the client to take what is left, for
     ``server.client_write_timeout_s`` at most; a client that does not is cut off.
     """
+
+    #: Bytes held now for clients in :meth:`drained`, over every connection.
+    held = 0
 
     def __init__(self, request: web.Request) -> None:
         transport = request.transport
@@ -368,6 +375,14 @@ class ClientWrites:
         if transport is None or transport.is_closing() or not transport.get_write_buffer_size():
             self.restore()
             return
+        unread = transport.get_write_buffer_size()
+        if ClientWrites.held + unread > CLIENTS_HELD_BYTES:
+            log.warning("[strata] request %d: %s bytes of its answer unread, and answers of %s bytes are "
+                        "already held for clients that read slowly; its connection is closed",
+                        request_id, f"{unread:,}", f"{ClientWrites.held:,}")
+            transport.abort()
+            return
+        ClientWrites.held += unread
         self.restore(high=0, low=0)  # writing pauses until every byte is gone, so a drain waits for them
         try:
             async with asyncio.timeout(timeout):
@@ -380,6 +395,8 @@ class ClientWrites:
             return
         except ConnectionError:
             return  # it went away: nothing more to send
+        finally:
+            ClientWrites.held -= unread
         self.restore()
 
 

@@ -190,9 +190,23 @@ def test_a_damaged_block_is_not_joined(tmp_path):
     with pytest.raises(CorruptBlock, match="digest"):
         store.materialize(chain, tmp_path / "out.bin")
     assert not (tmp_path / "out.bin").exists()
-    target.unlink()
+    # the damaged block is gone: the next save of a conversation holding it writes it anew
     with pytest.raises(CorruptBlock, match="missing"):
         store.materialize(chain, tmp_path / "out.bin")
+    assert store.save("b", staged(tmp_path, conversation(1))).blocks_written == 1
+    store.materialize(store.chain_of("a"), tmp_path / "out.bin")
+    assert (tmp_path / "out.bin").read_bytes() == state_file(conversation(1))
+
+
+def test_a_temporary_a_killed_save_left_is_pruned(tmp_path):
+    store = store_at(tmp_path / "store")
+    store.save("a", staged(tmp_path, conversation(1)))
+    block = store._object_path(store.chain_of("a").names[0])
+    left = block.with_name(f".{block.name}.1234.abcd.tmp")
+    left.write_bytes(b"half a block")
+    os.utime(left, (1, 1))
+    store.prune()
+    assert not left.exists() and block.exists()
 
 
 def test_compressed_blocks_join_into_the_same_file(tmp_path):

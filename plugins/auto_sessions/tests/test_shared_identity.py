@@ -252,3 +252,18 @@ async def test_the_shared_bookkeeping_holds_the_files_kept_and_is_written_only_o
     after = os.stat(ledger)
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns), "written again"
     assert json.loads(ledger.read_text()) == recorded
+
+
+def test_ledger_writes_finishing_out_of_order_never_bring_back_an_older_one(tmp_path):
+    """Writes run in threads and may finish in any order: the file keeps the newest."""
+    from strata_auto_sessions.shared.sync import Ledger, _Local
+
+    (tmp_path / "auto-a.bin").write_bytes(b"x")
+    ledger = Ledger(tmp_path / "auto-.shared.json")
+    ledger.entries["auto-a.bin"] = _Local(1, dirty=True)
+    older = ledger.render()
+    ledger.entries["auto-a.bin"] = _Local(2, dirty=False)
+    newer = ledger.render()
+    ledger.write(*newer)
+    ledger.write(*older)  # the older write lands last
+    assert json.loads((tmp_path / "auto-.shared.json").read_text())["auto-a.bin"]["generation"] == 2

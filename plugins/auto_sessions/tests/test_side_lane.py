@@ -1,6 +1,6 @@
 """The side lane (``engine.side_slot_tokens``): side requests never take the main conversation's slot.
 
-Real engine, the default set-up: one main slot and a side slot over one KV pool. The
+Real engine with the side lane on (``side_slot_tokens`` 2048; off by default): one main slot and a side slot over one KV pool. The
 clients' patterns come from their captured traffic (Open WebUI's follow-ups, title and
 tags after each answer, one after another, not streamed; Claude Code's session-title
 request sent at the same instant as every main turn, streamed, ``max_tokens`` 32000).
@@ -18,7 +18,7 @@ from strata_serve.api import SERVICE
 from strata_serve.side_lane import MAIN, SIDE
 from strata_serve.testing import conversation
 
-#: The default set-up (the test factory's engine is the plain one-slot engine).
+#: The side lane as a user turns it on (the default, and the test factory's engine, is the plain one-slot engine).
 SIDE_SLOT = 2048
 CTX = 4096
 LANE = {"side_slot_tokens": SIDE_SLOT, "ctx_size": CTX}

@@ -301,7 +301,13 @@ class BlockStore:
             raw = self._object_path(name).read_bytes()
         except FileNotFoundError:
             raise objects.CorruptBlock(f"block {name[:16]} is missing") from None
-        return objects.decode(raw)
+        try:
+            return objects.decode(raw)
+        except objects.CorruptBlock:
+            # Gone, so that the next save of any conversation holding it writes it anew
+            # (a save skips the blocks the store has).
+            self._object_path(name).unlink(missing_ok=True)
+            raise
 
     def _touch(self, key: str) -> None:
         try:
@@ -367,7 +373,8 @@ class BlockStore:
             for name, st in files.items():
                 if name in held or now - st.st_mtime < self.grace_s:
                     continue
-                path = self._objects / name[:2] / name
+                # A temporary a killed save left (``.<name>...tmp``) sits beside its object.
+                path = self._objects / (name.lstrip(".")[:2]) / name
                 try:
                     path.unlink()
                 except FileNotFoundError:

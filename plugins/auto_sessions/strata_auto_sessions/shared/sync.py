@@ -44,6 +44,7 @@ import asyncio
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Awaitable
@@ -118,8 +119,11 @@ class Ledger:
     def __init__(self, path: Path):
         self.path = path
         self.entries: dict[str, _Local] = {}
-        #: What the file holds now (None: not read or written yet).
+        #: What the file holds now (None: not read or written yet), and its rendering's number.
         self._written: str | None = None
+        self._written_number = 0
+        self._rendered = 0
+        self._writing = threading.Lock()
 
     def load(self) -> None:
         try:
@@ -145,16 +149,29 @@ class Ledger:
             if not (self.path.parent / name).is_file() and self.entries.get(name) is entry:
                 del self.entries[name]
 
-    def save(self) -> None:
+    def render(self) -> tuple[int, str]:
+        """What the file is to hold now, numbered: taken where the entries change (the
+        event loop), so a write in a thread never reads them half-changed."""
         self.drop_gone()
-        text = json.dumps({name: {"generation": e.generation, "dirty": e.dirty, "shared": e.shared}
-                           for name, e in sorted(list(self.entries.items()))})
-        if text == self._written:
-            return  # nothing changed: not written again
-        temp = self.path.with_name(temp_for(f"{PREFIX}ledger", ".json"))
-        temp.write_text(text)
-        os.replace(temp, self.path)
-        self._written = text
+        self._rendered += 1
+        return self._rendered, json.dumps({name: {"generation": e.generation, "dirty": e.dirty,
+                                                  "shared": e.shared}
+                                           for name, e in sorted(self.entries.items())})
+
+    def write(self, number: int, text: str) -> None:
+        """Write what :meth:`render` gave, unless the file holds it already or a later
+        rendering was written first (writes in threads may finish out of order: the
+        file never goes back to an older one)."""
+        with self._writing:
+            if number <= self._written_number or text == self._written:
+                return
+            temp = self.path.with_name(temp_for(f"{PREFIX}ledger", ".json"))
+            temp.write_text(text)
+            os.replace(temp, self.path)
+            self._written, self._written_number = text, number
+
+    def save(self) -> None:
+        self.write(*self.render())
 
     def pending(self) -> list[str]:
         """The files saved here and not uploaded yet."""
@@ -515,7 +532,15 @@ class SharedParking:
         here first). None when the key was removed by hand (``strata-serve sessions rm``)
         since this state began: its copy here is then removed."""
         if entry.shared is not None:
-            current = await self._call(self.tier.head(entry.shared))
+            try:
+                current = await self._call(self.tier.head(entry.shared))
+            except DamagedHead as exc:
+                # Its own head cannot be read: it is shared under a number no head takes
+                # (the sweep logs and keeps the damaged one), never retried against it forever.
+                log.warning("[strata] auto sessions: shared tier: the head of %s is damaged (%s); "
+                            "shared anew", entry.shared, exc)
+                entry.shared = None
+        if entry.shared is not None:
             if current is None or current[0].tombstone \
                     or standing(sidecar.prompt, sidecar.tokens, current[0]) is not Standing.APART:
                 if current is not None and _removed_since(current[0], sidecar):
@@ -813,17 +838,19 @@ class SharedParking:
         (self.directory / name).unlink(missing_ok=True)
         (self.directory / sidecar_name(name)).unlink(missing_ok=True)
 
-    def _save_ledger(self) -> None:
+    def _save_ledger(self, number: int, text: str) -> None:
         try:
-            self.ledger.save()
+            self.ledger.write(number, text)
         except OSError as exc:
             log.warning("[strata] auto sessions: shared tier: cannot record %s: %s", LEDGER_NAME, exc)
 
     async def _write_ledger(self) -> None:
-        """:meth:`_save_ledger` in a thread, waited for at most ``timeout_s``: a request
-        never waits longer on it (the write goes on; the next one records the same)."""
+        """The ledger as it stands now, written in a thread and waited for at most
+        ``timeout_s``: a request never waits longer on it (the write goes on; the next one
+        records the same, and an older one never lands over it)."""
+        number, text = self.ledger.render()
         try:
-            await asyncio.wait_for(asyncio.to_thread(self._save_ledger), self.config.timeout_s)
+            await asyncio.wait_for(asyncio.to_thread(self._save_ledger, number, text), self.config.timeout_s)
         except TimeoutError:
             log.warning("[strata] auto sessions: shared tier: recording %s took over %g s; not waited for",
                         LEDGER_NAME, self.config.timeout_s)
