@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 
 from bench.harness import chat, client_session, follow_up, percentile
-from bench.layer_cost import cpu_seconds, strata_process
+from bench.layer_cost import _one, cpu_seconds, strata_process
 
 #: strata-serve with its defaults: auto-sessions with its own.
 DEFAULTS: dict[str, Any] = {"auto_sessions": {}}
@@ -50,13 +50,7 @@ def sizes(quick: bool) -> dict[str, int]:
 
 
 async def _plain(session: aiohttp.ClientSession, url: str, messages: list[dict]) -> float:
-    began = time.perf_counter()
-    body = {"messages": messages, "max_tokens": 1, "temperature": 0}
-    async with session.post(url + "/v1/chat/completions", json=body) as resp:
-        await resp.read()
-        if resp.status != 200:
-            raise RuntimeError(f"{url}: HTTP {resp.status}")
-    return time.perf_counter() - began
+    return await _one(session, url, messages, stream=False)
 
 
 async def measure(model: Path, work: Path, *, streams: int, stream_tokens: int, requests: int, blocks: int,
