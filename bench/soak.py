@@ -158,14 +158,19 @@ class Plan:
     seed: int = 7
     #: The faults of the shared tier and of slow clients, each in a cycle of its own (see
     #: :meth:`Soak.schedule`): how long the tier hangs, how long the slow readers hold on
-    #: (each at most 0.6 of ``fault_every_s``), and the tokens of their answers (each with
-    #: 20 candidates' logprobs, about 1.7 KB a token: 2 MB, more than a loopback socket's
-    #: buffers hold, about 1.4 MB with the reader's 4 KiB).
+    #: (each at most 0.6 of ``fault_every_s``), and the tokens of their answers, each with
+    #: ``slow_candidates`` candidates' logprobs: 100 make about 8.9 KB a token on SmolLM2, so
+    #: 300 tokens are 2.7 MB, more than a loopback socket's buffers hold (about 1.4 MB with
+    #: the reader's 4 KiB). Many candidates and few tokens: the engine makes the bytes in a
+    #: quarter of the time 1,200 tokens of 20 candidates took (two answers of 90 s each, one
+    #: slot: the other clients' requests waited past their deadline behind the workload,
+    #: not behind the fault).
     hung_tier: bool = True
     hang_s: float = 40.0
     slow_reader: bool = True
     slow_s: float = 60.0
-    slow_tokens: int = 1200
+    slow_tokens: int = 300
+    slow_candidates: int = 100
 
     @property
     def seconds(self) -> float:
@@ -814,7 +819,7 @@ class Soak:
         reads nothing, held unread for ``slow_s`` while the other clients go on; then what
         is left of each is read: how much came, and whether it was whole."""
         host, port = self.url.removeprefix("http://").split(":")
-        extra = {"ignore_eos": True, "logprobs": True, "top_logprobs": 20}
+        extra = {"ignore_eos": True, "logprobs": True, "top_logprobs": self.plan.slow_candidates}
         prompt = [("user", "Tell me a very long story about the sea")]
         readers = {}
         for name, stream in (("stream", True), ("plain", False)):
@@ -869,6 +874,7 @@ class Soak:
         """(seconds from the start, fault) for the whole run, in order."""
         every = self.plan.fault_every_s
         hang = min(self.plan.hang_s, 0.6 * every)
+        hold = min(self.plan.slow_s, 0.6 * every)
         plan: list[tuple[float, str]] = []
         restart: float | None = None
         at, n = 0.0, 0
@@ -881,7 +887,8 @@ class Soak:
                 plan += [(at + 0.1 * every, "hung_tier"), (at + 0.1 * every + hang, "tier_back")]
                 if restart is None:  # the first ends with a stop while the tier still hangs
                     restart = at + 0.1 * every + hang - 0.5
-            elif kind == "slow_reader":
+            elif kind == "slow_reader" and at + 0.1 * every + hold < self.plan.seconds - self.plan.stop_s:
+                # Only where its hold ends before the run does: one cut by the end measures nothing.
                 plan.append((at + 0.1 * every, "slow_reader"))
             at += every
             n += 1
