@@ -38,6 +38,7 @@ from strata_serve.config import EngineSettings, Settings
 from strata_serve.engine import LlamaServer
 from strata_serve.engine.llama_server import free_port
 from strata_serve.models import packaged_model_path
+from strata_serve.service import Service
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CTX = 8192
@@ -52,7 +53,7 @@ def words(name: str, tokens: int) -> str:
 
 
 @contextlib.asynccontextmanager
-async def setup(name: str, model: Path, work: Path) -> AsyncIterator[tuple[str, Any]]:
+async def setup(name: str, model: Path, work: Path) -> AsyncIterator[tuple[str, Service | None]]:
     """The set-up ``name``; yields its URL and strata-serve's service (None for a bare engine)."""
     slot_dir = work / name.replace(" ", "-").replace("=", "")
     if name.startswith("llama-server"):
@@ -166,7 +167,7 @@ async def claude_code(session: aiohttp.ClientSession, url: str, turns: int) -> l
     return found
 
 
-def parking_counts(service: Any) -> tuple[int, int]:
+def parking_counts(service: Service | None) -> tuple[int, int]:
     if service is None:
         return 0, 0
     parking = service.state.get("auto_sessions")

@@ -4,8 +4,8 @@ The service records them as the engine answers (``service.measures``): the prefi
 speed from every answer's timings, the bytes per token of the engine's state from
 every slot file saved or restored through it, and, for every request, where its
 conversation's state came from (``request.state_source``), which the client reads in
-``X-Strata-State`` and a stats plugin counts. One writer: the service (``service.py``)
-alone calls :meth:`EngineMeasures.answered` and :meth:`EngineMeasures.state_file`. No
+``X-Strata-State`` and a stats plugin counts. One writer: the service (``service.py``,
+``slot_calls.py``) alone calls :meth:`EngineMeasures.answered` and :meth:`EngineMeasures.state_file`. No
 plugin measures the engine itself; a plugin may measure what only it does (auto-sessions
 the speed of its own restores and of its fetches from a shared tier).
 """

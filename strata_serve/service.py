@@ -12,9 +12,10 @@ import pluggy
 from pydantic import BaseModel
 
 from strata_serve.config import ConfigError, Settings
-from strata_serve.engine.base import Engine, EngineUnavailable, SlotErased, SlotRestored, SlotSaved
+from strata_serve.engine.base import Engine, SlotErased, SlotRestored, SlotSaved
 from strata_serve.fifo import IdleWork, QueueFull, ServiceFIFO, ShuttingDown
 from strata_serve.shutdown import Stopping
+from strata_serve.slot_calls import SlotCalls
 from strata_serve.hook_types import EngineError, Outcome, StrataRequest, Verdict
 from strata_serve.measures import EngineMeasures, state_source
 from strata_serve.hook_calls import broadcast, first_result
@@ -31,7 +32,7 @@ __all__ = ["IdleWork", "QueueFull", "Service", "ServiceFIFO", "ShuttingDown"]
 M = TypeVar("M", bound=BaseModel)
 
 
-class Service(Stopping):
+class Service(SlotCalls, Stopping):
     """What hooks get as ``service``: settings, plugin manager, engine, FIFO.
 
     ``service.state`` is a dict for plugins to keep objects they want others to
@@ -210,11 +211,6 @@ class Service(Stopping):
                         await _shielded(self._post(request, outcome, began))
             return outcome
 
-    @property
-    def side_lane(self) -> bool:
-        """Whether the engine runs a side slot beside the main one (``engine.side_slot_tokens``)."""
-        return self.settings.engine.side_lane and len(self.slots) == 2
-
     async def _place_in_lane(self, request: StrataRequest) -> int | None:
         """The main slot or the side slot for ``request`` (:func:`strata_serve.side_lane.choose_lane`):
         its slot is set; returned, the most it may generate there (None: no bound of ours)."""
@@ -357,11 +353,6 @@ class Service(Stopping):
 
     # -- the picture of the slots ------------------------------------------------------
 
-    def sync_generation(self) -> None:
-        """Forget what the slots held when the engine has (re)started since."""
-        if any(slot.generation != self.engine.generation for slot in self.slots):
-            self.slots.engine_started(self.engine.generation)
-
     def _sent(self, request: StrataRequest) -> SlotState:
         held = self.slots[request.slot]
         request.found_in_slot = (request.conversation_key is not None and held.key == request.conversation_key
@@ -396,94 +387,6 @@ class Service(Stopping):
             self.slots.untouched(request.slot, before)
         else:
             self.slots.finished(request.slot, None)  # cut off: ask the engine when it matters
-
-    async def slot(self, slot: int = 0) -> SlotState:
-        """What the slot holds, asking the engine first when the picture is not sure."""
-        self.sync_generation()
-        state = self.slots[slot]
-        if state.tokens is None:
-            await self.check_slots()
-        return self.slots[slot]
-
-    async def check_slots(self) -> None:
-        """Compare the picture with the engine's ``GET /slots`` (its token counts win)."""
-        actions = self.slots.actions()
-        try:
-            with span("slots"):
-                answer = await self.engine.slots()
-        except (EngineError, EngineUnavailable) as exc:
-            log.info("[strata] could not ask the engine what its slots hold: %s", exc)
-            return
-        self.sync_generation()
-        self.slots.adopt_engine_counts(answer, actions)
-
-    async def save_slot(self, filename: str, *, slot: int = 0) -> SlotSaved:
-        """Save a slot to ``filename`` in the slot directory, and record it."""
-        with self.slots.acting(slot), span("engine_save"):
-            answer = await self.engine.save(filename, slot)
-        self.slots.saved(slot, answer.tokens)
-        self.measures.state_file(answer.tokens, answer.bytes)
-        return answer
-
-    async def restore_slot(self, filename: str, *, slot: int = 0, key: str | None = None,
-                           tenant: str | None = None, request: StrataRequest | None = None,
-                           sibling: int = 0) -> SlotRestored:
-        """Load ``filename`` into a slot; it then holds ``key`` (None: a file by hand), the
-        conversation its plugin numbers ``sibling`` among those under ``key`` (``SlotState.sibling``).
-
-        ``request``, when given, is the request the restore is made for.
-        """
-        try:
-            with self.slots.acting(slot), span("engine_restore"):
-                try:
-                    answer = await self.engine.restore(filename, slot)
-                except EngineError as exc:
-                    if not await self._room_made_for_restore(slot, exc):
-                        raise
-                    answer = await self.engine.restore(filename, slot)
-        except BaseException:
-            # A failed restore may have cleared the slot, or not: nothing nameable is held.
-            self.slots.unknown(slot, nameable=False)
-            raise
-        self.slots.restored(slot, key, tenant, answer.tokens, from_own_file=key is not None, sibling=sibling)
-        self.measures.state_file(answer.tokens, answer.bytes)
-        if request is not None:
-            request.restored_tokens = answer.tokens
-        return answer
-
-    async def _room_made_for_restore(self, slot: int, failure: EngineError) -> bool:
-        """After a restore into the main slot that the engine refused: the side slot emptied
-        when it held tokens, so that the restore may be tried once more.
-
-        The engine's restore takes cells from the one KV pool and, unlike a decode, never
-        purges an idle slot to find them ("no available space in KV cache"): a side slot
-        that filled its room beside a shorter main conversation (or the main conversation
-        at its full context beside a side answer) leaves a restore of the main conversation
-        no room. A decode would purge that idle side slot itself; emptying it here does the
-        same before the restore instead of after a full re-read.
-        """
-        if not self.side_lane or slot != MAIN or failure.status != 400:
-            return False
-        if self.slots[SIDE].tokens is None:
-            await self.check_slots()
-        side = self.slots[SIDE].tokens
-        if side == 0:
-            return False  # the pool was not the matter: the file was
-        log.info("[strata] the engine had no room to restore the main slot beside the side slot's %s tokens: "
-                 "the side slot is emptied (as the engine empties an idle slot for room) and the restore tried again",
-                 "unknown" if side is None else f"{side:,}")
-        await self.erase_slot(SIDE)
-        return True
-
-    async def erase_slot(self, slot: int = 0) -> SlotErased:
-        try:
-            with self.slots.acting(slot), span("engine_erase"):
-                answer = await self.engine.erase(slot)
-        except BaseException:
-            self.slots.unknown(slot)
-            raise
-        self.slots.emptied(slot)
-        return answer
 
 
 async def _shielded(step: Awaitable[Any]) -> Any:

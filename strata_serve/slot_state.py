@@ -1,6 +1,6 @@
 """One picture of what each engine slot holds, owned by the core.
 
-One writer: the service (``service.py``) alone calls the recording methods of
+One writer: the service (``service.py``, its slot calls in ``slot_calls.py``) alone calls the recording methods of
 :class:`SlotRegistry`. Every request that reaches the engine is recorded here by it,
 whatever its client did afterwards (read to the end, closed the stream after the last
 event, went away mid-prefill); every slot call (save, restore, erase) made through the

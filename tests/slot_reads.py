@@ -52,7 +52,7 @@ class Read:
     cached: int
 
 
-async def slot_entry(service: Any, slot: int) -> SlotReport:
+async def slot_entry(service: strata_serve.Service, slot: int) -> SlotReport:
     return next(report for report in await service.engine.slots() if report.id == slot)
 
 

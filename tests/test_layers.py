@@ -16,6 +16,8 @@ CORE = ROOT / "strata_serve"
 #: Code that runs in the server: the core and the bundled plugins (not their tests).
 SERVED = [CORE, *sorted(ROOT.glob("plugins/*/strata_*")), *sorted(ROOT.glob("examples/*/strata_*"))]
 
+#: The service's modules: its request path and its slot calls.
+SERVICE = {"strata_serve/service.py", "strata_serve/slot_calls.py"}
 #: SlotRegistry's recording methods: the service's alone (slot_state.py says so); and
 #: EngineMeasures' (measures.py says so).
 REGISTRY_RECORDS = {"engine_started", "sent", "finished", "untouched", "saved", "restored", "moved", "emptied",
@@ -29,7 +31,7 @@ REQUEST_WRITERS = {
     "conversation_key": {"strata_serve/api/relay.py"},
     "found_in_slot": {"strata_serve/service.py"},
     "state_source": {"strata_serve/service.py"},
-    "restored_tokens": {"strata_serve/service.py"},
+    "restored_tokens": {"strata_serve/slot_calls.py"},
 }
 
 
@@ -144,7 +146,7 @@ def test_the_service_alone_records_in_the_slot_registry_and_the_measures_and_pla
     for path in _served_files():
         where = path.relative_to(ROOT).as_posix()
         for what, name, line in _writes(path):
-            allowed = REQUEST_WRITERS[name] if what == "request" else {"strata_serve/service.py"}
+            allowed = REQUEST_WRITERS[name] if what == "request" else SERVICE
             if where not in allowed:
                 wrong.append(f"{where}:{line}: {what} {name}")
     assert wrong == []
