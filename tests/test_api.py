@@ -1,4 +1,11 @@
-"""The HTTP API against the real engine: OpenAI SDK, streaming, errors in the OpenAI shape."""
+"""The HTTP API: OpenAI SDK, streaming, errors in the OpenAI shape.
+
+What strata-serve refuses or answers itself (bad bodies, keys, origins, bounds, slot file
+names) runs on the in-memory engine (``client``): with the check gone, the double answers
+200 where the test wants a refusal, so each still fails. What the engine answers (the SDK's
+round trips, its timings, its own refusals, the files it writes, the routes the double does
+not serve) runs on the real one (``engine_client``).
+"""
 
 import asyncio
 import io
@@ -14,15 +21,22 @@ from strata_serve.testing import assert_openai_error, chat_body
 
 
 @pytest.fixture
-async def client(strata_client_factory, recorder):
+async def client(strata_memory_client_factory, recorder):
+    """A server on the in-memory engine: for what strata-serve decides before any engine."""
+    return await strata_memory_client_factory(recorder)
+
+
+@pytest.fixture
+async def engine_client(strata_client_factory, recorder):
+    """A server on the real engine: for what the engine answers."""
     return await strata_client_factory(recorder)
 
 
 @pytest.fixture
-async def sdk(client):
+async def sdk(engine_client):
     """The official OpenAI SDK pointed at the test server."""
     async with openai.AsyncOpenAI(
-        base_url=str(client.make_url("/v1")), api_key="unused", max_retries=0
+        base_url=str(engine_client.make_url("/v1")), api_key="unused", max_retries=0
     ) as sdk_client:
         yield sdk_client
 
@@ -60,22 +74,22 @@ async def test_streaming_through_the_openai_sdk_matches_the_plain_answer(sdk, re
     assert streamed.timings is not None and streamed.timings.reused > 0  # same prompt, reused
 
 
-async def test_completions_models_and_health(client):
-    resp = await client.post("/v1/completions", json={"prompt": "Once upon", "max_tokens": 4, "temperature": 0})
+async def test_completions_models_and_health(engine_client):
+    resp = await engine_client.post("/v1/completions", json={"prompt": "Once upon", "max_tokens": 4, "temperature": 0})
     assert resp.status == 200, await resp.text()
     body = await resp.json()
     assert isinstance(body["choices"][0]["text"], str)
     assert "timings" in body
 
-    models = await (await client.get("/v1/models")).json()
+    models = await (await engine_client.get("/v1/models")).json()
     assert models["data"] and models["data"][0]["id"]
 
-    health = await client.get("/health")
+    health = await engine_client.get("/health")
     assert health.status == 200
     assert (await health.json())["status"] == "ok"
 
 
-async def test_one_model_is_retrieved_by_its_id_through_the_openai_sdk(sdk, client, recorder):
+async def test_one_model_is_retrieved_by_its_id_through_the_openai_sdk(sdk, engine_client, recorder):
     listed = await sdk.models.list()
     model_id = listed.data[0].id
     model = await sdk.models.retrieve(model_id)
@@ -87,7 +101,7 @@ async def test_one_model_is_retrieved_by_its_id_through_the_openai_sdk(sdk, clie
     assert retrieved == entry, "the very entry of the list"
     assert "/" in model_id, "the engine names its model by the file's path"
     # A client that does not quote the id's slashes (the SDK sends them as %2F) reaches it too.
-    raw = await client.get(f"/v1/models/{model_id}")
+    raw = await engine_client.get(f"/v1/models/{model_id}")
     assert raw.status == 200 and (await raw.json())["id"] == model_id
 
     with pytest.raises(openai.NotFoundError) as refused:
@@ -140,26 +154,26 @@ async def test_bad_chat_bodies_get_400_in_openai_shape(client, recorder, raw, pa
 
 
 @pytest.mark.parametrize("value", ["", []])
-async def test_an_empty_responses_input_gets_400_as_empty_messages_do(client, recorder, value):
+async def test_an_empty_responses_input_gets_400_as_empty_messages_do(engine_client, recorder, value):
     # Taken, it ran: the engine wrote from nothing until its limit (minutes on a long context).
-    resp = await client.post("/v1/responses", json={"input": value, "max_output_tokens": 2})
+    resp = await engine_client.post("/v1/responses", json={"input": value, "max_output_tokens": 2})
     body = await resp.json()
     assert_openai_error(body, 400, resp.status)
     assert body["error"]["param"].startswith("input"), body
     assert recorder.outcomes == [] and recorder.keys == [], "a bad request must never reach the engine"
-    resp = await client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2})
+    resp = await engine_client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2})
     assert resp.status == 200, await resp.text()
 
 
-async def test_no_room_to_answer_is_refused_where_openai_refuses_it(client, recorder):
+async def test_no_room_to_answer_is_refused_where_openai_refuses_it(engine_client, recorder):
     # The engine writes a token for a limit of 0 on every route.
-    resp = await client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 0})
+    resp = await engine_client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 0})
     body = await resp.json()
     assert_openai_error(body, 400, resp.status)
     assert body["error"]["param"] == "max_output_tokens"
     assert recorder.outcomes == [] and recorder.keys == [], "a bad request must never reach the engine"
     # OpenAI's completions take 0 (with echo, to score a prompt): so does strata-serve.
-    resp = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 0})
+    resp = await engine_client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 0})
     assert resp.status == 200, await resp.text()
 
 
@@ -198,8 +212,8 @@ async def test_bad_completion_body(client):
     assert_openai_error(await resp.json(), 400, resp.status)
 
 
-async def test_unknown_route_wrong_method_and_oversize_body(strata_client_factory, strata_settings_factory):
-    client = await strata_client_factory(settings=strata_settings_factory(server={"max_body_mib": 0.01}))
+async def test_unknown_route_wrong_method_and_oversize_body(strata_memory_client_factory, strata_settings_factory):
+    client = await strata_memory_client_factory(settings=strata_settings_factory(server={"max_body_mib": 0.01}))
     resp = await client.get("/v1/nothing-here")
     assert_openai_error(await resp.json(), 404, resp.status)
 
@@ -212,16 +226,16 @@ async def test_unknown_route_wrong_method_and_oversize_body(strata_client_factor
     assert_openai_error(await resp.json(), 413, resp.status)
 
 
-async def test_engine_errors_pass_through_in_openai_shape(client):
+async def test_engine_errors_pass_through_in_openai_shape(engine_client):
     # Far longer than the context: the engine refuses it, we relay its 400.
-    resp = await client.post("/v1/chat/completions", json=chat_body("word " * 5000))
+    resp = await engine_client.post("/v1/chat/completions", json=chat_body("word " * 5000))
     assert 400 <= resp.status < 500
     assert_openai_error(await resp.json())
 
 
-async def test_api_key_guards_everything_but_health(strata_client_factory, strata_settings_factory):
+async def test_api_key_guards_everything_but_health(strata_memory_client_factory, strata_settings_factory):
     settings = strata_settings_factory(server={"api_key": "s3cret"})
-    client = await strata_client_factory(settings=settings)
+    client = await strata_memory_client_factory(settings=settings)
     assert (await client.get("/health")).status == 200
     for method, path in [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("GET", "/slots"),
                          ("POST", "/slots/0?action=erase"), ("GET", "/no-such-route")]:
@@ -237,7 +251,7 @@ async def test_api_key_guards_everything_but_health(strata_client_factory, strat
     assert reply.choices
 
 
-async def test_api_keys_are_compared_in_constant_time(strata_client_factory, strata_settings_factory,
+async def test_api_keys_are_compared_in_constant_time(strata_memory_client_factory, strata_settings_factory,
                                                       monkeypatch):
     import hmac
 
@@ -250,7 +264,7 @@ async def test_api_keys_are_compared_in_constant_time(strata_client_factory, str
 
     monkeypatch.setattr(hmac, "compare_digest", spy)
     settings = strata_settings_factory(server={"api_keys": {"a": "key-a", "b": "key-b"}, "api_key": "key-c"})
-    client = await strata_client_factory(settings=settings)
+    client = await strata_memory_client_factory(settings=settings)
     resp = await client.get("/v1/models", headers={"Authorization": "Bearer key-a"})
     assert resp.status == 200
     # Every configured key is compared, whichever matches: the time does not tell which.
@@ -290,9 +304,9 @@ async def raw_exchange(client, head: bytes, body: bytes = b"", host: str | None 
     (b"Bearer   s3cret", True),
 ])
 async def test_malformed_authorization_headers_get_401_in_the_shape(
-    strata_client_factory, strata_settings_factory, authorization, accepted
+    strata_memory_client_factory, strata_settings_factory, authorization, accepted
 ):
-    client = await strata_client_factory(settings=strata_settings_factory(server={"api_key": "s3cret"}))
+    client = await strata_memory_client_factory(settings=strata_settings_factory(server={"api_key": "s3cret"}))
     status, _, payload = await raw_exchange(client, b"GET /v1/models HTTP/1.1\r\nAuthorization: " + authorization)
     if accepted:
         assert status == 200, payload
@@ -352,13 +366,13 @@ async def test_malformed_messages_and_tools_get_400_not_the_engines_500(client, 
     assert recorder.keys == []
 
 
-async def test_well_formed_parts_tool_calls_and_tools_are_answered(client):
+async def test_well_formed_parts_tool_calls_and_tools_are_answered(engine_client):
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     raw = chat_with({"role": "user", "content": [{"type": "text", "text": "x"}]},
                     {"role": "assistant", "content": None, "tool_calls": [call]},
                     {"role": "tool", "content": "42", "tool_call_id": "c1"},
                     tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
-    resp = await client.post("/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"})
+    resp = await engine_client.post("/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"})
     assert resp.status == 200, await resp.text()
 
 
@@ -413,12 +427,12 @@ async def test_slot_file_names_no_file_system_takes_get_400(client, action, name
     assert body["error"]["param"] == "filename"
 
 
-async def test_the_longest_multibyte_name_a_file_system_takes_is_saved_and_restored(client):
-    await client.post("/v1/chat/completions", json=chat_body("fill the slot"))
+async def test_the_longest_multibyte_name_a_file_system_takes_is_saved_and_restored(engine_client):
+    await engine_client.post("/v1/chat/completions", json=chat_body("fill the slot"))
     name = "語" * 83 + ".bin"  # 253 bytes
-    saved = await client.post("/slots/0?action=save", json={"filename": name})
+    saved = await engine_client.post("/slots/0?action=save", json={"filename": name})
     assert saved.status == 200, await saved.text()
-    restored = await client.post("/slots/0?action=restore", json={"filename": name})
+    restored = await engine_client.post("/slots/0?action=restore", json={"filename": name})
     assert restored.status == 200, await restored.text()
 
 
@@ -477,16 +491,16 @@ async def test_a_page_on_a_rebound_name_is_refused(client):
         assert status == 200
 
 
-async def test_names_are_trusted_when_listed_or_when_listening_beyond_loopback(strata_client_factory,
+async def test_names_are_trusted_when_listed_or_when_listening_beyond_loopback(strata_memory_client_factory,
                                                                               strata_settings_factory):
     listed = strata_settings_factory(server={"allowed_origins": ["http://llm.home.example:8080"]})
-    client = await strata_client_factory(settings=listed)
+    client = await strata_memory_client_factory(settings=listed)
     status, _, _ = await raw_exchange(client, b"GET /v1/models HTTP/1.1", host="llm.home.example:8080")
     assert status == 200
     status, _, _ = await raw_exchange(client, b"GET /v1/models HTTP/1.1", host="other.example:8080")
     assert status == 403
     # Listening on every address, the server is meant to be reached by its names.
-    client = await strata_client_factory(settings=strata_settings_factory(server={"host": "0.0.0.0"}))
+    client = await strata_memory_client_factory(settings=strata_settings_factory(server={"host": "0.0.0.0"}))
     status, _, _ = await raw_exchange(client, b"GET /v1/models HTTP/1.1", host="gpu-box.lan:8080")
     assert status == 200
     # Served by name, yet a page there is not this server's own: a page on a name rebound
@@ -502,9 +516,9 @@ async def test_names_are_trusted_when_listed_or_when_listening_beyond_loopback(s
     assert status == 200
 
 
-async def test_cors_preflight_answers_allowed_origins_only(strata_client_factory, strata_settings_factory):
+async def test_cors_preflight_answers_allowed_origins_only(strata_memory_client_factory, strata_settings_factory):
     settings = strata_settings_factory(server={"allowed_origins": ["http://ui.example:3000"], "api_key": "k"})
-    client = await strata_client_factory(settings=settings)
+    client = await strata_memory_client_factory(settings=settings)
     preflight = {"Access-Control-Request-Method": "POST",
                  "Access-Control-Request-Headers": "authorization, content-type"}
     resp = await client.options("/v1/chat/completions", headers={"Origin": "http://ui.example:3000", **preflight})
@@ -527,8 +541,8 @@ async def test_cors_preflight_answers_allowed_origins_only(strata_client_factory
     assert_openai_error(await without_key.json(), 401, without_key.status)
 
 
-async def test_health_is_terse_and_answers_get_and_head_only(strata_client_factory, strata_settings_factory):
-    client = await strata_client_factory(settings=strata_settings_factory(server={"api_key": "k"}))
+async def test_health_is_terse_and_answers_get_and_head_only(strata_memory_client_factory, strata_settings_factory):
+    client = await strata_memory_client_factory(settings=strata_settings_factory(server={"api_key": "k"}))
     resp = await client.get("/health")
     assert resp.status == 200 and await resp.json() == {"status": "ok"}
     assert (await client.head("/health")).status == 200
@@ -568,6 +582,7 @@ async def test_slot_directory_and_files_are_private_whatever_the_umask(strata_cl
 @pytest.mark.parametrize("action", ["save", "restore"])
 async def test_a_symlink_loop_in_the_slot_directory_gets_400(client, action):
     slot_dir = Path(client.app[SERVICE].engine.info.slot_save_path)
+    slot_dir.mkdir(parents=True, exist_ok=True)  # made by llama-server's start; the double makes none
     (slot_dir / "loop.bin").symlink_to("loop.bin")
     resp = await client.post(f"/slots/0?action={action}", json={"filename": "loop.bin"})
     body = await resp.json()
@@ -602,10 +617,10 @@ PNG = "data:image/png;base64,iVBORw0KGgo="
     ("/apply-template", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": PNG}}]}]}, "openai"),
 ])
-async def test_media_a_text_only_model_cannot_take_gets_400_before_the_line(client, recorder, path, body, shape):
+async def test_media_a_text_only_model_cannot_take_gets_400_before_the_line(engine_client, recorder, path, body, shape):
     # The engine answers these with a 500 ("image input is not supported"), which reached
     # the client as a 502 "the engine failed", after evicting the slot's conversation.
-    resp = await client.post(path, json=body)
+    resp = await engine_client.post(path, json=body)
     answer = await resp.json()
     assert resp.status == 400, answer
     if shape == "openai":
@@ -617,7 +632,7 @@ async def test_media_a_text_only_model_cannot_take_gets_400_before_the_line(clie
         message = answer["error"]["message"]
     assert "takes no" in message and "engine.mmproj" in message
     assert recorder.keys == [], "never queued: no plugin saw it, nothing was evicted"
-    assert client.app[SERVICE].engine.info.modalities == frozenset()
+    assert engine_client.app[SERVICE].engine.info.modalities == frozenset()
 
 
 async def test_more_messages_than_the_context_or_the_limit_get_400_before_validation(
@@ -653,13 +668,13 @@ async def test_more_messages_than_the_context_or_the_limit_get_400_before_valida
     assert embeddings["error"]["code"] != "too_many_messages"
 
 
-async def test_request_bodies_together_are_bounded_not_only_each(strata_client_factory, strata_settings_factory):
+async def test_request_bodies_together_are_bounded_not_only_each(strata_memory_client_factory, strata_settings_factory):
     # Thirty clients sending large (or compressed) bodies at once took the server past 1.5 GB:
     # each body is held from its first byte to its answer. A body of 1 MiB and one of 0.5 MiB
     # on their way fill a 1.5 MiB budget; a third request is refused at once, before its
     # body is read.
     settings = strata_settings_factory(server={"max_body_mib": 1, "max_bodies_mib": 1.5})
-    client = await strata_client_factory(settings=settings)
+    client = await strata_memory_client_factory(settings=settings)
     host, port = client.server.host, client.server.port
     mib = 1024 * 1024
     slow = []
@@ -713,13 +728,13 @@ async def test_request_bodies_together_are_bounded_not_only_each(strata_client_f
             writer.close()
 
 
-async def test_a_media_type_spelled_with_escapes_is_still_checked(client, recorder):
+async def test_a_media_type_spelled_with_escapes_is_still_checked(engine_client, recorder):
     # Media are looked for only in bodies whose bytes could hold them; a type written with
     # \u escapes has none of the words in its bytes and must be checked all the same.
     raw = ('{"messages": [{"role": "user", "content": [{"type": "\\u0069mage_url", '
            '"\\u0069mage_url": {"url": "iVBORw0KGgo="}}]}], "max_tokens": 2}')
     assert not any(word in raw for word in ("image", "audio", "video"))
-    resp = await client.post("/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"})
+    resp = await engine_client.post("/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"})
     answer = await resp.json()
     assert_openai_error(answer, 400, resp.status)
     assert answer["error"]["code"] == "not_supported"
