@@ -1,5 +1,8 @@
 """For every hook, a run of a real server that reaches it, and what must hold whatever the plugin does.
 
+The server is strata-serve's own, on the in-memory engine but for the hooks that need the
+real one (:data:`REAL_ENGINE_HOOKS`).
+
 Used twice: ``tests/test_plugins.py`` registers a plugin whose one hook raises (the
 user's request must go on), and ``tests/test_docs.py`` one whose hook records its
 call (every hook must be reached, with every documented argument). A hook added to
@@ -36,6 +39,19 @@ class Env:
     recorder: Any
     #: Set by the on_config scenario: the refusal, when the plugin raised.
     refused: ConfigError | None = field(default=None)
+
+
+#: The hooks whose scenario runs on the real engine: the in-memory engine is itself chosen
+#: through ``engine_backend`` (first, and the first answer wins), so a plugin's
+#: implementation would never be asked there. Every other scenario is about what the core
+#: does with a plugin's hook, which the in-memory engine shows in milliseconds.
+REAL_ENGINE_HOOKS = frozenset({"engine_backend"})
+
+
+def client_factory_for(hook: str, real: Callable[..., Awaitable[Any]],
+                       memory: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """The test client factory ``hook``'s scenario runs on: see :data:`REAL_ENGINE_HOOKS`."""
+    return real if hook in REAL_ENGINE_HOOKS else memory
 
 
 Scenario = Callable[[Env, object], Awaitable[None]]

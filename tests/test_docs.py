@@ -50,14 +50,16 @@ def test_every_hook_has_a_scenario_that_reaches_it():
 
 @pytest.mark.parametrize("name, spec", HOOKS, ids=[name for name, _ in HOOKS])
 async def test_hook_is_called_with_every_documented_argument(name, spec, strata_client_factory,
+                                                             strata_memory_client_factory,
                                                              strata_settings_factory, recorder):
     # A real run of the server, not a search of the test files: the hook must be reached,
     # and an implementation that asks for every documented argument must get them all
     # (one the core forgot would make the call fail, and the call would not be recorded).
-    from tests.hook_scenarios import SCENARIOS, Env, hook_plugin
+    from tests.hook_scenarios import SCENARIOS, Env, client_factory_for, hook_plugin
 
     plugin = hook_plugin(name, lambda **arguments: None)
-    await SCENARIOS[name](Env(strata_client_factory, strata_settings_factory, recorder), plugin)
+    factory = client_factory_for(name, strata_client_factory, strata_memory_client_factory)
+    await SCENARIOS[name](Env(factory, strata_settings_factory, recorder), plugin)
     assert plugin.calls, f"{name} was never called"
     documented = list(inspect.signature(spec).parameters)
     for arguments in plugin.calls:

@@ -12,7 +12,7 @@ from strata_serve.cli import cli
 from strata_serve.config import ConfigError, Settings
 from strata_serve.plugins import first_result, get_plugin_manager
 from strata_serve.testing import assert_openai_error
-from tests.hook_scenarios import HOOKS, SCENARIOS, Env, hook_plugin
+from tests.hook_scenarios import HOOKS, SCENARIOS, Env, client_factory_for, hook_plugin
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +182,7 @@ async def test_no_plugin_route_is_added_under_health(strata_client_factory, stra
 
 @pytest.mark.parametrize("hook", sorted(HOOKS))
 async def test_a_plugin_that_raises_in_any_hook_never_fails_the_request(
-    hook, strata_client_factory, strata_settings_factory, recorder, caplog
+    hook, strata_client_factory, strata_memory_client_factory, strata_settings_factory, recorder, caplog
 ):
     import logging
 
@@ -190,7 +190,8 @@ async def test_a_plugin_that_raises_in_any_hook_never_fails_the_request(
         raise RuntimeError(f"boom in {hook}")
 
     plugin = hook_plugin(hook, boom)
-    env = Env(strata_client_factory, strata_settings_factory, recorder)
+    env = Env(client_factory_for(hook, strata_client_factory, strata_memory_client_factory),
+              strata_settings_factory, recorder)
     with caplog.at_level(logging.ERROR):
         await SCENARIOS[hook](env, plugin)
     assert plugin.calls, f"the scenario never reached {hook}"
