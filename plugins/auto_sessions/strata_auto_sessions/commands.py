@@ -28,6 +28,7 @@ from strata_auto_sessions.config import SharedConfig
 from strata_auto_sessions.clock import as_of
 from strata_auto_sessions.compat import incompatibility
 from strata_auto_sessions.digests import digest_matches
+from strata_auto_sessions.parked_blocks import ParkedBlocks
 from strata_auto_sessions.sidecar import Sidecar
 from strata_auto_sessions.store import SessionStore
 
@@ -47,10 +48,12 @@ class Sessions:
         sidecars = {self.store.bin_path(key, sidecar.sibling): sidecar for key, sidecar in self.store.sessions()}
         now = time.time()
         rows = []
+        holdings = self.store.blocks.holdings() if self.store.blocks is not None else {}
         for key, path, size, last_used in self.store.files():
             sidecar = sidecars.get(path)
             if sidecar is None:
                 continue
+            held = None if path.is_file() else holdings.get((key, sidecar.sibling))
             # A time stamped ahead of the clock (a run with its clock set wrong) is not an age;
             # files() gives 0 for a file whose every time is.
             created, used = as_of(sidecar.created, now), last_used or None
@@ -61,6 +64,9 @@ class Sessions:
                 "last_used_s": None if used is None else now - used,
                 "compatible": self.compatible(sidecar, engine), "file": str(path),
                 "stamped_ahead": created is None or used is None,
+                # In blocks: the bytes it alone holds, and those it shares with others of its tenant.
+                "blocks": held is not None, "own_bytes": size if held is None else held.own,
+                "shared_bytes": 0 if held is None else held.shared,
             })
         for key, path, why in self.store.damaged():
             rows.append({"key": key, "sibling": None, "tenant": None, "tokens": None, "bytes": path.stat().st_size,
@@ -94,7 +100,8 @@ def _sessions(config: Path | None, slot_dir: Path | None) -> Sessions:
         raise click.ClickException("no slot directory: give --slot-dir, or --config with engine.slot_save_path")
     if not Path(directory).is_dir():
         raise click.ClickException(f"{directory} is not a directory")
-    return Sessions(SessionStore(Path(directory)), plugin.build_range, plugin.shared)
+    return Sessions(SessionStore(Path(directory), ParkedBlocks.existing(Path(directory))), plugin.build_range,
+                    plugin.shared)
 
 
 def _run_shared(found: Sessions, work: Any) -> Any:
@@ -268,6 +275,29 @@ def _size(n: int) -> str:
     return f"{n / GB:.2f} GB" if n >= GB / 100 else f"{n / 1024**2:.2f} MB"
 
 
+def _echo_blocks(found: Sessions, as_json: bool) -> None:
+    """``ls --blocks``: what the block store holds, and what its sharing saves."""
+    blocks = found.store.blocks
+    with found.store.lock():
+        if blocks is None:
+            detail: dict[str, Any] = {"manifests": 0, "blocks": 0, "bytes": 0, "held_bytes": 0, "deduplicated_bytes": 0}
+        else:
+            sizes = blocks.sizes()
+            holdings = blocks.holdings()
+            held = sum(h.own + h.shared for h in holdings.values())
+            stored = sum(sizes.values())
+            detail = {"manifests": len(holdings), "blocks": len(sizes), "bytes": stored, "held_bytes": held,
+                      "deduplicated_bytes": max(0, held - stored),
+                      "block_tokens": sorted({m.block_tokens for m in blocks.store.manifests()})}
+    if as_json:
+        click.echo(json.dumps(detail))
+        return
+    click.echo(f"block store: {found.store.directory / 'blocks'}")
+    click.echo(f"{detail['manifests']} conversation(s) in blocks, {detail['blocks']} block(s) and tail(s), "
+               f"{_size(detail['bytes'])} on disk; they hold {_size(detail['held_bytes'])} counted per "
+               f"conversation ({_size(detail['deduplicated_bytes'])} not kept twice)")
+
+
 def _ago(seconds: float | None, suffix: str = "", ahead: bool = False) -> str:
     if seconds is None:  # damaged, or stamped ahead of the clock: no age to give
         return "stamped ahead of the clock" if ahead else "-"
@@ -332,8 +362,9 @@ def register(cli: click.Group) -> None:
 
     @sessions.command("ls")
     @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+    @click.option("--blocks", "blocks", is_flag=True, help="The block store's detail instead.")
     @click.pass_obj
-    def ls(found: Sessions, as_json: bool) -> None:
+    def ls(found: Sessions, as_json: bool, blocks: bool) -> None:
         """List them: key, sibling, tenant, tokens, size, age, last used, and whether the engine
         can use them. A key's siblings (conversations that share it, a file each) have a row each.
 
@@ -343,18 +374,30 @@ def register(cli: click.Group) -> None:
         that cannot be read or shown is a row saying it is damaged (``"damaged"`` in
         ``--json``). A tier that cannot be read (down, or stopped answering part way) leaves
         the slot directory's rows and what was read of the tier, says so on stderr, and
-        exits 1."""
+        exits 1.
+
+        A conversation parked in blocks of tokens (``blocks = true``) shows the bytes it
+        holds alone (SIZE) and those it shares with others of its tenant (SHARED); the
+        total counts each block once. ``--blocks``: the block store itself."""
+        if blocks:
+            _echo_blocks(found, as_json)
+            return
         with found.store.lock():
             rows = found.rows()
+            total = found.store.usage()[1]
         listing = _read_shared(found) if found.shared is not None else SharedListing([])
         if as_json:
             for row in rows + listing.rows:
                 click.echo(json.dumps(row))
         else:
-            table = [("KEY", "SIBLING", "TENANT", "TOKENS", "SIZE", "AGE", "LAST USED", "COMPATIBLE")]
+            in_blocks = found.store.blocks is not None
+            table = [("KEY", "SIBLING", "TENANT", "TOKENS", "SIZE", *(("SHARED",) if in_blocks else ()), "AGE",
+                      "LAST USED", "COMPATIBLE")]
             table += [(row["key"], "-" if row["sibling"] is None else str(row["sibling"]), row["tenant"] or "-",
                        "-" if row["tokens"] is None else f"{row['tokens']:,}",
-                       _size(row["bytes"]), _ago(row["age_s"], ahead=row.get("stamped_ahead", False)),
+                       _size(row.get("own_bytes", row["bytes"])),
+                       *((_size(row.get("shared_bytes", 0)),) if in_blocks else ()),
+                       _ago(row["age_s"], ahead=row.get("stamped_ahead", False)),
                        _ago(row["last_used_s"], " ago", ahead=row.get("stamped_ahead", False)), row["compatible"])
                       for row in rows]
             last = len(table[0]) - 1
@@ -362,8 +405,9 @@ def register(cli: click.Group) -> None:
             for line in table:
                 click.echo("  ".join(cell.ljust(widths[c]) for c, cell in enumerate(line[:last])) + "  "
                            + line[last])
-            click.echo(f"{len(rows)} session(s), {_size(sum(row['bytes'] for row in rows))} in "
-                       f"{found.store.directory}")
+            damaged = sum(row["bytes"] for row in rows if row.get("damaged") is not None)
+            click.echo(f"{len(rows)} session(s), {_size(total + damaged)} in {found.store.directory}"
+                       + (" (a block several hold counted once)" if in_blocks else ""))
             if found.shared is not None and (listing.rows or listing.error is None):
                 _echo_shared(found.shared.url, listing)
         if listing.error is not None:
@@ -383,7 +427,7 @@ def register(cli: click.Group) -> None:
         siblings', when several conversations share the key)."""
         with found.store.lock():
             try:
-                sidecars = [s for s in found.store.siblings(key) if found.store.restorable(key, s.sibling)]
+                sidecars = [s for s in found.store.siblings(key) if found.store.stage(key, s.sibling)]
             except ValueError:  # not a key strata-serve makes: there is no such session
                 sidecars = []
             if not sidecars:
@@ -392,7 +436,10 @@ def register(cli: click.Group) -> None:
             shown = []
             for sidecar in sorted(sidecars, key=lambda s: s.sibling):
                 path = found.store.bin_path(key, sidecar.sibling)
-                intact = path.stat().st_size == sidecar.bytes and digest_matches(path, sidecar.digest)
+                if found.store.restorable(key, sidecar.sibling):
+                    intact = path.stat().st_size == sidecar.bytes and digest_matches(path, sidecar.digest)
+                else:  # in blocks: its manifest and every block it names (each checked when joined)
+                    intact = found.store.intact(key, sidecar)
                 shown.append((sidecar, path, intact, found.compatible(sidecar, engine)))
         for n, (sidecar, path, intact, compatible) in enumerate(shown):
             record = json.loads(json.dumps(sidecar.__dict__))
@@ -402,7 +449,11 @@ def register(cli: click.Group) -> None:
                 prompt.pop("sizes", None)
             if n:
                 click.echo("")
-            click.echo(f"file: {path} ({_size(path.stat().st_size)})")
+            if path.is_file():
+                click.echo(f"file: {path} ({_size(path.stat().st_size)})")
+            else:
+                click.echo(f"file: in blocks under {found.store.directory / 'blocks'} "
+                           f"({_size(found.store._size(key, sidecar.sibling))} of blocks)")
             if len(shown) > 1:
                 click.echo(f"sibling: {sidecar.sibling} of {len(shown)} conversations under this key")
             click.echo(f"tenant: {tenant_of(key, sidecar) or '-'}")

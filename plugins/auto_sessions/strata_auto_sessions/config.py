@@ -104,6 +104,13 @@ class AutoSessionsConfig(BaseModel):
     #: normal stop waits for them either way; after a power cut a file whose data had not
     #: reached the disk is refused by its size and digest, never handed to the engine.
     fsync: Literal["background", "at_save"] = "background"
+    #: Park conversations as blocks of tokens (docs/sessions.md, "Blocks"): a block two
+    #: conversations of a tenant share is stored once, and a save writes only the blocks
+    #: the store lacks. Off: whole files, as earlier versions did (states the engine's
+    #: format does not cover are kept whole either way). Off by default this release.
+    blocks: bool = False
+    #: Tokens a block holds (64: measured best by bench/blocks.py, bench/results/blocks.md).
+    block_tokens: int = Field(64, ge=1, le=1 << 20)
     #: A tier of parked conversations several servers share (``[plugins.auto_sessions.shared]``);
     #: None: the slot directory alone.
     shared: SharedConfig | None = None

@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from strata_serve import ConfigError, EngineMeasures, Outcome, StrataRequest, first_result, make_private_dir, span
 
@@ -30,6 +30,7 @@ from strata_auto_sessions import restoring
 from strata_auto_sessions.config import GB, NAME, AutoSessionsConfig, size_text
 from strata_auto_sessions.idle import IdleSaves
 from strata_auto_sessions.mode import ParkingMode, ParkingStatus
+from strata_auto_sessions.parked_blocks import ParkedBlocks
 from strata_auto_sessions.policy import describe
 from strata_auto_sessions.prompts import continues, prompt_signature
 from strata_auto_sessions.pruning import in_use, refresh_usage
@@ -40,6 +41,9 @@ from strata_auto_sessions.siblings import Sibling, SiblingIndex
 from strata_auto_sessions.stats import AutoSessionsStats
 from strata_auto_sessions.store import DirectoryInUse, LockTimeout, ParkingStore, SessionStore, engine_fingerprint
 from strata_auto_sessions.store import of_sibling, swa_unusable
+
+if TYPE_CHECKING:
+    from strata_serve import Service
 
 __all__ = ["GB", "NAME", "AutoSessions", "AutoSessionsConfig", "AutoSessionsStats", "Parked", "ParkingMode"]
 
@@ -90,7 +94,7 @@ class AutoSessions:
         self._sync_held = False
 
     @classmethod
-    async def start(cls, config: AutoSessionsConfig, service: Any) -> AutoSessions:
+    async def start(cls, config: AutoSessionsConfig, service: Service) -> AutoSessions:
         info = service.engine.info
         if "slot_files" not in getattr(service.engine, "capabilities", {"slot_files"}):
             return cls._off(config, service, "the engine backend cannot save and restore slots")
@@ -101,6 +105,7 @@ class AutoSessions:
         store = first_result(service.pm, "auto_sessions_store", directory=Path(directory), service=service) \
             or SessionStore(Path(directory))
         try:
+            _use_blocks(store, Path(directory), config, service)
             removed = await _open(store, Path(directory), config)
         except DirectoryInUse as exc:
             raise ConfigError(f"auto sessions: {exc}") from None
@@ -122,7 +127,7 @@ class AutoSessions:
         return parking
 
     @classmethod
-    def _off(cls, config: AutoSessionsConfig, service: Any, why: str) -> AutoSessions:
+    def _off(cls, config: AutoSessionsConfig, service: Service, why: str) -> AutoSessions:
         log.warning("[strata] auto sessions: off: %s", why)
         return cls(config, None, {}, service.measures, off=why)
 
@@ -138,7 +143,7 @@ class AutoSessions:
         """Whether parking acts now (``mode.parks``), and if not, why (:class:`ParkingMode`)."""
         return self.status.mode
 
-    def engine_restarted(self, service: Any) -> None:
+    def engine_restarted(self, service: Service) -> None:
         """A new engine process: the model file may have been replaced in place meanwhile,
         so the fingerprint files are checked against is taken again."""
         info = service.engine.info
@@ -161,7 +166,7 @@ class AutoSessions:
 
     # -- around each request -------------------------------------------------
 
-    async def before(self, request: StrataRequest, service: Any) -> None:
+    async def before(self, request: StrataRequest, service: Service) -> None:
         self.idle_saves.cancel(request.slot)
         self.record_in_use(service)
         if getattr(service, "side_lane", False) and request.slot != MAIN_SLOT:
@@ -263,7 +268,7 @@ class AutoSessions:
                 return False
         return True
 
-    async def before_slot_action(self, service: Any, slot: int, action: str) -> None:
+    async def before_slot_action(self, service: Service, slot: int, action: str) -> None:
         self.idle_saves.cancel(slot)
         self.record_in_use(service)
         if action in ("restore", "erase"):
@@ -272,7 +277,7 @@ class AutoSessions:
         if action == "restore":
             await self.park_side_at_risk(service, slot)
 
-    async def park_side_at_risk(self, service: Any, slot: int, *, incoming: str | None = None) -> None:
+    async def park_side_at_risk(self, service: Service, slot: int, *, incoming: str | None = None) -> None:
         """Before the main slot of the side lane runs (a request, a restore): the side slot's
         conversation saved when the main slot may take its room.
 
@@ -293,7 +298,7 @@ class AutoSessions:
             return
         await self.park_slot(service, SIDE_SLOT, reason="the main slot may need its room", incoming=incoming)
 
-    def after(self, request: StrataRequest, outcome: Outcome, service: Any) -> None:
+    def after(self, request: StrataRequest, outcome: Outcome, service: Service) -> None:
         key = request.conversation_key
         sibling = request.state.get(NAME, {}).get("sibling")
         in_slot = service.slots[request.slot]
@@ -310,14 +315,14 @@ class AutoSessions:
         if request.restored_tokens:
             restoring.check_reuse(self, request, request.restored_tokens, outcome, service)
 
-    async def park_slot(self, service: Any, slot: int = 0, *, reason: str, incoming: str | None = None,
+    async def park_slot(self, service: Service, slot: int = 0, *, reason: str, incoming: str | None = None,
                         incoming_sibling: int | None = None) -> Parked:
         """Save the conversation the slot holds to its file, if it is worth it and not
         current (:func:`strata_auto_sessions.saving.park_slot`)."""
         return await park_slot(self, service, slot, reason=reason, incoming=incoming,
                                incoming_sibling=incoming_sibling)
 
-    def record_in_use(self, service: Any) -> None:
+    def record_in_use(self, service: Service) -> None:
         """Tell ``strata-serve sessions rm`` which conversations the slots hold or are
         being run, saved or not (it runs in another process); written when that changes."""
         keys = sorted(in_use(service))
@@ -393,6 +398,21 @@ class AutoSessions:
     def restore_seconds(self, size: int) -> float | None:
         """How long restoring a file of ``size`` bytes takes, as measured here (None: not yet)."""
         return self.restore_speed.seconds(size)
+
+
+def _use_blocks(store: ParkingStore, directory: Path, config: AutoSessionsConfig, service: Service) -> None:
+    """Park in blocks (``blocks = true``) where the store is the slot directory's and the
+    engine's backend can cut its state; whole files otherwise."""
+    state_format = getattr(service.engine, "state_format", None)
+    if not config.blocks or not isinstance(store, SessionStore):
+        return
+    if state_format is None:
+        log.info("[strata] auto sessions: blocks = true, but this engine's state cannot be cut into blocks: "
+                 "whole files")
+        return
+    make_private_dir(directory)
+    store.blocks = ParkedBlocks.open(directory, state_format, fingerprint=engine_fingerprint(service.engine.info),
+                                     block_tokens=config.block_tokens, fsync=config.fsync == "at_save")
 
 
 async def _open(store: ParkingStore, directory: Path, config: AutoSessionsConfig) -> int:

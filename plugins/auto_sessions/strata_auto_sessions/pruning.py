@@ -36,6 +36,16 @@ def refresh_usage(store: ParkingStore, stats: AutoSessionsStats, report: bool = 
         log.warning("[strata] auto sessions: cannot list %s: %s", store.directory, exc)
         return
     stats.damaged_files = len(damaged)
+    blocks = getattr(store, "blocks", None)
+    if blocks is not None:
+        try:
+            sizes = blocks.sizes()
+            held = sum(h.own + h.shared for h in blocks.holdings().values())
+        except OSError as exc:
+            log.warning("[strata] auto sessions: cannot list the block store: %s", exc)
+        else:
+            stats.blocks_stored, stats.blocks_bytes = len(sizes), sum(sizes.values())
+            stats.blocks_deduplicated_bytes = max(0, held - stats.blocks_bytes)
     for _key, path, why in damaged if report else ():
         log.warning("[strata] auto sessions: %s is left alone, never restored: its sidecar is damaged (%s)",
                     path.name, why)

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Literal
 
 from strata_serve import EngineError, EngineUnavailable, Outcome, StrataRequest, Verdict, first_result, span
 
 from strata_auto_sessions import fallback
 from strata_auto_sessions.config import NAME, from_slot
+from strata_auto_sessions.parked_blocks import CorruptBlock
 from strata_auto_sessions.prompts import continues
 from strata_auto_sessions.store import LockTimeout, Refusal, Sidecar, incompatibility, of_sibling
 
 if TYPE_CHECKING:
+    from strata_serve import Service
+
     from strata_auto_sessions.parking import AutoSessions
     from strata_auto_sessions.siblings import Choice
 
@@ -41,13 +45,13 @@ class RestoreSpeed:
         return size / (self._read[0] / self._read[1] * 1000)
 
 
-def failure_verdict(op: str, exc: Exception, service: Any, tokens: int | None) -> Verdict | None:
+def failure_verdict(op: str, exc: Exception, service: Service, tokens: int | None) -> Verdict | None:
     """What the engine's quirk plugins say about a failed save or restore."""
     error = exc if isinstance(exc, EngineError) else EngineError(op=op, message=str(exc))
     return service.verdict(op, error, tokens)
 
 
-async def restore(parking: AutoSessions, key: str, request: StrataRequest, service: Any,
+async def restore(parking: AutoSessions, key: str, request: StrataRequest, service: Service,
                   choice: Choice | None = None) -> bool:
     """Restore ``key``'s file, its sibling ``choice.source`` (or a fallback's, when it has
     none) into the request's slot.
@@ -66,7 +70,7 @@ async def restore(parking: AutoSessions, key: str, request: StrataRequest, servi
         return False
 
 
-async def _restore_locked(parking: AutoSessions, key: str, request: StrataRequest, service: Any,
+async def _restore_locked(parking: AutoSessions, key: str, request: StrataRequest, service: Service,
                           choice: Choice | None) -> bool:
     with span("auto_sessions.restore_checks"):
         chosen = _file_to_restore(parking, key, request, service, choice)
@@ -112,7 +116,7 @@ async def _restore_locked(parking: AutoSessions, key: str, request: StrataReques
     return True
 
 
-def _file_to_restore(parking: AutoSessions, key: str, request: StrataRequest, service: Any,
+def _file_to_restore(parking: AutoSessions, key: str, request: StrataRequest, service: Service,
                      choice: Choice | None) -> tuple[str, int, Path] | None:
     """Whose file to restore for ``key``, which sibling, and where it is: its own (the
     sibling ``choice`` names) when it has one, else the one a fallback plugin chose; None
@@ -171,7 +175,7 @@ def count_refusal(parking: AutoSessions, name: str, refusal: Refusal) -> None:
 
 
 async def _load(parking: AutoSessions, key: str, source: str, sibling: int, path: Path, request: StrataRequest,
-                service: Any) -> tuple[int, int, float] | None:
+                service: Service) -> tuple[int, int, float] | None:
     """Have the engine read the file (once more after a failure its quirks call passing):
     the tokens restored, the bytes read and the milliseconds; None when it failed."""
     # The slot then holds the file's conversation, the incoming one's or the fallback's,
@@ -181,21 +185,44 @@ async def _load(parking: AutoSessions, key: str, source: str, sibling: int, path
     holder: str | None = source
     if source != key and any(state.key == source for state in service.slots if state.id != request.slot):
         holder = None
-    for attempt in range(2):
-        began = time.monotonic()
-        try:
-            answer = await service.restore_slot(path.name, slot=request.slot, key=holder,
-                                                tenant=request.tenant, request=request, sibling=sibling)
-            break
-        except (EngineError, EngineUnavailable) as exc:
-            verdict = failure_verdict("restore", exc, service, None)
-            if verdict == Verdict.RETRY and attempt == 0:
-                log.info("[strata] auto sessions: restoring %s failed (%s); trying once more", key, exc)
-                continue
-            _restore_failed(parking, key, exc, verdict)
-            return None
+    began = time.monotonic()
+    joined = await _join(parking, source, sibling, path)
+    if joined is False:
+        return None
+    try:
+        for attempt in range(2):
+            try:
+                answer = await service.restore_slot(joined or path.name, slot=request.slot, key=holder,
+                                                    tenant=request.tenant, request=request, sibling=sibling)
+                break
+            except (EngineError, EngineUnavailable) as exc:
+                verdict = failure_verdict("restore", exc, service, None)
+                if verdict == Verdict.RETRY and attempt == 0:
+                    log.info("[strata] auto sessions: restoring %s failed (%s); trying once more", key, exc)
+                    continue
+                _restore_failed(parking, key, exc, verdict)
+                return None
+    finally:
+        if joined:
+            parking.store.discard(joined)  # type: ignore[union-attr]
     ms = (time.monotonic() - began) * 1000
     return answer.tokens, answer.bytes, ms
+
+
+async def _join(parking: AutoSessions, source: str, sibling: int, path: Path) -> str | None | Literal[False]:
+    """A conversation in blocks: its blocks joined into a temporary file in the slot
+    directory, its name (None: its whole file is there); False when a block is missing or
+    damaged (counted; the damaged block is gone, so a next save writes it again)."""
+    joining = getattr(parking.store, "joined", None)
+    if joining is None:
+        return None
+    try:
+        with span("auto_sessions.join"):
+            return await asyncio.to_thread(joining, source, sibling)
+    except (CorruptBlock, ValueError, OSError) as exc:
+        parking.stats.restores_refused_damaged += 1
+        log.warning("[strata] auto sessions: not restoring %s: its blocks do not join (%s)", path.name, exc)
+        return False
 
 
 def _restore_failed(parking: AutoSessions, key: str, exc: Exception, verdict: Verdict | None) -> None:
@@ -209,7 +236,7 @@ def _restore_failed(parking: AutoSessions, key: str, exc: Exception, verdict: Ve
 
 
 def check_reuse(parking: AutoSessions, request: StrataRequest, restored: int, outcome: Outcome,
-                service: Any) -> None:
+                service: Service) -> None:
     """The request after a restore of ``restored`` tokens ended: did it reuse them? A
     continued conversation that barely did may pause parking (``retry_after_s``)."""
     reused = outcome.timings.reused if outcome.timings is not None else 0

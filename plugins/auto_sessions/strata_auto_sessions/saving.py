@@ -17,7 +17,7 @@ from strata_auto_sessions.restoring import failure_verdict
 from strata_auto_sessions.store import SIDECAR_VERSION, LockTimeout, Sidecar, of_sibling
 
 if TYPE_CHECKING:
-    from strata_serve import SlotState
+    from strata_serve import Service, SlotState
 
     from strata_auto_sessions.parking import AutoSessions
 
@@ -51,7 +51,7 @@ class _Saved(NamedTuple):
     ms: float
 
 
-async def park_slot(parking: AutoSessions, service: Any, slot: int = 0, *, reason: str,
+async def park_slot(parking: AutoSessions, service: Service, slot: int = 0, *, reason: str,
                     incoming: str | None = None, incoming_sibling: int | None = None) -> Parked:
     """Save the conversation the slot holds to its file, if it is worth it and not current.
 
@@ -85,15 +85,33 @@ async def park_slot(parking: AutoSessions, service: Any, slot: int = 0, *, reaso
     parking.stats.saved_tokens += saved.tokens
     parking.stats.saved_bytes += saved.bytes
     parking.stats.save_ms += saved.ms
-    log.info("[strata] auto sessions: saved %s tokens (%s) to %s in %.0f ms%s%s",
-             f"{saved.tokens:,}", size_text(saved.bytes), of_sibling(parking.store.bin_name, key, sibling), saved.ms,
-             "" if reason == "switch" else f" ({reason})", from_slot(service, slot))
+    in_blocks = _count_blocks(parking)
+    log.info("[strata] auto sessions: saved %s tokens (%s) to %s%s in %.0f ms%s%s",
+             f"{saved.tokens:,}", size_text(saved.bytes), of_sibling(parking.store.bin_name, key, sibling),
+             in_blocks, saved.ms, "" if reason == "switch" else f" ({reason})", from_slot(service, slot))
     spare = {sibling} | ({incoming_sibling} if incoming == key and incoming_sibling is not None else set())
     with span("auto_sessions.prune"):
         await prune_siblings(parking, key, frozenset(spare))
         await prune(parking.store, parking.config, parking.stats, protect=in_use(service, key, incoming),
                     index=parking.siblings)
     return Parked.SAVED
+
+
+def _count_blocks(parking: AutoSessions) -> str:
+    """What the save just committed did in the block store (``blocks = true``), counted;
+    for its log line: where it went when in blocks."""
+    blocks = getattr(parking.store, "blocks", None)
+    report = blocks.last_save if blocks is not None else None
+    if report is None:
+        return ""
+    if report.refused is not None:
+        parking.stats.count_kept_whole(report.refused.reason)
+        return f" (whole: {report.refused.reason})"
+    parking.stats.block_saves += 1
+    parking.stats.block_bytes_written += report.bytes_written
+    parking.stats.block_state_bytes += report.state_bytes
+    return (f" in blocks ({report.blocks_written} of {report.blocks} new, {size_text(report.bytes_written)} "
+            "written)")
 
 
 def state_of(in_slot: SlotState) -> tuple[Any, ...]:
@@ -104,7 +122,7 @@ def state_of(in_slot: SlotState) -> tuple[Any, ...]:
             in_slot.generation)
 
 
-def _not_to_save(parking: AutoSessions, service: Any, key: str, in_slot: SlotState) -> Parked | None:
+def _not_to_save(parking: AutoSessions, service: Service, key: str, in_slot: SlotState) -> Parked | None:
     """Why the conversation ``key`` the slot holds is not saved now (counted, and logged
     where it is news), or None when it is to be saved."""
     if in_slot.file_current:
@@ -135,7 +153,7 @@ def _not_to_save(parking: AutoSessions, service: Any, key: str, in_slot: SlotSta
     return None
 
 
-async def _save(parking: AutoSessions, service: Any, slot: int, key: str, in_slot: SlotState) -> _Saved | Parked:
+async def _save(parking: AutoSessions, service: Service, slot: int, key: str, in_slot: SlotState) -> _Saved | Parked:
     """Have the engine save the slot to a temporary file (once more after a failure its
     quirks call passing), then commit it as ``key``'s file with its sidecar."""
     assert parking.store is not None
@@ -186,6 +204,9 @@ async def _commit(parking: AutoSessions, temp: str, key: str, in_slot: SlotState
         created=sidecar.created if sidecar else (in_slot.since or now), last_used=now,
         digest="", prompt=prompt, tenant=in_slot.tenant, version=SIDECAR_VERSION, sibling=in_slot.sibling,
     )
+    blocks = getattr(parking.store, "blocks", None)
+    if blocks is not None:
+        blocks.last_save = None  # this commit's, when it is in blocks
     with span("auto_sessions.commit"):
         async with parking.store.lock_without_blocking(parking.config.lock_wait_s):
             kept = parking.store.commit(temp, key, written)
@@ -216,7 +237,7 @@ def _file_kept(parking: AutoSessions, key: str, sibling: int) -> bool:
         return False
 
 
-async def _removed_by_hand(parking: AutoSessions, key: str, slot: int, service: Any) -> None:
+async def _removed_by_hand(parking: AutoSessions, key: str, slot: int, service: Service) -> None:
     """The session was removed by hand (``strata-serve sessions rm``) while the slot held
     it: its save was dropped, and the slot is erased so the engine forgets it too."""
     parking.prompts.pop(key, None)
@@ -237,7 +258,7 @@ def _discard(parking: AutoSessions, temp: str) -> None:
         log.warning("[strata] auto sessions: could not remove %s: %s", temp, exc)
 
 
-def _save_failed(parking: AutoSessions, key: str, exc: Exception, verdict: Verdict | None, service: Any,
+def _save_failed(parking: AutoSessions, key: str, exc: Exception, verdict: Verdict | None, service: Service,
                  slot: int) -> Parked:
     parking.stats.save_failures += 1
     message = exc.message if isinstance(exc, EngineError) else str(exc)

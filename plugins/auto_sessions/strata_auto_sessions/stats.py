@@ -10,6 +10,7 @@ from strata_auto_sessions.store import REFUSAL_REASONS
 
 _SAVE_SKIPS = "Saves skipped, by reason"
 _RESTORE_SKIPS = "Restores not attempted, by reason"
+_KEPT_WHOLE = "Saves kept as whole files: the engine's state format refused the state, by reason"
 
 
 @dataclass
@@ -79,6 +80,32 @@ class AutoSessionsStats:
     #: never restored, left alone.
     damaged_files: int = gauge("Session files whose sidecar is damaged")
 
+    #: Parking in blocks (``blocks = true``): saves kept in blocks, the bytes they wrote
+    #: (new blocks, tails, manifests) against the engine's bytes of the states they kept;
+    #: saves kept whole because the engine's format refused the state, by reason
+    #: (:class:`strata_serve.StateRefusal`); the store's blocks and bytes, and the bytes
+    #: its sharing saves (what the conversations hold, counted per conversation, less
+    #: what the store keeps).
+    block_saves: int = counter("Saves kept in blocks of tokens")
+    block_bytes_written: int = counter("Bytes saves in blocks wrote (new blocks, tails, manifests)", unit="bytes")
+    block_state_bytes: int = counter("Bytes of engine state the saves in blocks kept", unit="bytes")
+    blocks_refused_state_version: int = counter(_KEPT_WHOLE, name="blocks_refused",
+                                                labels={"reason": "state_version"})
+    blocks_refused_tokens_format: int = counter(_KEPT_WHOLE, name="blocks_refused",
+                                                labels={"reason": "tokens_format"})
+    blocks_refused_media: int = counter(_KEPT_WHOLE, name="blocks_refused", labels={"reason": "media"})
+    blocks_refused_streams: int = counter(_KEPT_WHOLE, name="blocks_refused", labels={"reason": "streams"})
+    blocks_refused_cells: int = counter(_KEPT_WHOLE, name="blocks_refused", labels={"reason": "cells"})
+    blocks_refused_shifted: int = counter(_KEPT_WHOLE, name="blocks_refused", labels={"reason": "shifted"})
+    blocks_refused_swa: int = counter(_KEPT_WHOLE, name="blocks_refused", labels={"reason": "swa"})
+    blocks_refused_recurrent: int = counter(_KEPT_WHOLE, name="blocks_refused", labels={"reason": "recurrent"})
+    blocks_refused_layout: int = counter(_KEPT_WHOLE, name="blocks_refused", labels={"reason": "layout"})
+    blocks_refused_empty: int = counter(_KEPT_WHOLE, name="blocks_refused", labels={"reason": "empty"})
+    blocks_refused_unreadable: int = counter(_KEPT_WHOLE, name="blocks_refused", labels={"reason": "unreadable"})
+    blocks_stored: int = gauge("Blocks (and tails) in the block store")
+    blocks_bytes: int = gauge("Bytes of the block store's blocks", unit="bytes")
+    blocks_deduplicated_bytes: int = gauge("Bytes the block store does not keep twice", unit="bytes")
+
     #: The shared tier (``plugins.auto_sessions.shared``): files sent after a save, and
     #: those given up because another server had saved a newer turn (a lost
     #: compare-and-swap) or removed the conversation by hand; files fetched before a
@@ -105,6 +132,13 @@ class AutoSessionsStats:
 
     def snapshot(self) -> dict[str, float]:
         return asdict(self)
+
+    def count_kept_whole(self, reason: str) -> None:
+        """One more save kept whole: the engine's state format refused it for ``reason``."""
+        field = f"blocks_refused_{reason}"
+        if not hasattr(self, field):
+            field = "blocks_refused_unreadable"  # a word this version does not know
+        setattr(self, field, getattr(self, field) + 1)
 
     def count_refusal(self, reason: str) -> None:
         """One more file refused before the engine saw it, for ``reason`` (``store.REFUSAL_REASONS``)."""

@@ -35,6 +35,7 @@ from strata_auto_sessions.naming import (
     ENGINE_NAME, HELD_NAME, PREFIX, REMOVED_NAME, SERVER_LOCK_NAME, SESSION_NAME, TEMP_NAME, TEMP_PREFIX,
     file_key, fresh_json_temp_name, fresh_temp_name, key_of_file, session_name, sibling_of,
 )
+from strata_auto_sessions.parked_blocks import ParkedBlocks
 from strata_auto_sessions.sidecar import SIDECAR_VERSION, DamagedSidecar, Sidecar
 
 #: What this module exports: its own names and those of the modules the store is made of
@@ -157,8 +158,12 @@ class ParkingStore(Protocol):
 class SessionStore:
     """The plugin's files in the slot directory: the default :class:`ParkingStore`."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, blocks: ParkedBlocks | None = None):
         self.directory = directory
+        #: Where conversations are parked in blocks of tokens (``blocks = true``); None:
+        #: whole files only. Whole files are read either way (earlier versions', and
+        #: states the format refuses).
+        self.blocks = blocks
         self._lock = DirectoryLock(directory)
         #: The server lock (:meth:`claim`).
         self._claim = ServerClaim(directory)
@@ -200,13 +205,34 @@ class SessionStore:
         return path.is_file() and not path.is_symlink()
 
     def stage(self, key: str, sibling: int = 0) -> bool:
-        """The file is in the slot directory already (or not at all)."""
-        return self.restorable(key, sibling)
+        """The file is in the slot directory already, or its blocks are in the block
+        store (:meth:`joined` makes the file); False when neither."""
+        return self.restorable(key, sibling) or self._in_blocks(key, sibling)
+
+    def _in_blocks(self, key: str, sibling: int) -> bool:
+        return self.blocks is not None and self.blocks.manifest(key, sibling) is not None
+
+    def joined(self, key: str, sibling: int = 0) -> str | None:
+        """The name of a file in the slot directory to restore the conversation from: None
+        when its whole file is there (``bin_name``); else its blocks joined into a
+        temporary, which the caller removes (:meth:`discard`) once the engine read it.
+
+        :raises CorruptBlock: a block missing or damaged.
+        :raises ValueError: no manifest, or blocks that do not fit their layout.
+        """
+        if self.restorable(key, sibling) or self.blocks is None:
+            return None
+        name = fresh_temp_name(key, ".bin")
+        self.blocks.join_into(key, sibling, self.directory / name)
+        return name
 
     def intact(self, key: str, sidecar: Sidecar) -> bool:
         """The file is the one that was saved: same size, same sampled digest (read again
-        unless this very file was digested since it last changed)."""
+        unless this very file was digested since it last changed). A conversation in blocks:
+        its manifest holds the sidecar's tokens and every block it names is there."""
         path = self.bin_path(key, sidecar.sibling)
+        if not self.restorable(key, sidecar.sibling) and self.blocks is not None:
+            return self.blocks.intact(key, sidecar.sibling, sidecar.tokens)
         stat = path.stat()
         if stat.st_size != sidecar.bytes:
             return False
@@ -237,6 +263,9 @@ class SessionStore:
                 if TEMP_NAME.fullmatch(leftover.name) and not leftover.is_symlink():
                     leftover.unlink(missing_ok=True)
                     removed += 1
+            if self.blocks is not None:
+                # Manifests whose sidecar a crash left unwritten, blocks no manifest holds.
+                self.blocks.free_unheld(self._with_sidecars())
             # A new engine holds nothing a removal by hand was about.
             (self.directory / REMOVED_NAME).unlink(missing_ok=True)
             self.record_held([])
@@ -317,11 +346,26 @@ class SessionStore:
                 self.remove(key)
                 pending[key] = time.time()
             _write_private_json(self.directory / REMOVED_NAME, pending)
+            self._free_blocks()
         return removed
 
     def _size(self, key: str, sibling: int) -> int:
         path = self.bin_path(key, sibling)
-        return path.stat().st_size if path.is_file() and not path.is_symlink() else 0
+        if path.is_file() and not path.is_symlink():
+            return path.stat().st_size
+        if self.blocks is not None:
+            sizes = self.blocks.sizes()
+            return sum(sizes.get(name, 0) for name in self.blocks.objects_of(key, sibling))
+        return 0
+
+    def _free_blocks(self) -> None:
+        """Remove the blocks no manifest holds (after manifests were removed)."""
+        if self.blocks is not None:
+            self.blocks.free_unheld()
+
+    def _with_sidecars(self) -> set[tuple[str, int]]:
+        """``(key, sibling)`` of every sidecar that reads and names its own file."""
+        return {(key, sidecar.sibling) for key, _path, sidecar in self._own("json")}
 
     def _own(self, ext: str, key: str | None = None) -> list[tuple[str, Path, Sidecar]]:
         """``(key, path, sidecar)`` of each ``auto-<name>[.<n>].<ext>`` whose sidecar names
@@ -345,11 +389,19 @@ class SessionStore:
             sidecar = self.sidecar(its_key, sibling)
             if sidecar is not None and sidecar.key == its_key and sidecar.sibling == sibling:
                 found.append((its_key, path, sidecar))
+        if ext == "bin" and self.blocks is not None:
+            # Conversations in blocks: a sidecar and a manifest, no file (its name stands for it).
+            in_blocks = self.blocks.parked()
+            files = {(its_key, sidecar.sibling) for its_key, _p, sidecar in found}
+            for its_key, _path, sidecar in self._own("json", key):
+                if (its_key, sidecar.sibling) in in_blocks and (its_key, sidecar.sibling) not in files:
+                    found.append((its_key, self.bin_path(its_key, sidecar.sibling), sidecar))
         return found
 
     def siblings(self, key: str) -> list[Sidecar]:
         """The sidecars of ``key``'s files (one per sibling, each naming its own), newest first."""
-        found = [sidecar for _key, path, sidecar in self._own("bin", key) if path.is_file()]
+        found = [sidecar for _key, path, sidecar in self._own("bin", key)
+                 if path.is_file() or self._in_blocks(key, sidecar.sibling)]
         now = time.time()
         return sorted(found, key=lambda sidecar: last_use(sidecar.last_used, now=now) or 0.0, reverse=True)
 
@@ -384,8 +436,28 @@ class SessionStore:
         with span("auto_sessions.digest"):
             sidecar.digest = sample_digest(temp)
         target = self.bin_path(key, sidecar.sibling)
+        if self.blocks is not None:
+            with span("auto_sessions.blocks"):
+                report = self.blocks.save(key, sidecar.sibling, temp)
+            if report.refused is None:
+                self._commit_blocks(temp, target, key, sidecar)
+                return
+            # Kept whole (the format refused the state): an earlier manifest goes.
+            self.blocks.remove(key, sidecar.sibling)
         with span("auto_sessions.sidecar"):
             self._put_in_place(temp, target, key, sidecar)
+
+    def _commit_blocks(self, temp: Path, target: Path, key: str, sidecar: Sidecar) -> None:
+        """The state is in the block store (its manifest written): the whole file of an
+        earlier version goes, the sidecar is written, the engine's temporary removed.
+        A crash before the sidecar leaves the old sidecar beside the new manifest, whose
+        tokens differ: refused at its restore, never a wrong state."""
+        target.unlink(missing_ok=True)
+        sidecar.write(self.sidecar_path(key, sidecar.sibling), sync=not self.sync_later)
+        temp.unlink(missing_ok=True)
+        if self.sync_later:
+            with self._unsynced_lock:
+                self._unsynced.append(self.sidecar_path(key, sidecar.sibling))
 
     def _put_in_place(self, temp: Path, target: Path, key: str, sidecar: Sidecar) -> None:
         if self.sync_later:
@@ -490,6 +562,8 @@ class SessionStore:
         for number in numbers:
             self.bin_path(key, number).unlink(missing_ok=True)
             self.sidecar_path(key, number).unlink(missing_ok=True)
+            if self.blocks is not None:
+                self.blocks.remove(key, number)  # its blocks go when no other manifest holds them
 
     def files(self) -> list[tuple[str, Path, int, float]]:
         """``(key, path, bytes, last used)`` of every session file (one per sibling), newest first; a file
@@ -497,13 +571,19 @@ class SessionStore:
         0, the oldest."""
         found = []
         now = time.time()
+        holdings = self.blocks.holdings() if self.blocks is not None else {}
         for key, path, sidecar in self._own("bin"):
             try:
                 stat = path.stat()
+                size, mtime = stat.st_size, stat.st_mtime
             except FileNotFoundError:
-                continue
-            used = last_use(stat.st_mtime, sidecar.last_used, now=now)
-            found.append((key, path, stat.st_size, 0.0 if used is None else used))
+                held = holdings.get((key, sidecar.sibling))
+                if held is None:
+                    continue
+                # In blocks: every byte it holds (shared or not; usage() counts each block once).
+                size, mtime = held.own + held.shared, held.used
+            used = last_use(mtime, sidecar.last_used, now=now)
+            found.append((key, path, size, 0.0 if used is None else used))
         return sorted(found, key=lambda item: item[3], reverse=True)
 
     def sessions(self) -> list[tuple[str, Sidecar]]:
@@ -526,21 +606,40 @@ class SessionStore:
     def _prune(self, keep: int, max_bytes: int, protect: frozenset[str]) -> list[tuple[str, int]]:
         removed = []
         files = self.files()
-        total = sum(size for key, _p, size, _u in files if key in protect)
-        kept = sum(1 for key, *_ in files if key in protect)
+        # A conversation in blocks weighs what it adds to those kept before it (newest
+        # first): a block several hold counts once, against the first of them.
+        sizes = self.blocks.sizes() if self.blocks is not None else {}
+        counted: set[str] = set()
+
+        def weight(key: str, path: Path, size: int) -> tuple[int, set[str]]:
+            if self.blocks is None or path.is_file():
+                return size, set()
+            names = self.blocks.objects_of(key, self._sibling_of_path(path)) - counted
+            return sum(sizes.get(name, 0) for name in names), names
+
+        total = kept = 0
+        for key, path, size, _used in files:
+            if key in protect:
+                added, names = weight(key, path, size)
+                total += added
+                kept += 1
+                counted |= names
         for key, path, size, _used in files:
             if key in protect:
                 continue
-            total += size
-            kept += 1
-            if kept > keep or total > max_bytes:
+            added, names = weight(key, path, size)
+            if kept + 1 > keep or total + added > max_bytes:
                 self.remove(key, self._sibling_of_path(path))
-                removed.append((key, size))
-                total -= size
-                kept -= 1
+                removed.append((key, added))
+                continue
+            total += added
+            kept += 1
+            counted |= names
         for key, sidecar_path, sidecar in self._own("json"):
-            if not self.bin_path(key, sidecar.sibling).exists():
+            if not self.bin_path(key, sidecar.sibling).exists() and not self._in_blocks(key, sidecar.sibling):
                 sidecar_path.unlink(missing_ok=True)
+        if self.blocks is not None:
+            self.blocks.free_unheld(self._with_sidecars())
         return removed
 
     def prune_siblings(self, key: str, keep: int, spare: frozenset[int] = frozenset()) -> list[tuple[int, int]]:
@@ -559,11 +658,17 @@ class SessionStore:
                     self.remove(key, sidecar.sibling)
                     removed.append((sidecar.sibling, size))
                     kept -= 1
+            if removed:
+                self._free_blocks()
             return removed
 
     def usage(self) -> tuple[int, int]:
+        """Conversations parked and their bytes on disk (a block several hold counted once)."""
         files = self.files()
-        return len(files), sum(size for _key, _path, size, _used in files)
+        if self.blocks is None:
+            return len(files), sum(size for _key, _path, size, _used in files)
+        whole = sum(size for _key, path, size, _used in files if path.is_file())
+        return len(files), whole + self.blocks.bytes()
 
 
 def _write_private_json(target: Path, data: Any, *, onto_a_free_name: bool = False) -> None:

@@ -1,0 +1,263 @@
+"""Parking in blocks of tokens (``blocks = true``) against the real engine: what reaches the
+disk, what comes back, what is kept whole, and what pruning and ``sessions rm`` free."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from strata_auto_sessions.parked_blocks import BLOCKS_DIR, ParkedBlocks
+from strata_serve import CutState
+from strata_serve.cli import cli
+from strata_serve.engine.llama_server.state_file import LlamaStateFormat
+from strata_serve.testing import ask
+
+from .test_auto_sessions import key_of, parking, slot_dir
+
+BLOCK = 64
+
+
+@pytest.fixture(autouse=True)
+def plugin_logs(caplog):
+    caplog.set_level(logging.INFO, logger="strata_auto_sessions")
+
+
+def words(name: str, n: int) -> str:
+    return " ".join(f"{name}{i} ship sea wind" for i in range(n))
+
+
+#: An opening six agent sessions share (a system prompt and tools, say): ~1,800 tokens.
+OPENING = "You are a careful assistant. " + words("tool", 100)
+
+
+def agent(name: str, size: int = 20) -> list[dict[str, Any]]:
+    """A conversation opening with ``OPENING``, then ~``size * 4.5`` tokens of its own."""
+    return [{"role": "system", "content": OPENING}, {"role": "user", "content": f"Task {name}: " + words(name, size)}]
+
+
+def turn(messages: list[dict[str, Any]], answer: dict[str, Any], text: str) -> list[dict[str, Any]]:
+    return messages + [{"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
+                       {"role": "user", "content": text}]
+
+
+def tokens_and_bytes(path: Path) -> tuple[tuple[int, ...], int]:
+    """A state file's tokens and the engine's bytes for them (without the file's header)."""
+    state = LlamaStateFormat().cut(path, BLOCK)
+    assert isinstance(state, CutState), state
+    return state.tokens, sum(len(b.data) for b in [*state.blocks, state.tail])
+
+
+def distinct(sequences: list[tuple[int, ...]]) -> int:
+    """Tokens of ``sequences`` with each shared prefix counted once (the nodes of their trie)."""
+    prefixes = {seq[:n] for seq in sequences for n in range(1, len(seq) + 1)}
+    return len(prefixes)
+
+
+def parked_states(directory: Path, tmp: Path, keys: list[str]) -> list[tuple[tuple[int, ...], int]]:
+    """Each conversation's tokens and state bytes: from its whole file, or its blocks joined."""
+    blocks = ParkedBlocks.existing(directory)
+    found = []
+    for n, key in enumerate(keys):
+        whole = directory / f"auto-{key}.bin"
+        if whole.is_file():
+            found.append(tokens_and_bytes(whole))
+            continue
+        assert blocks is not None
+        blocks.store.format = LlamaStateFormat()
+        blocks.join_into(key, 0, tmp / f"joined-{n}.bin")
+        found.append(tokens_and_bytes(tmp / f"joined-{n}.bin"))
+    return found
+
+
+def disk_bytes(directory: Path) -> int:
+    """Bytes of everything parking keeps in the slot directory: whole files, blocks, manifests."""
+    whole = sum(p.stat().st_size for p in directory.glob("auto-*.bin"))
+    store = directory / BLOCKS_DIR
+    return whole + (sum(p.stat().st_size for p in store.rglob("*") if p.is_file()) if store.is_dir() else 0)
+
+
+async def park_six(auto_client, slots: Path, blocks: bool) -> tuple[list[str], Any]:
+    client = await auto_client(engine={"slot_save_path": str(slots)}, blocks=blocks, idle_save_s=0, keep=12)
+    convs = [agent(f"s{n}") for n in range(6)]
+    for messages in convs:
+        await ask(client, messages, max_tokens=1)
+    keys = [key_of(client, m) for m in convs]
+    stats = parking(client).stats
+    await client.close()  # the sixth is parked at the stop
+    return keys, stats
+
+
+async def test_six_conversations_sharing_an_opening_take_their_distinct_tokens_bytes(auto_client, tmp_path):
+    ratios = {}
+    for blocks in (True, False):
+        slots = tmp_path / f"slots-{blocks}"
+        keys, stats = await park_six(auto_client, slots, blocks)
+        states = parked_states(slots, tmp_path, keys)
+        per_token = sum(b for _t, b in states) / sum(len(t) for t, _b in states)
+        ratios[blocks] = disk_bytes(slots) / (distinct([t for t, _b in states]) * per_token)
+        assert len(states) == 6
+        if blocks:
+            assert not list(slots.glob("auto-*.bin")), "parked in blocks, not whole files"
+            assert stats.block_saves == 6 and stats.blocks_deduplicated_bytes > 0
+    assert ratios[True] <= 1.15, ratios
+    assert ratios[False] > 3, ratios
+
+
+async def test_a_turn_writes_about_its_new_tokens_bytes(auto_client, tmp_path):
+    ratios: dict[bool, list[float]] = {}
+    for blocks in (True, False):
+        client = await auto_client(engine={"slot_save_path": str(tmp_path / f"slots-{blocks}"), "ctx_size": 8192},
+                                   blocks=blocks, idle_save_s=0)
+        stats = parking(client).stats
+        convs = {"a": agent("a"), "b": agent("b")}
+        last_tokens: dict[str, int] = {}
+        ratios[blocks] = []
+        for n in range(5):  # a, b, a, b, a: each request saves the other conversation
+            name = "ab"[n % 2]
+            other = "ab"[(n + 1) % 2]
+            before = (stats.saves, stats.saved_tokens, stats.block_bytes_written, stats.saved_bytes)
+            answer = await ask(client, convs[name], max_tokens=2)
+            if n:
+                assert stats.saves == before[0] + 1
+                tokens = stats.saved_tokens - before[1]
+                written = stats.block_bytes_written - before[2] if blocks else stats.saved_bytes - before[3]
+                per_token = (stats.saved_bytes - before[3]) / tokens
+                if other in last_tokens:
+                    ratios[blocks].append(written / ((tokens - last_tokens[other]) * per_token))
+                last_tokens[other] = tokens
+            convs[name] = turn(convs[name], answer, f"Next step {n}: " + words(f"t{n}", 15))
+        assert stats.block_saves == (4 if blocks else 0), "each save in blocks, or none"
+        await client.close()
+    assert len(ratios[True]) == 2 and max(ratios[True]) <= 1.5, ratios
+    assert min(ratios[False]) > 3, ratios
+
+
+async def test_restored_from_blocks_it_answers_as_from_a_whole_file(auto_client, tmp_path, sharp_model):
+    answers = {}
+    for blocks in (True, False):
+        slots = tmp_path / f"slots-{blocks}"
+        client = await auto_client(engine={"slot_save_path": str(slots), "model": str(sharp_model)}, blocks=blocks,
+                                   idle_save_s=0)
+        a, b = agent("alpha", 60), agent("beta")
+        first = await ask(client, a, max_tokens=8, temperature=0)
+        await ask(client, b, max_tokens=1)
+        back = await ask(client, turn(a, first, "Go on."), max_tokens=8, temperature=0, n_probs=3)
+        stats = parking(client).stats
+        assert stats.restores == 1 and stats.restore_failures == 0 and stats.restores_refused_damaged == 0
+        key = key_of(client, a)
+        assert (slots / f"auto-{key}.bin").is_file() is not blocks
+        assert not list(slots.glob("auto-tmp*")), "the joined file is removed once restored"
+        answers[blocks] = (back["choices"][0]["message"]["content"], back["timings"]["cache_n"],
+                           back["timings"]["prompt_n"])
+        await client.close()
+    assert answers[True] == answers[False]
+    assert answers[True][1] > 1500, answers
+
+
+@pytest.fixture(scope="module")
+def sharp_model(tmp_path_factory):
+    from tests.parked_state import sharp_demo_model
+
+    return sharp_demo_model(tmp_path_factory.mktemp("sharp"))
+
+
+async def test_a_refused_state_is_parked_whole_with_its_reason_counted(auto_client, caplog):
+    client = await auto_client(engine={"extra_args": ["--context-shift"]}, blocks=True, idle_save_s=0)
+    a, b = agent("a"), agent("b")
+    for messages in (a, b, a, b):
+        await ask(client, messages, max_tokens=1)
+    stats = parking(client).stats
+    directory = slot_dir(client)
+    assert stats.saves == 3 and stats.block_saves == 0 and stats.blocks_refused_shifted == 3
+    assert (directory / f"auto-{key_of(client, a)}.bin").is_file()
+    assert stats.restores == 2
+    said = [r.getMessage() for r in caplog.records if "not in blocks" in r.getMessage()]
+    assert len(said) == 1 and "shifted" in said[0], said
+
+
+async def test_an_earlier_versions_whole_file_restores_and_is_cut_at_its_next_save(auto_client):
+    a, b = agent("old", 60), agent("new")
+    before = await auto_client(blocks=False, idle_save_s=0)
+    await ask(before, a, max_tokens=1)
+    directory = slot_dir(before)
+    key = key_of(before, a)
+    await before.close()
+    assert (directory / f"auto-{key}.bin").is_file()
+
+    after = await auto_client(blocks=True, idle_save_s=0)
+    reply = await ask(after, a, max_tokens=1)
+    stats = parking(after).stats
+    assert stats.restores == 1 and reply["timings"]["cache_n"] > 1500
+    await ask(after, b, max_tokens=1)  # a is saved again: in blocks now
+    assert not (directory / f"auto-{key}.bin").exists()
+    blocks = parking(after).store.blocks
+    assert blocks is not None and blocks.manifest(key, 0) is not None
+    reply = await ask(after, a, max_tokens=1)
+    assert stats.restores == 2 and reply["timings"]["cache_n"] > 1500
+
+
+def held_objects(directory: Path) -> tuple[set[str], set[str]]:
+    """The objects the manifests hold, and those on disk."""
+    blocks = ParkedBlocks.existing(directory)
+    assert blocks is not None
+    held = {name for m in blocks.store.manifests() for name in m.objects()}
+    return held, set(blocks.sizes())
+
+
+async def test_pruning_never_removes_a_block_a_manifest_holds(auto_client):
+    client = await auto_client(blocks=True, idle_save_s=0, keep=2)
+    convs = [agent(f"p{n}") for n in range(5)]
+    for messages in convs:
+        await ask(client, messages, max_tokens=1)
+    directory = slot_dir(client)
+    store = parking(client).store
+    assert len(store.sessions()) == 2  # the keep limit: the others' manifests are gone
+    held, stored = held_objects(directory)
+    assert held <= stored, "every block a manifest holds is there"
+    assert stored == held, "a block no manifest holds is freed"
+    # The kept ones restore whole, the shared opening included.
+    reply = await ask(client, convs[3], max_tokens=1)
+    assert parking(client).stats.restores == 1 and reply["timings"]["cache_n"] > 1500
+
+
+def sessions(directory: Path, *args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(cli, ["sessions", "--slot-dir", str(directory), *args])
+    return result.exit_code, result.output
+
+
+async def test_rm_frees_the_blocks_no_other_conversation_holds(auto_client):
+    client = await auto_client(blocks=True, idle_save_s=0)
+    convs = [agent(f"r{n}") for n in range(3)]
+    for messages in convs:
+        await ask(client, messages, max_tokens=1)
+    keys = [key_of(client, m) for m in convs]
+    directory = slot_dir(client)
+    await client.close()
+
+    code, output = sessions(directory, "ls", "--json")
+    assert code == 0, output
+    rows = {row["key"]: row for row in map(json.loads, output.splitlines())}
+    assert all(rows[k]["blocks"] and rows[k]["shared_bytes"] > rows[k]["own_bytes"] > 0 for k in keys), rows
+    code, output = sessions(directory, "ls")
+    assert code == 0 and "SHARED" in output and "counted once" in output, output
+    code, output = sessions(directory, "ls", "--blocks", "--json")
+    detail = json.loads(output)
+    assert detail["manifests"] == 3 and detail["deduplicated_bytes"] > 0, detail
+
+    blocks = ParkedBlocks.existing(directory)
+    assert blocks is not None
+    own = blocks.objects_of(keys[0], 0) - blocks.objects_of(keys[1], 0) - blocks.objects_of(keys[2], 0)
+    shared = blocks.objects_of(keys[0], 0) & blocks.objects_of(keys[1], 0)
+    assert own and shared
+    code, output = sessions(directory, "rm", keys[0])
+    assert code == 0, output
+    held, stored = held_objects(directory)
+    assert not own & stored, "its own blocks are freed"
+    assert shared <= stored and held == stored, "the blocks others hold stay"
+    assert blocks.manifest(keys[0], 0) is None
+    assert all(blocks.intact(k, 0, rows[k]["tokens"]) for k in keys[1:])
