@@ -1,4 +1,7 @@
-"""service.when_idle: work a plugin runs while the service is quiet, holding the FIFO."""
+"""service.when_idle: work a plugin runs while the service is quiet, holding the FIFO.
+
+The service's own scheduling: on the in-memory engine.
+"""
 
 from __future__ import annotations
 
@@ -38,9 +41,9 @@ async def wait_for(condition, deadline_s=10):
         await asyncio.sleep(0.01)
 
 
-async def test_it_runs_holding_the_fifo_and_a_request_waits_for_it(strata_client_factory):
+async def test_it_runs_holding_the_fifo_and_a_request_waits_for_it(strata_memory_client_factory):
     plugin = QuietWork(0.05)
-    client = await strata_client_factory(plugin)
+    client = await strata_memory_client_factory(plugin)
     assert (await client.post("/v1/chat/completions", json=chat_body())).status == 200
     await wait_for(lambda: plugin.handle.running)
     assert plugin.ran == [True], "it held the FIFO"
@@ -48,9 +51,9 @@ async def test_it_runs_holding_the_fifo_and_a_request_waits_for_it(strata_client
     assert resp.status == 200 and plugin.ran == [True]
 
 
-async def test_a_busy_service_never_starts_it_and_cancel_stops_it(strata_client_factory):
+async def test_a_busy_service_never_starts_it_and_cancel_stops_it(strata_memory_client_factory):
     plugin = QuietWork(0.3)
-    client = await strata_client_factory(plugin)
+    client = await strata_memory_client_factory(plugin)
     await client.post("/v1/chat/completions", json=chat_body())
     first = plugin.handle
     first.cancel()
@@ -68,9 +71,9 @@ async def test_a_busy_service_never_starts_it_and_cancel_stops_it(strata_client_
 
 
 async def test_a_failure_is_logged_by_name_and_a_stop_cancels_what_has_not_started(
-        strata_client_factory, caplog):
+        strata_memory_client_factory, caplog):
     plugin = QuietWork(0.01, fail=True)
-    client = await strata_client_factory(plugin)
+    client = await strata_memory_client_factory(plugin)
     with caplog.at_level(logging.ERROR, logger="strata_serve.service"):
         await client.post("/v1/chat/completions", json=chat_body())
         await wait_for(lambda: plugin.handle.done)

@@ -1,4 +1,10 @@
-"""prefix_key against a real strata-serve and engine, with the fixtures strata-serve ships."""
+"""prefix_key in a real strata-serve, with the fixtures strata-serve ships.
+
+Which key a request gets is the plugin's and the core's business, not the engine's: the
+server runs on the in-memory engine (``strata_memory_client_factory``), in milliseconds.
+The project's own suite checks end to end, on the real engine, that the installed plugin
+changes the key (tests/test_keying.py).
+"""
 
 import importlib.metadata
 
@@ -15,10 +21,10 @@ def agent_turn(listing):
     return "You are a careful coding agent. Fix the failing test.\nFiles: " + listing
 
 
-async def test_a_re_rendered_opening_keeps_its_key(strata_client_factory, strata_settings_factory):
+async def test_a_re_rendered_opening_keeps_its_key(strata_memory_client_factory, strata_settings_factory):
     keys = KeyRecorder()
     settings = strata_settings_factory(plugins={"prefix_key": {"chars": 40}})
-    client = await strata_client_factory(strata_prefix_key, keys, settings=settings)
+    client = await strata_memory_client_factory(strata_prefix_key, keys, settings=settings)
     for text in (agent_turn("a.py"), agent_turn("a.py b.py"), "Something else entirely, at length"):
         resp = await client.post("/v1/chat/completions", json=chat_body(text))
         assert resp.status == 200
@@ -27,11 +33,11 @@ async def test_a_re_rendered_opening_keeps_its_key(strata_client_factory, strata
     assert other != first
 
 
-async def test_short_messages_keep_the_built_in_key(strata_client_factory):
+async def test_short_messages_keep_the_built_in_key(strata_memory_client_factory):
     keys = KeyRecorder()
-    client = await strata_client_factory(keys)
+    client = await strata_memory_client_factory(keys)
     await client.post("/v1/chat/completions", json=chat_body("Hello"))
-    client = await strata_client_factory(strata_prefix_key, keys)
+    client = await strata_memory_client_factory(strata_prefix_key, keys)
     await client.post("/v1/chat/completions", json=chat_body("Hello"))
     built_in, ours = keys.seen
     assert ours == built_in

@@ -195,9 +195,10 @@ async def test_a_named_key_sees_only_its_own_conversations(stats_client):
     assert_openai_error(await refused.json(), 401, refused.status)
 
 
-async def test_disabled_it_exposes_nothing(strata_client_factory, strata_settings_factory):
+async def test_disabled_it_exposes_nothing(strata_memory_client_factory, strata_settings_factory):
+    # The plugin's switch, not the engine's work: on the in-memory engine.
     settings = strata_settings_factory(plugins={"ram_cache_stats": {"enabled": False}})
-    client = await strata_client_factory(strata_ram_cache_stats, settings=settings)
+    client = await strata_memory_client_factory(strata_ram_cache_stats, settings=settings)
     await ask(client, conversation("off"))
     assert "ram_cache_stats" not in client.app[SERVICE].state
     for path in ("/metrics", "/stats"):
