@@ -44,16 +44,20 @@ async def test_erase_without_restore_pays_a_full_prefill(strata_client_factory):
     assert again["timings"]["cache_n"] == 0
 
 
-@pytest.mark.parametrize("name", ["../escape.bin", "/etc/passwd", "..", "a/b.bin", "nul\x00.bin"])
-async def test_path_traversal_is_refused(strata_client_factory, tmp_path, name):
-    client = await strata_client_factory()
+# An absolute name points into the test's own directory: on the in-memory engine, which
+# writes where it is told, a broken check must never write over a file of the machine's.
+@pytest.mark.parametrize("name", ["../escape.bin", "{tmp}/escape.bin", "..", "a/b.bin", "nul\x00.bin"])
+async def test_path_traversal_is_refused(strata_memory_client_factory, tmp_path, name):
+    client = await strata_memory_client_factory()
+    name = name.format(tmp=tmp_path)
     resp = await client.post("/slots/0?action=save", json={"filename": name})
     assert_openai_error(await resp.json(), 400, resp.status)
     assert not (tmp_path / "escape.bin").exists()
 
 
-async def test_symlink_escape_is_refused(strata_client_factory, tmp_path):
-    client = await strata_client_factory()
+async def test_symlink_escape_is_refused(strata_memory_client_factory, tmp_path):
+    client = await strata_memory_client_factory()
+    (tmp_path / "slots").mkdir(exist_ok=True)  # made by llama-server's start; the double makes none
     outside = tmp_path / "outside.bin"
     outside.write_bytes(b"not a slot file")
     (tmp_path / "slots" / "link.bin").symlink_to(outside)
@@ -63,8 +67,8 @@ async def test_symlink_escape_is_refused(strata_client_factory, tmp_path):
     assert outside.read_bytes() == b"not a slot file"
 
 
-async def test_bad_slot_requests(strata_client_factory):
-    client = await strata_client_factory()
+async def test_bad_slot_requests(strata_memory_client_factory):
+    client = await strata_memory_client_factory()
     cases = [
         ("/slots/0?action=explode", {"filename": "a.bin"}, 400),
         ("/slots/0", {"filename": "a.bin"}, 400),
@@ -167,10 +171,11 @@ async def test_a_tenant_reaches_only_its_own_slot_files(strata_client_factory, s
 
 @pytest.mark.parametrize("key", ["ka", "k-plain"])
 async def test_auto_sessions_names_are_refused_to_hand_actions_whatever_the_tenant(
-    strata_client_factory, strata_settings_factory, tmp_path, key
+    strata_memory_client_factory, strata_settings_factory, tmp_path, key
 ):
-    client = await strata_client_factory(settings=strata_settings_factory(server=TENANTS))
+    client = await strata_memory_client_factory(settings=strata_settings_factory(server=TENANTS))
     slots = tmp_path / "slots"
+    slots.mkdir(exist_ok=True)  # made by llama-server's start; the double makes none
     (slots / "auto-alice--s1.bin").write_bytes(b"a parked conversation")
     answers = {}
     for action in ("save", "restore"):
@@ -185,8 +190,8 @@ async def test_auto_sessions_names_are_refused_to_hand_actions_whatever_the_tena
     assert sorted(p.name for p in slots.iterdir()) == ["auto-alice--s1.bin"]
 
 
-async def test_a_name_too_long_once_namespaced_is_refused_not_failed(strata_client_factory, strata_settings_factory):
-    client = await strata_client_factory(settings=strata_settings_factory(server=TENANTS))
+async def test_a_name_too_long_once_namespaced_is_refused_not_failed(strata_memory_client_factory, strata_settings_factory):
+    client = await strata_memory_client_factory(settings=strata_settings_factory(server=TENANTS))
     for name in ("é" * 127 + ".bin", "x" * 250 + ".bin", "\ud800.bin"):
         resp = await client.post("/slots/0?action=save", json={"filename": name}, headers=as_("ka"))
         assert_openai_error(await resp.json(), 400, resp.status)
