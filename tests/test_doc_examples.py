@@ -34,10 +34,10 @@ async def test_token_log_example(strata_client_factory, strata_settings_factory,
     assert " reused 0 of " in lines[0] and " reused 0 of " not in lines[1]
 
 
-async def test_header_key_example(strata_client_factory, recorder):
+async def test_header_key_example(strata_memory_client_factory, recorder):
     import header_key
 
-    client = await strata_client_factory(header_key, recorder)
+    client = await strata_memory_client_factory(header_key, recorder)
     await client.post("/v1/chat/completions", json=chat_body(), headers={"X-Conversation": "abc123"})
     await client.post("/v1/chat/completions", json=chat_body())
     await client.post("/v1/chat/completions", json=chat_body(), headers={"X-Conversation": "../bad"})
@@ -58,10 +58,10 @@ def test_quirk_verdict_example():
     assert quirk_verdict.engine_verdict("save", other, None, 500) is None
 
 
-async def test_uptime_route_example(strata_client_factory):
+async def test_uptime_route_example(strata_memory_client_factory):
     import uptime_route
 
-    client = await strata_client_factory(uptime_route)
+    client = await strata_memory_client_factory(uptime_route)
     resp = await client.get("/uptime")
     assert resp.status == 200
     assert (await resp.json())["uptime_s"] >= 0

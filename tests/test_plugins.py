@@ -11,7 +11,7 @@ import strata_serve
 from strata_serve.cli import cli
 from strata_serve.config import ConfigError, Settings
 from strata_serve.plugins import first_result, get_plugin_manager
-from strata_serve.testing import assert_openai_error
+from strata_serve.testing import MemoryBackend, assert_openai_error
 from tests.hook_scenarios import HOOKS, SCENARIOS, Env, client_factory_for, hook_plugin
 
 
@@ -113,7 +113,8 @@ async def test_routes_added_by_a_plugin_are_served_and_guarded(
 ):
     settings = strata_settings_factory(plugins={"entrypoint_probe": {"greeting": "ahoy"}},
                                        server={"api_key": "k"})
-    client = await strata_client_factory(settings=settings, entrypoints=True)
+    # The core's routing and guard, not the engine's work: on the in-memory engine.
+    client = await strata_client_factory(MemoryBackend(), settings=settings, entrypoints=True)
     resp = await client.get("/probe", headers={"Authorization": "Bearer k"})
     assert resp.status == 200 and (await resp.json()) == {"greeting": "ahoy"}
     refused = await client.get("/probe")
@@ -160,12 +161,13 @@ class HealthSquatter:
                 web.get("/healthy", self.handle)]
 
 
-async def test_no_plugin_route_is_added_under_health(strata_client_factory, strata_settings_factory, caplog):
+async def test_no_plugin_route_is_added_under_health(strata_memory_client_factory, strata_settings_factory, caplog):
     import logging
 
     squatter = HealthSquatter()
     with caplog.at_level(logging.ERROR, logger="strata_serve.api"):
-        client = await strata_client_factory(squatter, settings=strata_settings_factory(server={"api_key": "k"}))
+        client = await strata_memory_client_factory(squatter,
+                                                    settings=strata_settings_factory(server={"api_key": "k"}))
     for method, path in [("POST", "/health"), ("GET", "/health/detail")]:
         assert any("health_squatter" in r.getMessage() and f"{method} {path} refused" in r.getMessage()
                    for r in caplog.records), caplog.text
