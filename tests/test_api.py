@@ -593,7 +593,8 @@ async def test_a_symlink_loop_in_the_slot_directory_gets_400(client, action):
 PNG = "data:image/png;base64,iVBORw0KGgo="
 
 
-@pytest.mark.parametrize("path, body, shape", [
+#: A medium in each API and route, for a model that takes none: (path, body, error shape).
+MEDIA_BODIES = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": PNG}}]}],
         "max_tokens": 2}, "openai"),
@@ -616,23 +617,27 @@ PNG = "data:image/png;base64,iVBORw0KGgo="
      "anthropic"),
     ("/apply-template", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": PNG}}]}]}, "openai"),
-])
-async def test_media_a_text_only_model_cannot_take_gets_400_before_the_line(engine_client, recorder, path, body, shape):
+]
+
+
+async def test_media_a_text_only_model_cannot_take_gets_400_before_the_line(engine_client, recorder):
     # The engine answers these with a 500 ("image input is not supported"), which reached
     # the client as a 502 "the engine failed", after evicting the slot's conversation.
-    resp = await engine_client.post(path, json=body)
-    answer = await resp.json()
-    assert resp.status == 400, answer
-    if shape == "openai":
-        assert_openai_error(answer, 400, resp.status)
-        assert answer["error"]["code"] == "not_supported"
-        message = answer["error"]["message"]
-    else:
-        assert answer["type"] == "error" and answer["error"]["type"] == "invalid_request_error", answer
-        message = answer["error"]["message"]
-    assert "takes no" in message and "engine.mmproj" in message
-    assert recorder.keys == [], "never queued: no plugin saw it, nothing was evicted"
+    # One engine for every route: each is refused before the line, so none changes it.
     assert engine_client.app[SERVICE].engine.info.modalities == frozenset()
+    for path, body, shape in MEDIA_BODIES:
+        resp = await engine_client.post(path, json=body)
+        answer = await resp.json()
+        assert resp.status == 400, (path, answer)
+        if shape == "openai":
+            assert_openai_error(answer, 400, resp.status)
+            assert answer["error"]["code"] == "not_supported", (path, answer)
+            message = answer["error"]["message"]
+        else:
+            assert answer["type"] == "error" and answer["error"]["type"] == "invalid_request_error", (path, answer)
+            message = answer["error"]["message"]
+        assert "takes no" in message and "engine.mmproj" in message, (path, message)
+        assert recorder.keys == [], f"{path}: never queued: no plugin saw it, nothing was evicted"
 
 
 async def test_more_messages_than_the_context_or_the_limit_get_400_before_validation(
