@@ -104,23 +104,38 @@ class ServiceFIFO:
             self._take(slot, claim)
             waiter.set_result(slot)
 
-    async def acquire(self, claim: Claim | None = None, *, exclusive: bool = False) -> int:
-        """Wait for a turn; the slot granted (-1: all of them, ``exclusive``).
+    def line_up(self, claim: Claim) -> asyncio.Future[int]:
+        """Join the line at once, without waiting: the turn, when it comes, is the future's
+        result (await it through :meth:`hold` with ``lined_up``). For a request that must
+        keep its place from this moment (one sent to the engine ahead of its turn).
 
         :raises QueueFull: when ``limit`` requests wait already.
         """
-        claim = claim or Claim(exclusive=exclusive)
-        if not self._waiters:
-            slot = self._place(claim)
-            if slot is not None:
-                self._take(slot, claim)
-                return slot
         if self.waiting >= self.limit:
             raise QueueFull()
         waiter: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._waiters.append((waiter, claim))
         self._idle.clear()
         self._grant()
+        return waiter
+
+    async def acquire(self, claim: Claim | None = None, *, exclusive: bool = False,
+                      lined_up: asyncio.Future[int] | None = None) -> int:
+        """Wait for a turn; the slot granted (-1: all of them, ``exclusive``). ``lined_up``:
+        the place :meth:`line_up` gave.
+
+        :raises QueueFull: when ``limit`` requests wait already.
+        """
+        claim = claim or Claim(exclusive=exclusive)
+        if lined_up is not None:
+            waiter = lined_up
+        else:
+            if not self._waiters:
+                slot = self._place(claim)
+                if slot is not None:
+                    self._take(slot, claim)
+                    return slot
+            waiter = self.line_up(claim)
         try:
             return await waiter
         except asyncio.CancelledError:
@@ -150,8 +165,9 @@ class ServiceFIFO:
         await self._idle.wait()
 
     @contextlib.asynccontextmanager
-    async def hold(self, claim: Claim | None = None, *, exclusive: bool = False) -> AsyncIterator[int]:
-        slot = await self.acquire(claim, exclusive=exclusive)
+    async def hold(self, claim: Claim | None = None, *, exclusive: bool = False,
+                   lined_up: asyncio.Future[int] | None = None) -> AsyncIterator[int]:
+        slot = await self.acquire(claim, exclusive=exclusive, lined_up=lined_up)
         try:
             yield slot
         finally:

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from strata_serve.engine.base import Engine
     from strata_serve.hook_types import ConversationKey, EngineError, Outcome, StrataRequest, Verdict
     from strata_serve.service import Service
+    from strata_serve.slot_state import SlotState
 
 PROJECT = "strata_serve"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -170,6 +171,29 @@ def post_request(request: StrataRequest, outcome: Outcome, service: Service) -> 
 
     :param request: The request that was sent.
     :param outcome: How it ended, with the engine's ``timings`` when it answered.
+    :param service: The running service.
+    """
+
+
+@hookspec
+def may_go_ahead(request: StrataRequest, held: SlotState, service: Service) -> bool | None:
+    """(sync) Whether ``request`` may reach the engine before the answer running now ends.
+
+    Asked on an engine that runs one request at a time, for a request arriving while the
+    request before it is at the engine and no other waits. Answer True only when your
+    ``post_request`` for the request running now and your ``pre_request`` for ``request``
+    need nothing done to the slot before the engine reads ``request`` (no save, restore
+    or erase; nothing the engine must see first): the slot still holds ``held``'s
+    conversation then, grown by the answer. ``request`` goes ahead only when every plugin
+    implementing ``pre_request`` or ``post_request`` answers True (not implementing this
+    hook, or failing in it, is a no). The engine then runs it right after the answer
+    before it; the hooks keep their order and their turn: ``post_request`` of the request
+    before, then ``pre_request`` (the engine may be answering ``request`` by then) and
+    ``post_request`` of ``request``. Sent ahead, it keeps its turn to its end even if its
+    client goes away meanwhile.
+
+    :param request: The request waiting; ``request.conversation_key`` is set.
+    :param held: What the slot held as the request now running was sent (its conversation).
     :param service: The running service.
     """
 

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from strata_serve.config import ConfigError, Settings
 from strata_serve.engine.base import Engine, SlotErased, SlotRestored, SlotSaved
 from strata_serve.fifo import IdleWork, QueueFull, ServiceFIFO, ShuttingDown
+from strata_serve.ahead import Ahead, may_go_ahead
 from strata_serve.shutdown import Stopping
 from strata_serve.slot_calls import SlotCalls
 from strata_serve.hook_types import EngineError, Outcome, StrataRequest, Verdict
@@ -56,6 +57,10 @@ class Service(SlotCalls, Stopping):
         #: When the engine's last answer ended, on an engine that runs one request at a time
         #: (the ``gap`` span is measured from it).
         self._line_free_at: float | None = None
+        #: The request whose answer the engine is making now, on an engine that runs one at a
+        #: time; and the one sent to the engine ahead of its turn behind it, if any.
+        self._at_engine: StrataRequest | None = None
+        self._ahead: StrataRequest | None = None
         self.closing = False
         self.started_at = time.time()
         self._tasks: set[asyncio.Task] = set()
@@ -144,12 +149,41 @@ class Service(SlotCalls, Stopping):
 
     async def _process(self, request: StrataRequest, send: Callable[[Outcome], Awaitable[None]],
                        deliver: Callable[[], Awaitable[None]] | None, arrived: float) -> Outcome:
+        lane = self.side_lane
+        claim = claim_for(request, self.engine, len(self.slots), one_at_a_time=lane)
+        request.pinned = claim.pinned
+        ahead = self._sent_ahead(request, claim, send)
+        if ahead is None:
+            return await self._turn(request, claim, send, deliver, arrived, None)
+        # At the engine already: the request keeps its turn to its end, whatever its client
+        # does meanwhile (the slot's picture and the plugins' steps must see it through).
+        return await _shielded(self._turn(request, claim, send, deliver, arrived, ahead))
+
+    def _sent_ahead(self, request: StrataRequest, claim: Claim,
+                    send: Callable[[Outcome], Awaitable[None]]) -> Ahead | None:
+        """``request`` sent to the engine before its turn, when it needs no switch
+        (:func:`strata_serve.ahead.may_go_ahead`): an engine that runs one request at a
+        time, the answer before it at the engine, no one else waiting, and every plugin
+        that acts around requests agreeing. The engine runs it after that answer."""
+        if (len(self.slots) != 1 or self._at_engine is None or self._ahead is not None or self.closing
+                or self.fifo.waiting or not self.engine.ready):
+            return None
+        if not may_go_ahead(self.pm, request, self.slots[0], self):
+            return None
+        place = self.fifo.line_up(claim)  # its place, from now: no one passes it
+        request.slot = 0
+        self._ahead = request
+        outcome = Outcome(status="error", error="not sent")
+        log.debug("[strata] request %d goes to the engine ahead of its turn (request %d is answering)",
+                  request.id, self._at_engine.id)
+        return Ahead(outcome, asyncio.ensure_future(send(outcome)), place)
+
+    async def _turn(self, request: StrataRequest, claim: Claim, send: Callable[[Outcome], Awaitable[None]],
+                    deliver: Callable[[], Awaitable[None]] | None, arrived: float, ahead: Ahead | None) -> Outcome:
         multi = len(self.slots) > 1
         lane = self.side_lane
         timeline = request.timeline
-        claim = claim_for(request, self.engine, len(self.slots), one_at_a_time=lane)
-        request.pinned = claim.pinned
-        async with self.fifo.hold(claim) as granted:
+        async with self.fifo.hold(claim, lined_up=None if ahead is None else ahead.place) as granted:
             timeline.add("queue", (time.perf_counter() - arrived) * 1000)
             with span("ready"):
                 await self._ready_to_act(multi)
@@ -161,7 +195,7 @@ class Service(SlotCalls, Stopping):
             if multi and request.pinned:
                 request.body["id_slot"] = request.slot  # the engine runs it in the slot chosen here
             began = time.monotonic()
-            outcome = Outcome(status="error", error="not sent")
+            outcome = Outcome(status="error", error="not sent") if ahead is None else ahead.outcome
             try:
                 with span("pre_request"):
                     await _shielded(broadcast(self.pm, "pre_request", request=request, service=self))
@@ -169,7 +203,10 @@ class Service(SlotCalls, Stopping):
                     # which slots it used.
                     tasks_before = await last_tasks(self.engine, len(self.slots)) if not request.pinned else None
             except asyncio.CancelledError:
-                outcome.status, outcome.error = "cancelled", "the client went away before the engine was asked"
+                if ahead is not None:  # never: a request sent ahead is shielded
+                    await asyncio.wait({ahead.task})
+                else:
+                    outcome.status, outcome.error = "cancelled", "the client went away before the engine was asked"
                 await _shielded(self._post(request, outcome, began))
                 raise
             if limit is not None and bound_generation(request, limit):
@@ -178,13 +215,15 @@ class Service(SlotCalls, Stopping):
                          request.id, limit)
             before = self._sent(request)
             one_line = lane or not multi
-            if one_line and self._line_free_at is not None and arrived <= self._line_free_at:
+            if (one_line and ahead is None and self._line_free_at is not None
+                    and arrived <= self._line_free_at):
                 # It waited for the engine's previous answer: from that answer's end until now
                 # the engine stood idle, for strata-serve's work between the two.
                 timeline.add("gap", (time.perf_counter() - self._line_free_at) * 1000)
             sent = False
+            self._ahead, self._at_engine = None, request
             try:
-                await send(outcome)
+                await (send(outcome) if ahead is None else ahead.task)
                 sent = True
             except asyncio.CancelledError:
                 outcome.status = "cancelled"
@@ -195,6 +234,7 @@ class Service(SlotCalls, Stopping):
                 outcome.error = str(exc)
                 raise
             finally:
+                self._at_engine = None
                 if one_line:
                     self._line_free_at = time.perf_counter()
                 self._answered(request, outcome, before)

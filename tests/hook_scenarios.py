@@ -266,3 +266,29 @@ async def other_commands_still_work(env: Env, plugin: object) -> None:
     add_plugin_commands(cli, get_plugin_manager(env.settings(), entrypoints=False, plugins=[Greeter(), plugin]))
     result = CliRunner().invoke(cli, ["greet"])
     assert result.exit_code == 0 and "hello from a plugin" in result.output, result.output
+
+
+@scenario("may_go_ahead")
+async def a_request_behind_an_answer_is_asked_about(env: Env, plugin: object) -> None:
+    import asyncio
+
+    from strata_serve.testing import until
+
+    client = await env.client(plugin)
+    engine = client.app[SERVICE].engine
+    plain, go, reached = engine.request, asyncio.Event(), []
+
+    async def first_held(method: str, path: str, json: Any = None, **kwargs: Any) -> Any:
+        if path == "/v1/chat/completions":
+            reached.append(path)
+            if len(reached) == 1:
+                await go.wait()
+        return await plain(method, path, json, **kwargs)
+
+    engine.request = first_held
+    first = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body("held")))
+    await until(lambda: len(reached) == 1, what="the first request at the engine")
+    second = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body("behind it")))
+    await until(lambda: bool(plugin.calls), what="the plugin asked")  # type: ignore[attr-defined]
+    go.set()
+    assert [(await first).status, (await second).status] == [200, 200]

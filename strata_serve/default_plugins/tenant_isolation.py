@@ -49,6 +49,12 @@ async def pre_request(request: StrataRequest, service: Service) -> None:
         request.body["cache_prompt"] = False
 
 
+@strata_serve.hookimpl
+def may_go_ahead(service: Service) -> bool:
+    # Only strict isolation acts on the slot before a request.
+    return not _strict(service)
+
+
 @strata_serve.hookimpl(trylast=True)
 async def pre_slot_action(slot: int, tenant: str | None, service: Service) -> None:
     # A save by hand must not write another tenant's state into the caller's file.

@@ -1,0 +1,131 @@
+"""A request that needs no switch reaches the engine before the answer before it ends
+(``strata_serve/ahead.py``), on the in-memory engine: the ordering is the core's.
+
+The engine here runs one request at a time, as a one-slot llama-server does, and holds
+its first answer until the test lets it go: what reached it meanwhile is what the service
+sent ahead of its turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import strata_serve
+from strata_serve.api import SERVICE
+from strata_serve.memory_engine import MemoryEngine
+from strata_serve.testing import chat_body, until, until_idle
+
+CHAT = ("/v1/chat/completions", "/v1/completions")
+
+
+class OneAtATime(MemoryEngine):
+    """The in-memory engine running one request at a time, its first answer held until ``go``."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.line = asyncio.Lock()
+        self.go = asyncio.Event()
+        #: The last message of each request, as it reached the engine and as it ran.
+        self.arrived: list[str] = []
+        self.ran: list[str] = []
+
+    async def request(self, method: str, path: str, json: Any = None, **kwargs: Any) -> tuple[int, Any]:
+        if method != "POST" or path not in CHAT:
+            return await super().request(method, path, json, **kwargs)
+        text = json["messages"][-1]["content"]
+        self.arrived.append(text)
+        async with self.line:
+            if not self.ran:
+                await self.go.wait()
+            self.ran.append(text)
+            return await super().request(method, path, json, **kwargs)
+
+
+class Steps:
+    """Records the hooks' order; agrees to a request going ahead when told to."""
+
+    strata_name = "steps"
+
+    def __init__(self, agree: bool) -> None:
+        self.agree = agree
+        self.events: list[tuple[str, str]] = []
+        self.asked: list[tuple[str | None, str | None]] = []
+
+    @strata_serve.hookimpl
+    def may_go_ahead(self, request, held):
+        self.asked.append((request.conversation_key, held.key))
+        return self.agree
+
+    @strata_serve.hookimpl
+    def pre_request(self, request):
+        self.events.append(("pre", request.body["messages"][-1]["content"]))
+
+    @strata_serve.hookimpl
+    def post_request(self, request, outcome):
+        self.events.append(("post", request.body["messages"][-1]["content"]))
+
+
+async def _two_requests(client, engine: OneAtATime):
+    first = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body("first", max_tokens=3)))
+    await until(lambda: engine.arrived == ["first"], what="the first request at the engine")
+    second = asyncio.create_task(client.post("/v1/chat/completions",
+                                              json=chat_body("second", max_tokens=3, stream=True)))
+    return first, second
+
+
+async def test_a_request_every_plugin_lets_go_ahead_reaches_the_engine_before_the_answer_before_it_ends(
+        strata_client_factory):
+    engine, steps = OneAtATime(), Steps(agree=True)
+    client = await strata_client_factory(steps, engine=engine)
+    service = client.app[SERVICE]
+    first, second = await _two_requests(client, engine)
+    await until(lambda: engine.arrived == ["first", "second"], what="the second request at the engine, ahead")
+    assert engine.ran == [] and not first.done(), "the first answer is still held"
+    assert steps.events == [("pre", "first")], "the second's pre_request waits for its turn"
+    first_key = service.slots[0].key
+    assert steps.asked == [(steps.asked[0][0], first_key)], "asked with what the slot holds"
+    engine.go.set()
+    replies = [await first, await second]
+    assert [reply.status for reply in replies] == [200, 200]
+    assert "[DONE]" in await replies[1].text()
+    await until_idle(service)
+    # The engine ran them in order; the hooks kept theirs, each in its request's turn.
+    assert engine.ran == ["first", "second"]
+    assert steps.events == [("pre", "first"), ("post", "first"), ("pre", "second"), ("post", "second")]
+    # The picture of the slot is the second's, with the engine's own count.
+    held = service.slots[0]
+    assert held.key == replies[1].headers["X-Strata-Conversation"] != first_key
+    assert held.tokens == len(engine.slot)
+
+
+async def test_a_request_goes_ahead_only_when_every_plugin_acting_around_requests_agrees(
+        strata_client_factory, recorder):
+    # The recorder has pre_request and post_request but no word on going ahead: a no.
+    engine, steps = OneAtATime(), Steps(agree=True)
+    client = await strata_client_factory(steps, recorder, engine=engine)
+    service = client.app[SERVICE]
+    first, second = await _two_requests(client, engine)
+    await until(lambda: service.fifo.waiting == 1, what="the second request waiting in the FIFO")
+    assert engine.arrived == ["first"], "it waits for its turn to reach the engine"
+    engine.go.set()
+    assert [(await first).status, (await second).status] == [200, 200]
+    assert engine.arrived == engine.ran == ["first", "second"]
+
+
+async def test_a_request_sent_ahead_keeps_its_turn_when_its_client_leaves(strata_client_factory):
+    engine, steps = OneAtATime(), Steps(agree=True)
+    client = await strata_client_factory(steps, engine=engine)
+    service = client.app[SERVICE]
+    first, second = await _two_requests(client, engine)
+    await until(lambda: engine.arrived == ["first", "second"], what="the second request at the engine, ahead")
+    second.cancel()
+    third = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body("third", max_tokens=3)))
+    await until(lambda: service.fifo.waiting == 2, what="the third request waiting behind the second")
+    engine.go.set()
+    assert (await first).status == 200 and (await third).status == 200
+    await until_idle(service)
+    # The second's turn came before the third's, with its plugin steps, whatever its client did.
+    assert engine.ran == ["first", "second", "third"]
+    assert [event for event in steps.events] == [("pre", "first"), ("post", "first"), ("pre", "second"),
+                                                 ("post", "second"), ("pre", "third"), ("post", "third")]
