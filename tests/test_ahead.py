@@ -9,6 +9,7 @@ sent ahead of its turn.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import strata_serve
@@ -129,3 +130,31 @@ async def test_a_request_sent_ahead_keeps_its_turn_when_its_client_leaves(strata
     assert engine.ran == ["first", "second", "third"]
     assert [event for event in steps.events] == [("pre", "first"), ("post", "first"), ("pre", "second"),
                                                  ("post", "second"), ("pre", "third"), ("post", "third")]
+
+
+async def test_on_the_real_engine_requests_behind_an_answer_go_ahead_and_the_slot_picture_holds(
+        strata_client_factory, caplog):
+    caplog.set_level(logging.DEBUG, logger="strata_serve.service")
+    client = await strata_client_factory()  # the default plugins: tenant isolation, not strict, agrees
+    service = client.app[SERVICE]
+    engine = service.engine
+    story = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body(
+        "Tell a long story about a river", max_tokens=400, ignore_eos=True)))
+
+    async def answering() -> bool:
+        return any(report.processing for report in await engine.slots())
+
+    await until(answering, timeout=60, what="the engine answering the first request")
+    behind = [asyncio.create_task(client.post("/v1/chat/completions", json=chat_body(
+        f"Client {n} asks about stones", max_tokens=8, stream=n % 2 == 1))) for n in range(3)]
+    replies = [await story, *[await task for task in behind]]
+    assert [reply.status for reply in replies] == [200] * 4
+    texts = [await reply.text() for reply in replies]
+    assert all(text.strip() for text in texts)
+    await until_idle(service)
+    assert any("ahead of its turn" in record.getMessage() for record in caplog.records), \
+        "a request behind the story reached the engine before the story's answer ended"
+    # The picture of the slot is what the engine holds: the last request's conversation, its count.
+    report = next(report for report in await engine.slots() if report.id == 0)
+    assert service.slots[0].tokens == report.tokens
+    assert service.slots[0].key in {reply.headers["X-Strata-Conversation"] for reply in replies[1:]}
