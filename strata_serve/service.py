@@ -186,7 +186,15 @@ class Service(SlotCalls, Stopping):
         async with self.fifo.hold(claim, lined_up=None if ahead is None else ahead.place) as granted:
             timeline.add("queue", (time.perf_counter() - arrived) * 1000)
             with span("ready"):
-                await self._ready_to_act(multi)
+                try:
+                    await self._ready_to_act(multi)
+                except BaseException:
+                    if ahead is not None:
+                        # Sent, never recorded: what the slot holds now is nobody's to name.
+                        await asyncio.wait({ahead.task})
+                        _ = ahead.task.cancelled() or ahead.task.exception()  # its failure is this one's
+                        self.slots.unknown(request.slot, nameable=False)
+                    raise
                 limit = None
                 if lane:
                     limit = await self._place_in_lane(request)

@@ -14,6 +14,7 @@ from typing import Any
 
 import strata_serve
 from strata_serve.api import SERVICE
+from strata_serve.engine.base import EngineUnavailable
 from strata_serve.memory_engine import MemoryEngine
 from strata_serve.testing import chat_body, until, until_idle
 
@@ -158,3 +159,25 @@ async def test_on_the_real_engine_requests_behind_an_answer_go_ahead_and_the_slo
     report = next(report for report in await engine.slots() if report.id == 0)
     assert service.slots[0].tokens == report.tokens
     assert service.slots[0].key in {reply.headers["X-Strata-Conversation"] for reply in replies[1:]}
+
+
+async def test_a_request_sent_ahead_whose_turn_finds_the_engine_gone_leaves_nothing_named_in_the_slot(
+        strata_client_factory):
+    engine, steps = OneAtATime(), Steps(agree=True)
+    client = await strata_client_factory(steps, engine=engine)
+    service = client.app[SERVICE]
+    first, second = await _two_requests(client, engine)
+    await until(lambda: engine.arrived == ["first", "second"], what="the second request at the engine, ahead")
+
+    async def gone() -> None:
+        raise EngineUnavailable("the engine stopped, and no restart is coming")
+
+    engine.wait_ready = gone  # type: ignore[method-assign]
+    engine.go.set()
+    assert (await first).status == 200
+    await second  # a stream: its answer left as the engine made it, before its turn failed
+    await until_idle(service)
+    # The engine ran the second request (its conversation is in the slot) but no turn
+    # recorded it: the slot holds nothing a plugin may save under a name.
+    assert engine.ran == ["first", "second"]
+    assert service.slots[0].key is None and service.slots[0].tokens is None
