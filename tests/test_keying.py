@@ -82,11 +82,11 @@ async def test_the_configured_order_decides_which_keying_plugin_wins(
 
 
 async def test_a_refused_header_is_answered_400_and_nothing_is_keyed(
-    strata_client_factory, strata_settings_factory, recorder
+    strata_memory_client_factory, strata_settings_factory, recorder
 ):
     settings = strata_settings_factory(plugins={"auto_sessions": {"min_tokens": 100}})
-    client = await strata_client_factory(strata_auto_sessions, strata_session_header, recorder,
-                                         settings=settings)
+    client = await strata_memory_client_factory(strata_auto_sessions, strata_session_header, recorder,
+                                                settings=settings)
     held = {"messages": conversation("held"), "max_tokens": 8, "temperature": 0}
     assert (await client.post("/v1/chat/completions", json=held)).status == 200
     for bad in ("x" * 65, "../escape", "naïve"):
