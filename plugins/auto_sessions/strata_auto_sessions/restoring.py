@@ -213,12 +213,12 @@ async def _join(parking: AutoSessions, source: str, sibling: int, path: Path) ->
     """A conversation in blocks: its blocks joined into a temporary file in the slot
     directory, its name (None: its whole file is there); False when a block is missing or
     damaged (counted; the damaged block is gone, so a next save writes it again)."""
-    joining = getattr(parking.store, "joined", None)
-    if joining is None:
-        return None
+    store = parking.store
+    if getattr(store, "blocks", None) is None or store.restorable(source, sibling):  # type: ignore[union-attr]
+        return None  # a whole file: the engine reads it as it is
     try:
         with span("auto_sessions.join"):
-            return await asyncio.to_thread(joining, source, sibling)
+            return await asyncio.to_thread(store.joined, source, sibling)  # type: ignore[union-attr]
     except (CorruptBlock, ValueError, OSError) as exc:
         parking.stats.restores_refused_damaged += 1
         log.warning("[strata] auto sessions: not restoring %s: its blocks do not join (%s)", path.name, exc)

@@ -18,6 +18,7 @@ from strata_serve.engine.llama_server.state_file import LlamaStateFormat
 from strata_serve.testing import ask
 
 from .test_auto_sessions import key_of, parking, slot_dir
+from .test_shared_parking import settled, shared_head, shared_url, then  # noqa: F401 (shared_url: a fixture)
 
 BLOCK = 64
 
@@ -261,3 +262,35 @@ async def test_rm_frees_the_blocks_no_other_conversation_holds(auto_client):
     assert shared <= stored and held == stored, "the blocks others hold stay"
     assert blocks.manifest(keys[0], 0) is None
     assert all(blocks.intact(k, 0, rows[k]["tokens"]) for k in keys[1:])
+
+
+async def test_in_blocks_a_conversation_moves_between_servers_through_the_shared_tier(auto_client, tmp_path,
+                                                                                     shared_url):
+    shared = {"url": shared_url, "retry_s": 0.5}
+    one = await auto_client(engine={"slot_save_path": str(tmp_path / "one")}, idle_save_s=0, shared=shared,
+                            blocks=True)
+    two = await auto_client(engine={"slot_save_path": str(tmp_path / "two")}, idle_save_s=0, shared=shared,
+                            blocks=True)
+    a = agent("voyage")
+    first = await ask(one, a, max_tokens=1)
+    await ask(one, agent("other-one"), max_tokens=1)  # a is saved on one, in blocks, then uploaded
+    await settled(one)
+    key = key_of(one, a)
+    name = parking(one).store.bin_name(key)
+    saved = parking(one).store.sidecar(key)
+    assert parking(one).stats.block_saves == 1 and not (tmp_path / "one" / name).exists()
+    assert parking(one).stats.shared_uploads == 1 and (await shared_head(one, name)).generation == 1
+
+    a2 = then(a, first, "And then?")
+    second = await ask(two, a2, max_tokens=1)  # fetched, cut into two's blocks, joined and restored
+    assert parking(two).stats.shared_fetches == 1 and parking(two).stats.restores == 1
+    assert not (tmp_path / "two" / name).exists() and parking(two).store.blocks.manifest(key, 0) is not None
+    assert second["timings"]["cache_n"] >= saved.tokens - 3, (second["timings"], saved.tokens)
+    await ask(two, agent("other-two"), max_tokens=1)  # a's next turn saved on two: generation 2
+    await settled(two)
+    newer = await shared_head(two, name)
+    assert newer.generation == 2 and newer.tokens > saved.tokens
+
+    third = await ask(one, then(a2, second, "And after that?"), max_tokens=1)  # one's copy is older: fetched
+    assert parking(one).stats.shared_fetches == 1 and parking(one).stats.restores == 1
+    assert third["timings"]["cache_n"] >= newer.tokens - 3, (third["timings"], newer.tokens)

@@ -61,6 +61,7 @@ from strata_auto_sessions.digests import digest_matches, sample_digest
 from strata_auto_sessions.naming import (
     PREFIX, SESSION_NAME, TEMP_PREFIX, file_key, key_of_file, session_name, sibling_name, sibling_of,
 )
+from strata_auto_sessions.parked_blocks import CorruptBlock, ParkedBlocks
 from strata_auto_sessions.prefix import shared_links
 from strata_auto_sessions.prompts import continues
 from strata_auto_sessions.shared.tier import (
@@ -146,7 +147,9 @@ class Ledger:
     def drop_gone(self) -> None:
         """Forget the files no longer here."""
         for name, entry in list(self.entries.items()):
-            if not (self.path.parent / name).is_file() and self.entries.get(name) is entry:
+            # (a conversation parked in blocks has its sidecar and no file)
+            if not (self.path.parent / name).is_file() and not (self.path.parent / sidecar_name(name)).is_file() \
+                    and self.entries.get(name) is entry:
                 del self.entries[name]
 
     def render(self) -> tuple[int, str]:
@@ -445,11 +448,38 @@ class SharedParking:
         during the upload), and the sidecar read."""
         path, side = self.directory / name, self.directory / sidecar_name(name)
         sidecar = Sidecar.read(side)
+        if sidecar is not None and not path.exists() and self._blocks_of(sidecar) is not None:
+            return self._snapshot_blocks(name, side, sidecar)
         if sidecar is None or not path.is_file() or path.is_symlink():
             return None
         bin_temp, json_temp = self.directory / temp_for(name, ".bin"), self.directory / temp_for(name, ".json")
         try:
             os.link(path, bin_temp)
+            os.link(side, json_temp)
+        except OSError:
+            bin_temp.unlink(missing_ok=True)
+            raise
+        return bin_temp, json_temp, sidecar
+
+    def _blocks_of(self, sidecar: Sidecar) -> ParkedBlocks | None:
+        """The slot directory's block store, when it holds ``sidecar``'s conversation."""
+        blocks = getattr(self.parking.store, "blocks", None)
+        if blocks is None or blocks.manifest(sidecar.key, sidecar.sibling) is None:
+            return None
+        return blocks
+
+    def _snapshot_blocks(self, name: str, side: Path, sidecar: Sidecar) -> tuple[Path, Path, Sidecar] | None:
+        """A conversation parked in blocks: its blocks joined into the file the tier takes
+        (the very bytes the engine saved: the sidecar's digest holds), beside its sidecar."""
+        blocks = self._blocks_of(sidecar)
+        assert blocks is not None
+        bin_temp, json_temp = self.directory / temp_for(name, ".bin"), self.directory / temp_for(name, ".json")
+        try:
+            blocks.join_into(sidecar.key, sidecar.sibling, bin_temp)
+        except (CorruptBlock, ValueError) as exc:
+            log.warning("[strata] auto sessions: shared tier: not uploading %s: its blocks do not join (%s)", name, exc)
+            return None
+        try:
             os.link(side, json_temp)
         except OSError:
             bin_temp.unlink(missing_ok=True)
@@ -803,6 +833,16 @@ class SharedParking:
         # sidecar whose digest the old file fails, never restored.
         os.chmod(bin_temp, 0o600)
         os.chmod(json_temp, 0o600)
+        blocks = getattr(self.parking.store, "blocks", None)
+        if blocks is not None:
+            # Parking in blocks: the fetched file is cut, only the blocks this store lacks
+            # are written (a state the format refuses is kept whole, as fetched).
+            sidecar = Sidecar.load(json_temp)
+            if blocks.save(sidecar.key, sidecar.sibling, bin_temp).refused is None:
+                (self.directory / name).unlink(missing_ok=True)
+                os.replace(json_temp, self.directory / sidecar_name(name))
+                return
+            blocks.remove(sidecar.key, sidecar.sibling)
         os.replace(json_temp, self.directory / sidecar_name(name))
         os.replace(bin_temp, self.directory / name)
 
@@ -822,7 +862,7 @@ class SharedParking:
         local = await asyncio.to_thread(Sidecar.read, self.directory / sidecar_name(name))
         if local is None or standing(local.prompt, local.tokens, current[0]) is not Standing.BEHIND:
             return
-        if await asyncio.to_thread((self.directory / name).is_file):
+        if await asyncio.to_thread((self.directory / name).is_file) or self._blocks_of(local) is not None:
             self.stats.shared_stale_set_aside += 1
             log.info("[strata] auto sessions: shared tier: the copy of %s here is older than the shared one "
                      "(%s, generation %d): removed, never restored stale", name, shared, current[0].generation)
@@ -836,7 +876,12 @@ class SharedParking:
 
     def _unlink_pair(self, name: str) -> None:
         (self.directory / name).unlink(missing_ok=True)
+        sidecar = Sidecar.read(self.directory / sidecar_name(name))
+        blocks = self._blocks_of(sidecar) if sidecar is not None else None
         (self.directory / sidecar_name(name)).unlink(missing_ok=True)
+        if blocks is not None and sidecar is not None:
+            blocks.remove(sidecar.key, sidecar.sibling)
+            blocks.free_unheld()
 
     def _save_ledger(self, number: int, text: str) -> None:
         try:
