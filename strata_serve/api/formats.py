@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from typing import Any
 
 from strata_serve.api.errors import OPENAI_ERRORS, ErrorShape
@@ -80,10 +81,11 @@ class ApiFormat:
 
 
 @functools.cache
-def _markers(api: ApiFormat, numbers_key: str | None) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
-    """An API's markers with the engine's key for its numbers, and those with the ends."""
+def _markers(api: ApiFormat, numbers_key: str | None) -> tuple[tuple[bytes, ...], re.Pattern[bytes]]:
+    """An API's markers with the engine's key for its numbers, and a pattern finding any of
+    those or the ends (one search over a chunk, not one per marker)."""
     markers = api.markers if numbers_key is None else (*api.markers, json.dumps(numbers_key).encode())
-    return markers, markers + api.done_markers
+    return markers, re.compile(b"|".join(re.escape(marker) for marker in markers + api.done_markers))
 
 
 class StreamSeen:
@@ -96,7 +98,8 @@ class StreamSeen:
         self.api = api
         self.numbers_key = numbers_key
         #: Bytes that mark an event worth parsing; with the ends, a chunk worth reading.
-        self.markers, self.worth_reading = _markers(api, numbers_key)
+        self.markers, worth_reading = _markers(api, numbers_key)
+        self._search = worth_reading.search
         self._buffer = b""
         #: The engine's own numbers (under its key), for the backend to read.
         self.timings: dict[str, Any] | None = None
@@ -105,12 +108,10 @@ class StreamSeen:
         self.error: str | None = None
 
     def feed(self, chunk: bytes) -> None:
-        if not self._buffer and chunk.endswith(b"\n"):
-            for marker in self.worth_reading:
-                if marker in chunk:
-                    break
-            else:
-                return  # whole events of plain tokens (most chunks): nothing to learn
+        # Called for every chunk the engine sends (most often one token): whole events of
+        # plain tokens, most chunks, cost one search.
+        if not self._buffer and chunk.endswith(b"\n") and self._search(chunk) is None:
+            return
         self._buffer += chunk
         *lines, self._buffer = self._buffer.split(b"\n")
         for line in lines:

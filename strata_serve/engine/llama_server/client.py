@@ -96,10 +96,11 @@ class EngineClient:
         assert self.session is not None
         session = self.session
         resp, proc = await self._send(lambda: session.post(self.url + path, json=json, headers=CLOSE_AFTER), True)
+        reply = StreamReply(resp, lambda exc: self.gone(exc, proc), session.timeout.sock_read)
         try:
-            yield StreamReply(resp, lambda exc: self.gone(exc, proc))
+            yield reply
         finally:
-            resp.close()
+            reply.close()
 
     async def _send(self, send: Callable[[], Awaitable[aiohttp.ClientResponse]],
                     resend: bool) -> tuple[aiohttp.ClientResponse, Process | None]:
@@ -198,13 +199,27 @@ class EngineClient:
 
 
 class StreamReply:
-    """The engine's streamed answer: its status, then its bytes as they come."""
+    """The engine's streamed answer: its status, then its bytes as they come.
+
+    ``read_timeout``: the longest the engine may stay silent mid-answer (the session's
+    ``sock_read``), kept by one watch for the whole stream (:class:`ReadWatch`) rather than
+    by aiohttp's timer, re-armed for every packet: one per token.
+    """
 
     def __init__(self, resp: aiohttp.ClientResponse,
-                 gone: Callable[[BaseException], Awaitable[EngineUnavailable]]):
+                 gone: Callable[[BaseException], Awaitable[EngineUnavailable]],
+                 read_timeout: float | None = None):
         self._resp = resp
         self._gone = gone
+        self._content = resp.content
         self.status = resp.status
+        self._watch = ReadWatch(resp, read_timeout) if read_timeout else None
+
+    def close(self) -> None:
+        """Leave the answer: the connection is dropped (which stops the engine's work)."""
+        if self._watch is not None:
+            self._watch.stop()
+        self._resp.close()
 
     async def body(self) -> Any:
         """The whole body (for an error answer): JSON when it parses, else text."""
@@ -227,12 +242,58 @@ class StreamReply:
     async def __anext__(self) -> bytes:
         # A plain iterator rather than an async generator: one step less for every chunk.
         try:
-            chunk = await self._resp.content.readany()
+            chunk = await self._content.readany()
         except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
             raise await self._gone(exc) from exc
         if not chunk:
             raise StopAsyncIteration
         return chunk
+
+
+class ReadWatch:
+    """A stream's read timeout, looked at a few times per timeout instead of per packet.
+
+    aiohttp keeps ``sock_read`` by cancelling and scheduling a timer for every packet it
+    reads: for a stream, one per token, beside the relay's own work. Here the connection's
+    own timer is turned off and the count of bytes read is looked at every quarter of the
+    timeout: the engine is taken for silent once nothing came for the whole timeout (never
+    sooner; at most half a timeout later). A silent engine then fails the read as aiohttp's own
+    timer would (:class:`aiohttp.SocketTimeoutError`).
+    """
+
+    def __init__(self, resp: aiohttp.ClientResponse, timeout: float) -> None:
+        self._content = resp.content
+        self._timeout = timeout
+        self._handle: asyncio.TimerHandle | None = None
+        connection = resp.connection
+        if connection is None or connection.protocol is None or self._content.is_eof():
+            return  # the whole answer is in already: nothing left to wait for
+        # The timer armed for the last packet read still runs; the next packet cancels it
+        # and arms none.
+        connection.protocol.read_timeout = None
+        self._loop = asyncio.get_running_loop()
+        self._seen = self._content.total_bytes
+        self._since = self._loop.time()
+        self._handle = self._loop.call_later(timeout / 4, self._look)
+
+    def _look(self) -> None:
+        content = self._content
+        if content.is_eof() or content.exception() is not None:
+            self._handle = None
+            return
+        now = self._loop.time()
+        if content.total_bytes != self._seen:
+            self._seen, self._since = content.total_bytes, now
+        elif now - self._since >= self._timeout:
+            self._handle = None
+            content.set_exception(aiohttp.SocketTimeoutError("Timeout on reading data from socket"))
+            return
+        self._handle = self._loop.call_later(self._timeout / 4, self._look)
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
 
 
 def json_answer(raw: bytes) -> Any:

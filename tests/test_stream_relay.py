@@ -1,0 +1,107 @@
+"""The stream relay's own guarantees, against a test double of the engine over real HTTP.
+
+The relay reads the engine with less work per chunk than aiohttp's client does on its own
+(its read timeout is kept by one watch per stream, not by a timer re-armed for every
+packet): an engine that goes silent mid-stream is still given up after
+``engine.request_timeout_s``, never sooner.
+"""
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from strata_serve.api.formats import OPENAI, StreamSeen
+from strata_serve.config import EngineSettings
+from strata_serve.engine import EngineUnavailable, LlamaServer
+from strata_serve.testing import chat_body
+
+#: The engine's read timeout in these tests: short, but far above a loaded machine's hiccups.
+READ_TIMEOUT_S = 1.5
+
+
+def event(data: dict | str) -> bytes:
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {text}\n\n".encode()
+
+
+def http_chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+class SilentEngine:
+    """Test double: answers a stream with ``tokens`` events, one every ``pause_s``, then
+    says nothing more, holding the connection open, until the client leaves."""
+
+    def __init__(self, tokens: int = 3, pause_s: float = 0.0) -> None:
+        self.tokens = tokens
+        self.pause_s = pause_s
+        self.left = asyncio.Event()
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            await reader.readexactly(length)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n")
+            for n in range(self.tokens):
+                writer.write(http_chunk(event({"choices": [{"index": 0, "delta": {"content": str(n)},
+                                                             "finish_reason": None}]})))
+                await writer.drain()
+                await asyncio.sleep(self.pause_s)
+            await reader.read()  # silent until the client closes its end
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self.left.set()
+            writer.close()
+
+
+async def engine_on(double: SilentEngine) -> tuple[LlamaServer, asyncio.Server]:
+    server = await asyncio.start_server(double.handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    engine = LlamaServer(EngineSettings(url=f"http://127.0.0.1:{port}", start_timeout_s=10,
+                                        request_timeout_s=READ_TIMEOUT_S))
+    return engine, server
+
+
+async def test_an_engine_silent_mid_stream_is_given_up_after_the_read_timeout_not_sooner():
+    # Tokens come for longer than the timeout in all: only silence counts, not the stream's length.
+    double = SilentEngine(tokens=6, pause_s=READ_TIMEOUT_S / 3)
+    engine, server = await engine_on(double)
+    try:
+        await engine.start()
+        got = b""
+        async with engine.stream("/v1/chat/completions", chat_body(stream=True)) as reply:
+            assert reply.status == 200
+            # Bounded: an engine never given up would hold the test forever.
+            async with asyncio.timeout(READ_TIMEOUT_S * 20):
+                with pytest.raises(EngineUnavailable, match="did not answer"):
+                    async for chunk in reply.chunks():
+                        got += chunk
+                        last = time.monotonic()
+        silent = time.monotonic() - last
+        assert got.count(b"data: ") == 6, "every token sent before the silence was relayed"
+        assert silent >= READ_TIMEOUT_S, f"given up after {silent:.2f} s of silence, before the read timeout"
+        async with asyncio.timeout(30):
+            await double.left.wait()  # leaving the stream dropped the engine's connection
+    finally:
+        await engine.stop()
+        server.close()
+        await server.wait_closed()
+
+
+def test_the_numbers_in_a_final_event_split_across_chunks_are_read():
+    """The engine's last event (its numbers) cut anywhere, even inside a marker the fast path looks for."""
+    timings = {"cache_n": 40, "prompt_n": 7, "predicted_n": 3}
+    last = event({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}], "timings": timings})
+    stream = event({"choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": None}]}) + last
+    stream += event("[DONE]")
+    for cut in range(len(stream) - len(last), len(stream)):
+        seen = StreamSeen(OPENAI, "timings")
+        seen.feed(stream[:cut])
+        seen.feed(stream[cut:])
+        assert seen.timings == timings and seen.finished and seen.error is None, cut
