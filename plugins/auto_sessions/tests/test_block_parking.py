@@ -246,6 +246,8 @@ async def test_rm_frees_the_blocks_no_other_conversation_holds(auto_client):
     assert all(rows[k]["blocks"] and rows[k]["shared_bytes"] > rows[k]["own_bytes"] > 0 for k in keys), rows
     code, output = sessions(directory, "ls")
     assert code == 0 and "SHARED" in output and "counted once" in output, output
+    code, output = sessions(directory, "inspect", keys[0])
+    assert code == 0 and "in blocks under" in output and "intact: yes" in output, output
     code, output = sessions(directory, "ls", "--blocks", "--json")
     detail = json.loads(output)
     assert detail["manifests"] == 3 and detail["deduplicated_bytes"] > 0, detail
