@@ -54,13 +54,16 @@ async def _plain(session: aiohttp.ClientSession, url: str, messages: list[dict])
 
 
 async def measure(model: Path, work: Path, *, streams: int, stream_tokens: int, requests: int, blocks: int,
-                  clients: int, turns: int, source: Path | None = None) -> dict[str, Any]:
-    """Every measure, interleaved; ``source``: strata-serve from that tree (an earlier version)."""
+                  clients: int, turns: int, source: Path | None = None,
+                  engine: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every measure, interleaved; ``source``: strata-serve from that tree (an earlier version);
+    ``engine``: engine settings over its defaults (an earlier version's differ: 7c39d15 ran a
+    side slot of 2,048 tokens by default, two slots in the engine)."""
     found: dict[str, Any] = {"sizes": {"streams": streams, "stream_tokens": stream_tokens, "requests": requests,
                                        "blocks": blocks, "clients": clients, "turns": turns}}
     short = [{"role": "user", "content": "Say something about rivers."}]
-    async with strata_process(model, work, ctx=CTX_SIZE, plugins=DEFAULTS, source=source) as (strata_url, engine_url,
-                                                                                               pid), \
+    async with strata_process(model, work, ctx=CTX_SIZE, plugins=DEFAULTS, source=source,
+                              engine=engine) as (strata_url, engine_url, pid), \
             client_session() as session:
         urls = {"engine": engine_url, "strata": strata_url}
         for url in urls.values():
@@ -162,7 +165,11 @@ def cli() -> None:
     parser.add_argument("--tiny", action="store_true", help="the tiny demo model instead of SmolLM2")
     parser.add_argument("--json", type=Path, help="write the raw figures here")
     parser.add_argument("--before", type=Path, help="strata-serve from this tree (an earlier version) instead")
+    parser.add_argument("--engine", action="append", default=[], metavar="SETTING=VALUE",
+                        help="an engine setting over the defaults, its value as JSON (e.g. side_slot_tokens=0: "
+                             "7c39d15 ran a side slot by default, so its figures are of another engine layout)")
     options = parser.parse_args()
+    engine = {name: json.loads(value) for name, value in (item.split("=", 1) for item in options.engine)}
     with tempfile.TemporaryDirectory(prefix="strata-alone-") as tmp:
         model = write_demo_model(Path(tmp) / "tiny.gguf", size="tiny") if options.tiny \
             else packaged_model_path("smollm2")
@@ -170,7 +177,8 @@ def cli() -> None:
             raise SystemExit("SmolLM2 is not installed: run `make setup`")
         work = Path(tmp) / "work"
         work.mkdir()
-        found = asyncio.run(measure(Path(model), work, **sizes(options.quick), source=options.before))
+        found = asyncio.run(measure(Path(model), work, **sizes(options.quick), source=options.before,
+                                    engine=engine or None))
     print("\n".join(report(found, "tiny model" if options.tiny else "SmolLM2-135M")))
     if options.json:
         options.json.write_text(json.dumps(found, indent=1))

@@ -53,15 +53,18 @@ def cpu_seconds(pid: int) -> float:
 
 @contextlib.asynccontextmanager
 async def strata_process(model: Path, work: Path, ctx: int = 4096, plugins: dict[str, Any] | None = None,
-                         source: Path | None = None,
-                         extra_env: dict[str, str] | None = None) -> AsyncIterator[tuple[str, str, int]]:
-    """``strata-serve run`` in its own process; yields (its URL, its engine's URL, its pid)."""
+                         source: Path | None = None, extra_env: dict[str, str] | None = None,
+                         engine: dict[str, Any] | None = None) -> AsyncIterator[tuple[str, str, int]]:
+    """``strata-serve run`` in its own process; yields (its URL, its engine's URL, its pid).
+
+    ``engine``: engine settings over the benchmark's own (e.g. ``side_slot_tokens``, to run
+    an earlier version with today's defaults)."""
     port, engine_port = free_port("127.0.0.1"), free_port("127.0.0.1")
     config = work / "layer-cost.json"
     config.write_text(json.dumps({
         "server": {"port": port, "queue_limit": 256},
         "engine": {"model": str(model), "ctx_size": ctx, "port": engine_port, "api_key": BENCH_KEY,
-                   "slot_save_path": str(work / "slots"), "log_level": "DEBUG"},
+                   "slot_save_path": str(work / "slots"), "log_level": "DEBUG", **(engine or {})},
         "plugins": plugins or {"auto_sessions": {"min_tokens": 100}},
     }))
     log = open(work / "layer-cost.log", "wb")
