@@ -191,6 +191,7 @@ class Service(SlotCalls, Stopping):
                 except BaseException:
                     if ahead is not None:
                         # Sent, never recorded: what the slot holds now is nobody's to name.
+                        self._ahead = None
                         await asyncio.wait({ahead.task})
                         _ = ahead.task.cancelled() or ahead.task.exception()  # its failure is this one's
                         self.slots.unknown(request.slot, nameable=False)
@@ -212,6 +213,7 @@ class Service(SlotCalls, Stopping):
                     tasks_before = await last_tasks(self.engine, len(self.slots)) if not request.pinned else None
             except asyncio.CancelledError:
                 if ahead is not None:  # never: a request sent ahead is shielded
+                    self._ahead = None
                     await asyncio.wait({ahead.task})
                 else:
                     outcome.status, outcome.error = "cancelled", "the client went away before the engine was asked"
