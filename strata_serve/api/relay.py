@@ -15,7 +15,7 @@ import logging
 import math
 import re
 from typing import Any
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
@@ -25,7 +25,7 @@ from strata_serve.api.errors import APIError, aiohttp_reason
 from strata_serve.api.formats import ApiFormat, StreamSeen
 from strata_serve.api.checks import check_media, check_messages, might_hold_media
 from strata_serve.api.app_state import SERVICE, TENANT
-from strata_serve.api.client_writes import ClientWrites
+from strata_serve.api.client_writes import CLIENT_BUFFER_BYTES, ClientWrites
 from strata_serve.api.registry import Api
 from strata_serve.config import EngineSettings
 from strata_serve.engine.base import ContextOverflow, Engine, EngineUnavailable, JSONAnswer
@@ -377,6 +377,74 @@ async def _end_with_error(response: web.StreamResponse, message: str, kind: str,
     await response.write_eof()
 
 
+class _Passing:
+    """A stream's bytes passed on to the client, as they come from the engine.
+
+    Where the backend can (its stream's ``forward``), each chunk is written from the engine
+    connection's own callback, with no task woken for it; otherwise, and for what is left
+    once that stops (a client whose buffer holds :data:`CLIENT_BUFFER_BYTES`, one gone), a
+    chunk at a time, each write waiting while the client's buffer is full.
+
+    The bytes after the event that ends the stream (``tail``) wait for the engine's end,
+    to leave with the stream's own end in one write: each write is a system call, as
+    costly as all the relay's Python work for a short answer.
+    """
+
+    def __init__(self, request: web.Request, response: web.StreamResponse, seen: StreamSeen) -> None:
+        self.request = request
+        self.response = response
+        self.seen = seen
+        self.tail = b""
+
+    async def run(self, upstream: Any) -> None:
+        """Until the engine's answer ends (the stream's end is then the caller's to write)."""
+        left = b""
+        forward = getattr(upstream, "forward", None)
+        transport = self.request.transport
+        if forward is not None and transport is not None and not transport.is_closing():
+            await self.response.write(b"")  # the headers, which aiohttp holds back until the first bytes
+            seen, feed = self.seen, self.seen.feed
+            put, buffered, closing = transport.write, transport.get_write_buffer_size, transport.is_closing
+
+            def take(chunk: bytes) -> bool:
+                nonlocal left
+                if closing() or buffered() >= CLIENT_BUFFER_BYTES:
+                    left = chunk
+                    return True
+                feed(chunk)
+                if self.tail:
+                    put(b"%x\r\n%b\r\n" % (len(self.tail), self.tail))  # HTTP's chunked framing, as aiohttp's
+                    self.tail = b""
+                if seen.finished:
+                    self.tail = chunk
+                else:
+                    put(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+                return False
+
+            if await forward(take):
+                return
+        await self._one_by_one(left, upstream)
+
+    async def _one_by_one(self, first: bytes, upstream: Any) -> None:
+        feed, write = self.seen.feed, self.response.write
+        async for chunk in _chunks(first, upstream):
+            feed(chunk)
+            if self.tail:
+                await write(self.tail)
+                self.tail = b""
+            if self.seen.finished:
+                self.tail = chunk
+            else:
+                await write(chunk)
+
+
+async def _chunks(first: bytes, upstream: Any) -> AsyncIterator[bytes]:
+    if first:
+        yield first
+    async for chunk in upstream.chunks():
+        yield chunk
+
+
 async def _relay_stream(
     request: web.Request, service: Service, api: Api, strata_request: StrataRequest, outcome: Outcome,
 ) -> web.StreamResponse:
@@ -394,30 +462,16 @@ async def _relay_stream(
         )
         await response.prepare(request)
         seen = StreamSeen(api_format, service.engine.numbers_key)
-        # The bytes after the event that ends the stream wait for the engine's end, to leave
-        # with the stream's own end in one write: each write is a system call, as costly as
-        # all the relay's Python work for a short answer.
-        tail = b""
-        # Each chunk is most often one token: the least Python per chunk (methods bound
-        # once; a chunk of plain tokens costs StreamSeen one search).
-        feed, write = seen.feed, response.write
+        passing = _Passing(request, response, seen)
         try:
-            async for chunk in upstream.chunks():
-                feed(chunk)
-                if tail:
-                    await write(tail)
-                    tail = b""
-                if seen.finished:
-                    tail = chunk
-                else:
-                    await write(chunk)
-            await response.write_eof(tail)
+            await passing.run(upstream)
+            await response.write_eof(passing.tail)
         except EngineUnavailable as exc:
             # Headers are gone already: tell the client in the stream itself.
             outcome.error = str(exc)
             with contextlib.suppress(ConnectionError):
-                if tail:
-                    await response.write(tail)
+                if passing.tail:
+                    await response.write(passing.tail)
                 await _end_with_error(response, str(exc), "engine_error", api_format)
             return response
         except ConnectionError:
@@ -430,8 +484,8 @@ async def _relay_stream(
                 # Cut at the end of the shutdown grace: end the stream properly, saying why.
                 outcome.error = "cut: the server is shutting down"
                 with contextlib.suppress(ConnectionError, RuntimeError):
-                    if tail:
-                        await response.write(tail)
+                    if passing.tail:
+                        await response.write(passing.tail)
                     await _end_with_error(response, outcome.error, "service_unavailable", api_format)
             raise
         finally:

@@ -239,6 +239,74 @@ class StreamReply:
     def __aiter__(self) -> StreamReply:
         return self
 
+    async def forward(self, take: Callable[[bytes], bool]) -> bool:
+        """Hand the answer's bytes to ``take`` as they arrive, from the connection's own
+        callback: no task is woken for each chunk (most often one token), the largest part
+        of what relaying a chunk cost. ``take`` returns True to stop taking (what is left is
+        then read with :meth:`chunks`); it must not raise.
+
+        Returns True when the answer ended, False when ``take`` stopped.
+
+        :raises EngineUnavailable: when the engine goes away mid-answer.
+        """
+        content = self._content
+        connection = self._resp.connection
+        protocol = connection.protocol if connection is not None else None
+        loop = asyncio.get_running_loop()
+        stopped = loop.create_future()
+        pumping = False
+
+        def pump() -> None:
+            # Reading may make aiohttp resume the connection and feed more at once, calling
+            # data_received within: that call leaves the reading to this loop.
+            nonlocal pumping
+            if pumping:
+                return
+            pumping = True
+            try:
+                while not stopped.done() and content.exception() is None:
+                    chunk = content.read_nowait()
+                    if not chunk:
+                        return
+                    if take(chunk):
+                        stopped.set_result(None)
+            finally:
+                pumping = False
+
+        try:
+            if protocol is None:
+                async for chunk in self:
+                    if take(chunk):
+                        return False
+                return True
+            received = protocol.data_received
+
+            def data_received(data: bytes) -> None:
+                received(data)
+                pump()  # a failure is raised where the answer's end is awaited
+
+            protocol.data_received = data_received  # type: ignore[method-assign]
+            ended = loop.create_task(_end_of(content))
+            try:
+                pump()
+                await asyncio.wait((ended, stopped), return_when=asyncio.FIRST_COMPLETED)
+                if not stopped.done() and ended.done() and ended.exception() is None:
+                    pump()  # what came with the end
+            finally:
+                del protocol.data_received
+                if not ended.done():
+                    ended.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await ended
+            if stopped.done():
+                if not ended.cancelled():
+                    ended.exception()  # seen: what is left is read, and fails, chunk by chunk
+                return False
+            ended.result()  # the engine's failure, if it failed
+            return True
+        except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+            raise await self._gone(exc) from exc
+
     async def __anext__(self) -> bytes:
         # A plain iterator rather than an async generator: one step less for every chunk.
         try:
@@ -248,6 +316,14 @@ class StreamReply:
         if not chunk:
             raise StopAsyncIteration
         return chunk
+
+
+async def _end_of(content: aiohttp.StreamReader) -> None:
+    """The answer's end; raises its failure (one that came before the wait too)."""
+    failure = content.exception()
+    if failure is not None:
+        raise failure
+    await content.wait_eof()
 
 
 class ReadWatch:
