@@ -40,6 +40,9 @@ class SharedConfig(BaseModel):
     lock_expiry_s: float = Field(30.0, gt=0)
     #: S3 addressing: ``path`` for most S3 look-alikes on a custom endpoint.
     addressing_style: Literal["auto", "path", "virtual"] = "auto"
+    #: Conversations parked in blocks go to the tier as blocks (a manifest, and only the
+    #: blocks the tier lacks); off: as whole files, their blocks joined.
+    blocks: bool = True
 
     @model_validator(mode="after")
     def _url_and_lease(self) -> SharedConfig:

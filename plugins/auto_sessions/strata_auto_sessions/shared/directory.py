@@ -47,12 +47,13 @@ class DirectoryTier:
         self.lock_expiry_s = lock_expiry_s
         self.lock_wait_s = lock_wait_s
         self._objects, self._heads, self._locks = root / "objects", root / "heads", root / "locks"
+        self._blocks = root / "blocks"
         self.threads = TierThreads(self.where)
 
     def _ready(self) -> None:
         if not self.root.is_dir():
             raise SharedTierError(f"{self.root} is not a directory (is the shared file system mounted?)")
-        for sub in (self._objects, self._heads, self._locks):
+        for sub in (self._objects, self._heads, self._locks, self._blocks):
             try:
                 sub.mkdir(mode=DIRECTORY_MODE)
             except FileExistsError:
@@ -109,6 +110,71 @@ class DirectoryTier:
 
     async def delete(self, name: str) -> None:
         await self.threads.run((self._objects / self._safe(name)).unlink, True)
+
+    async def put_bytes(self, name: str, data: builtins.bytes) -> None:
+        await self.threads.run(self._put_bytes, self._safe(name), data)
+
+    def _put_bytes(self, name: str, data: builtins.bytes) -> None:
+        self._ready()
+        target = self._objects / name
+        temp = target.with_name(_temporary(name))
+        try:
+            with _create(temp, "wb") as dst:
+                dst.write(data)
+                dst.flush()
+                os.fsync(dst.fileno())
+            os.replace(temp, target)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+
+    async def fetch_bytes(self, name: str) -> builtins.bytes:
+        return await self.threads.run((self._objects / self._safe(name)).read_bytes)
+
+    # -- blocks ---------------------------------------------------------------
+
+    async def put_block(self, name: str, data: builtins.bytes) -> bool:
+        return await self.threads.run(self._put_block, self._safe(name), data)
+
+    def _put_block(self, name: str, data: builtins.bytes) -> bool:
+        """A private temporary made with ``O_EXCL``, then linked to the block's name: a link
+        never replaces a file, so a block is written once, and never seen half written."""
+        self._ready()
+        target = self._blocks / name
+        temp = target.with_name(_temporary(name))
+        try:
+            with _create(temp, "wb") as dst:
+                dst.write(data)
+                dst.flush()
+                os.fsync(dst.fileno())
+            try:
+                os.link(temp, target)
+            except FileExistsError:
+                return False
+            return True
+        finally:
+            temp.unlink(missing_ok=True)
+
+    async def fetch_block(self, name: str) -> builtins.bytes:
+        return await self.threads.run((self._blocks / self._safe(name)).read_bytes)
+
+    async def blocks(self) -> builtins.list[Listed]:
+        return await self.threads.run(self._list_blocks)
+
+    def _list_blocks(self) -> builtins.list[Listed]:
+        self._ready()
+        found = []
+        for entry in os.scandir(self._blocks):
+            if not entry.name.startswith("."):
+                try:
+                    stat = entry.stat()
+                except FileNotFoundError:
+                    continue
+                found.append(Listed(entry.name, stat.st_size, stat.st_mtime))
+        return found
+
+    async def delete_block(self, name: str) -> None:
+        await self.threads.run((self._blocks / self._safe(name)).unlink, True)
 
     # -- heads ----------------------------------------------------------------
 
@@ -187,7 +253,7 @@ class DirectoryTier:
         their writer died (one under way writes them as it goes)."""
         self._ready()
         now, removed = time.time(), 0
-        for sub in (self._objects, self._heads):
+        for sub in (self._objects, self._heads, self._blocks):
             for entry in os.scandir(sub):
                 if not (entry.name.startswith(".") and entry.name.endswith(".tmp")):
                     continue

@@ -142,6 +142,55 @@ class S3Tier:
         with _errors(name):
             await client.delete_object(Bucket=self.bucket, Key=self._object(name))
 
+    async def put_bytes(self, name: str, data: builtins.bytes) -> None:
+        client = await self._c()
+        with _errors(name):
+            await client.put_object(Bucket=self.bucket, Key=self._object(name), Body=data)
+
+    async def fetch_bytes(self, name: str) -> builtins.bytes:
+        return await self._get(self._object(name), name)
+
+    async def _get(self, key: str, name: str) -> builtins.bytes:
+        client = await self._c()
+        with _errors(name, missing=True):
+            answer = await client.get_object(Bucket=self.bucket, Key=key)
+            async with answer["Body"] as body:
+                return bytes(await body.read())
+
+    # -- blocks ---------------------------------------------------------------
+
+    def _block(self, name: str) -> str:
+        return f"{self.prefix}blocks/{name}"
+
+    async def put_block(self, name: str, data: builtins.bytes) -> bool:
+        """A conditional put (``If-None-Match: *``): a block is written once, never over."""
+        client = await self._c()
+        try:
+            with _errors(name, conditional=True):
+                await client.put_object(Bucket=self.bucket, Key=self._block(name), Body=data, IfNoneMatch="*")
+        except ConditionFailed:
+            return False
+        return True
+
+    async def fetch_block(self, name: str) -> builtins.bytes:
+        return await self._get(self._block(name), name)
+
+    async def blocks(self) -> builtins.list[Listed]:
+        client = await self._c()
+        found = []
+        start = self._block("")
+        with _errors("blocks"):
+            paginator = client.get_paginator("list_objects_v2")
+            async for page in paginator.paginate(Bucket=self.bucket, Prefix=start):
+                for item in page.get("Contents", []):
+                    found.append(Listed(item["Key"][len(start):], item["Size"], item["LastModified"].timestamp()))
+        return found
+
+    async def delete_block(self, name: str) -> None:
+        client = await self._c()
+        with _errors(name):
+            await client.delete_object(Bucket=self.bucket, Key=self._block(name))
+
     # -- heads ----------------------------------------------------------------
 
     async def head(self, name: str) -> tuple[Head, str] | None:

@@ -15,7 +15,9 @@ in step with it, never on a request's path for long and never failing one:
   wins wherever it was made: a head that holds less of it (an older turn, whichever
   server wrote it) is moved on by compare-and-swap on the version read; one that holds
   more (a newer turn saved elsewhere) is never overwritten: the upload is dropped,
-  logged and counted. A failed upload (the store down) is tried again every
+  logged and counted. A conversation parked in blocks is sent as its manifest and the
+  blocks the tier lacks (:mod:`~strata_auto_sessions.shared.blocks`). A failed upload
+  (the store down) is tried again every
   ``retry_s`` until it lands or a newer save replaces it; one pending at a stop is
   recorded in the ledger and tried again at the next start.
 - before a restore, the key's heads are read: a file here is brought up to its head when
@@ -61,12 +63,16 @@ from strata_auto_sessions.digests import digest_matches, sample_digest
 from strata_auto_sessions.naming import (
     PREFIX, SESSION_NAME, TEMP_PREFIX, file_key, key_of_file, session_name, sibling_name, sibling_of,
 )
-from strata_auto_sessions.parked_blocks import CorruptBlock, ParkedBlocks
+from strata_auto_sessions.blocks import Manifest
+from strata_auto_sessions.parked_blocks import CorruptBlock, ParkedBlocks, manifest_key
 from strata_auto_sessions.prefix import shared_links
 from strata_auto_sessions.prompts import continues
+from strata_auto_sessions.shared.blocks import (
+    MANIFEST_MARK, TierBlocks, decode_manifest, encode_manifest, held_blocks, put_in_store, unlink_staged,
+)
 from strata_auto_sessions.shared.tier import (
     ConditionFailed, ConditionsIgnored, DamagedHead, Head, SharedTier, SharedTierError, check_conditions, new_upload,
-    object_name, writer_name,
+    writer_name,
 )
 from strata_auto_sessions.sidecar import DamagedSidecar, Sidecar
 
@@ -276,6 +282,8 @@ class SharedParking:
         #: another thread or request on it; None once a call made since answers.
         self.unwell: str | None = None
         self._unwell_since = self._unwell_until = 0.0
+        #: The tier's blocks, as this server knows them (conversations parked in blocks).
+        self.tier_blocks = TierBlocks(tier, self._call, config.transfer_timeout_s)
 
     @classmethod
     async def start(cls, parking: AutoSessions, service: Any, config: SharedConfig) -> SharedParking | None:
@@ -436,19 +444,33 @@ class SharedParking:
         if snapshot is None:
             self.ledger.entries.pop(name, None)
             return  # pruned or removed here since: nothing to share
-        bin_temp, json_temp, sidecar = snapshot
+        bin_temp, json_temp, sidecar, manifest = snapshot
         try:
-            await self._send(name, bin_temp, json_temp, sidecar)
+            await self._send(name, bin_temp, json_temp, sidecar, manifest)
         finally:
-            bin_temp.unlink(missing_ok=True)
+            if bin_temp is not None:
+                bin_temp.unlink(missing_ok=True)
             json_temp.unlink(missing_ok=True)
 
-    def _snapshot(self, name: str) -> tuple[Path, Path, Sidecar] | None:
+    def _blocks_shared(self) -> bool:
+        """Whether conversations parked in blocks go to the tier as blocks (``shared.blocks``,
+        and a tier that keeps blocks: one of a plugin's may not)."""
+        return self.config.blocks and callable(getattr(self.tier, "put_block", None))
+
+    def _snapshot(self, name: str) -> tuple[Path | None, Path, Sidecar, Manifest | None] | None:
         """Hard links to the file and its sidecar as they are now (a save may replace them
-        during the upload), and the sidecar read."""
+        during the upload), and the sidecar read; for a conversation parked in blocks, its
+        manifest as it is now, and no file (or its blocks joined, with ``shared.blocks`` off)."""
         path, side = self.directory / name, self.directory / sidecar_name(name)
         sidecar = Sidecar.read(side)
-        if sidecar is not None and not path.exists() and self._blocks_of(sidecar) is not None:
+        if sidecar is not None and not path.exists() and (blocks := self._blocks_of(sidecar)) is not None:
+            if self._blocks_shared():
+                manifest = blocks.manifest(sidecar.key, sidecar.sibling)
+                if manifest is None or manifest.tokens != sidecar.tokens:
+                    return None  # removed, or replaced by a save not committed yet: its own upload follows
+                json_temp = self.directory / temp_for(name, ".json")
+                os.link(side, json_temp)
+                return None, json_temp, sidecar, manifest
             return self._snapshot_blocks(name, side, sidecar)
         if sidecar is None or not path.is_file() or path.is_symlink():
             return None
@@ -459,7 +481,7 @@ class SharedParking:
         except OSError:
             bin_temp.unlink(missing_ok=True)
             raise
-        return bin_temp, json_temp, sidecar
+        return bin_temp, json_temp, sidecar, None
 
     def _blocks_of(self, sidecar: Sidecar) -> ParkedBlocks | None:
         """The slot directory's block store, when it holds ``sidecar``'s conversation."""
@@ -468,7 +490,7 @@ class SharedParking:
             return None
         return blocks
 
-    def _snapshot_blocks(self, name: str, side: Path, sidecar: Sidecar) -> tuple[Path, Path, Sidecar] | None:
+    def _snapshot_blocks(self, name: str, side: Path, sidecar: Sidecar) -> tuple[Path, Path, Sidecar, None] | None:
         """A conversation parked in blocks: its blocks joined into the file the tier takes
         (the very bytes the engine saved: the sidecar's digest holds), beside its sidecar."""
         blocks = self._blocks_of(sidecar)
@@ -484,16 +506,17 @@ class SharedParking:
         except OSError:
             bin_temp.unlink(missing_ok=True)
             raise
-        return bin_temp, json_temp, sidecar
+        return bin_temp, json_temp, sidecar, None
 
-    async def _send(self, name: str, bin_temp: Path, json_temp: Path, sidecar: Sidecar) -> None:
+    async def _send(self, name: str, bin_temp: Path | None, json_temp: Path, sidecar: Sidecar,
+                    manifest: Manifest | None = None) -> None:
         """Share local file ``name``'s state: under its conversation's head (the one that
         holds an earlier or later state of it), or a head of its own under the key (another
         server's conversation under the same key is never written over). A head that holds
         more of the conversation than this state is left as it is; one that holds less
         is moved on, by compare-and-swap on the version read (whichever server wrote it)."""
         began = time.monotonic()
-        digest = sidecar.digest or await asyncio.to_thread(sample_digest, bin_temp)
+        digest = sidecar.digest or (await asyncio.to_thread(sample_digest, bin_temp) if bin_temp is not None else "")
         for _race in range(UPLOAD_RACES):
             entry = self.ledger.entries.get(name) or _Local(0)
             found = await self._shared_place(name, entry, sidecar)
@@ -514,13 +537,26 @@ class SharedParking:
                                 "newer turn of it (generation %d of %s, this copy was made from %d); its copy "
                                 "is kept", name, head.generation, target, base)
                     return
-            upload = new_upload()
-            objects = (object_name(target, upload), object_name(sidecar_name(target), upload))
-            new = Head(generation=max(head.generation if head is not None else 0, base) + 1, upload=upload,
+            new = Head(generation=max(head.generation if head is not None else 0, base) + 1, upload=new_upload(),
                        tokens=sidecar.tokens, bytes=sidecar.bytes, digest=digest, created=sidecar.created,
-                       writer=self._writer, prompt=sidecar.prompt)
+                       writer=self._writer, prompt=sidecar.prompt, manifest=manifest is not None)
+            objects = new.objects(target, sidecar_name(target))
+            assert objects is not None
             try:
-                await self._call(self.tier.put(objects[0], bin_temp), self.config.transfer_timeout_s)
+                if manifest is not None:
+                    # The blocks first, then the manifest, then the head: a head never names a
+                    # manifest whose blocks are not all in the tier.
+                    blocks = self._blocks_of(sidecar)
+                    if blocks is None:
+                        return  # removed here since the snapshot
+                    sent = await self.tier_blocks.send(blocks.store, manifest)
+                    data = encode_manifest(manifest)
+                    await self._call(self.tier.put_bytes(objects[0], data))
+                    sent += len(data)
+                else:
+                    assert bin_temp is not None
+                    await self._call(self.tier.put(objects[0], bin_temp), self.config.transfer_timeout_s)
+                    sent = sidecar.bytes
                 await self._call(self.tier.put(objects[1], json_temp), self.config.transfer_timeout_s)
                 await self._call(self.tier.put_head(target, new, version))
             except ConditionFailed:
@@ -538,10 +574,11 @@ class SharedParking:
             self.ledger.entries[name] = _Local(new.generation, dirty=name in self._again, shared=target)
             ms = (time.monotonic() - began) * 1000
             self.stats.shared_uploads += 1
-            self.stats.shared_uploaded_bytes += sidecar.bytes
+            self.stats.shared_uploaded_bytes += sent
             self.stats.shared_upload_ms += ms
-            log.info("[strata] auto sessions: shared tier: uploaded %s (%s, generation %d)%s in %.0f ms", name,
-                     size_text(sidecar.bytes), new.generation, "" if target == name else f" as {target}", ms)
+            log.info("[strata] auto sessions: shared tier: uploaded %s (%s%s, generation %d)%s in %.0f ms", name,
+                     size_text(sent), f" of {size_text(sidecar.bytes)}: blocks the tier lacked" if manifest else "",
+                     new.generation, "" if target == name else f" as {target}", ms)
             return
         self.stats.shared_uploads_lost += 1
         log.warning("[strata] auto sessions: shared tier: %s: other servers saved under its key %d times while "
@@ -808,14 +845,17 @@ class SharedParking:
             if sidecar.sibling != sibling_of(match):
                 sidecar.sibling = sibling_of(match)  # which of the key's files it is here
                 await asyncio.to_thread(sidecar.write, json_temp)
-            n = await self._call(self.tier.fetch(objects[0], bin_temp), self.config.transfer_timeout_s)
-            matches = await asyncio.to_thread(digest_matches, bin_temp, head.digest)
-            if n != head.bytes or not matches:
-                raise SharedTierError(f"{objects[0]} is not the file its head describes "
-                                      f"({n:,} bytes, {head.bytes:,} expected)")
-            assert self.parking.store is not None
-            async with self.parking.store.lock_without_blocking(self.parking.config.lock_wait_s):
-                await asyncio.to_thread(self._put_in_place, name, bin_temp, json_temp)
+            if head.manifest:
+                n = await self._fetch_blocks(name, objects[0], json_temp, sidecar, head)
+            else:
+                n = await self._call(self.tier.fetch(objects[0], bin_temp), self.config.transfer_timeout_s)
+                matches = await asyncio.to_thread(digest_matches, bin_temp, head.digest)
+                if n != head.bytes or not matches:
+                    raise SharedTierError(f"{objects[0]} is not the file its head describes "
+                                          f"({n:,} bytes, {head.bytes:,} expected)")
+                assert self.parking.store is not None
+                async with self.parking.store.lock_without_blocking(self.parking.config.lock_wait_s):
+                    await asyncio.to_thread(self._put_in_place, name, bin_temp, json_temp)
             self.ledger.entries[name] = _Local(head.generation, shared=shared)
         finally:
             await asyncio.to_thread(_unlink, bin_temp, json_temp)
@@ -827,6 +867,46 @@ class SharedParking:
         log.info("[strata] auto sessions: shared tier: fetched %s (%s, generation %d, saved by %s) in %.0f ms%s",
                  shared, size_text(n), head.generation, head.writer or "another server", ms,
                  "" if shared == name else f", as {name}")
+
+    async def _fetch_blocks(self, name: str, manifest_object: str, json_temp: Path, sidecar: Sidecar,
+                            head: Head) -> int:
+        """A conversation shared in blocks, as local file ``name``'s: its manifest, and only
+        the blocks the store here lacks, put in the store with the manifest and the sidecar
+        (local pruning counts them as any save's); the bytes fetched.
+
+        :raises SharedTierError: this server parks whole files (no block store), the
+            manifest is not one of this format or not the state its head describes, or a
+            block is missing or damaged: nothing is restored from it."""
+        blocks = getattr(self.parking.store, "blocks", None)
+        if blocks is None:
+            raise SharedTierError(f"{manifest_object} is a conversation shared in blocks, and this server parks "
+                                  "whole files (blocks = false): not fetched")
+        data = await self._call(self.tier.fetch_bytes(manifest_object))
+        manifest = decode_manifest(data, manifest_object)
+        if manifest.tokens != head.tokens or manifest.tokens != sidecar.tokens:
+            raise SharedTierError(f"{manifest_object} holds {manifest.tokens:,} tokens, its head "
+                                  f"{head.tokens:,}: not the state its head describes")
+        if manifest.format_version != blocks.store.format.version:
+            raise SharedTierError(f"{manifest_object} was cut under state format {manifest.format_version!r}, "
+                                  f"this engine's is {blocks.store.format.version!r}: not fetched")
+        staged, fetched = await self.tier_blocks.bring(
+            blocks.store, manifest, lambda block: self.directory / temp_for(name, f".{block[:8]}.blk"))
+        try:
+            assert self.parking.store is not None
+            async with self.parking.store.lock_without_blocking(self.parking.config.lock_wait_s):
+                await asyncio.to_thread(self._put_blocks_in_place, name, manifest, staged, json_temp, sidecar)
+        finally:
+            await asyncio.to_thread(unlink_staged, staged)
+        return fetched + len(data)
+
+    def _put_blocks_in_place(self, name: str, manifest: Manifest, staged: list[tuple[str, Path]], json_temp: Path,
+                             sidecar: Sidecar) -> None:
+        blocks = getattr(self.parking.store, "blocks", None)
+        assert blocks is not None
+        os.chmod(json_temp, 0o600)
+        put_in_store(blocks.store, manifest, manifest_key(sidecar.key, sidecar.sibling), staged)
+        (self.directory / name).unlink(missing_ok=True)  # a whole file of an older state of it
+        os.replace(json_temp, self.directory / sidecar_name(name))
 
     def _put_in_place(self, name: str, bin_temp: Path, json_temp: Path) -> None:
         # The sidecar first, as a local commit does: a crash between the two leaves a
@@ -1014,11 +1094,16 @@ async def sweep(tier: SharedTier, config: SharedConfig, call: Any, stats: Any = 
         objects = head.objects(name, sidecar_name(name))
         live.update(objects or ())
     objects_removed = 0
+    manifests = []
     for listed in await call(tier.list(PREFIX)):
         if listed.name not in live and not listed.name.startswith(tuple(unknown)) \
                 and now - listed.modified > config.lease_s:
             await call(tier.delete(listed.name))
             objects_removed += 1
+        elif MANIFEST_MARK in listed.name:
+            manifests.append(listed.name)
+    if callable(getattr(tier, "blocks", None)):
+        objects_removed += await _sweep_blocks(tier, config, call, manifests, now)
     remove_partial = getattr(tier, "remove_partial", None)  # a tier of a plugin's may have none
     if remove_partial is not None:
         objects_removed += await call(remove_partial(config.lease_s))
@@ -1026,6 +1111,23 @@ async def sweep(tier: SharedTier, config: SharedConfig, call: Any, stats: Any = 
         log.info("[strata] auto sessions: shared tier: expired %d conversation file(s), removed %d object(s) no "
                  "head names", heads_removed, objects_removed)
     return heads_removed, objects_removed
+
+
+async def _sweep_blocks(tier: SharedTier, config: SharedConfig, call: Any, manifests: list[str], now: float) -> int:
+    """Remove the blocks no manifest object left in the tier names (those of heads, of
+    uploads under way and of damaged heads alike: all stay until their lease is over),
+    once older than ``lease_s`` (an upload puts its blocks before its manifest). None is
+    removed when a manifest cannot be read: what it holds is unknown."""
+    held = await held_blocks(tier, manifests, call)
+    if held is None:
+        log.warning("[strata] auto sessions: shared tier: a manifest could not be read; no block removed by this sweep")
+        return 0
+    removed = 0
+    for listed in await call(tier.blocks()):
+        if listed.name not in held and now - listed.modified > config.lease_s:
+            await call(tier.delete_block(listed.name))
+            removed += 1
+    return removed
 
 
 async def remove_by_hand(tier: SharedTier, config: SharedConfig, keys: list[str]) -> list[str]:

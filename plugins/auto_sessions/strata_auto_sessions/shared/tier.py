@@ -76,16 +76,23 @@ class Head:
     #: message digests): which conversation it is, and how far it went. None in a tombstone
     #: and in a head of an earlier version.
     prompt: dict[str, object] | None = None
+    #: The upload is a manifest of blocks (the tier's ``blocks/``), not a whole file. A
+    #: head of an earlier version has no such field: a whole file. A replica of an earlier
+    #: version reading a manifest head finds no object under the file's name: its fetch
+    #: fails, and nothing is restored.
+    manifest: bool = False
 
     @property
     def tombstone(self) -> bool:
         return self.removed is not None
 
     def objects(self, name: str, sidecar_name: str) -> tuple[str, str] | None:
-        """The names of the file's and the sidecar's objects, or None for a tombstone."""
+        """The names of the state's object (the file, or the manifest of its blocks) and the
+        sidecar's, or None for a tombstone."""
         if self.upload is None:
             return None
-        return object_name(name, self.upload), object_name(sidecar_name, self.upload)
+        state = object_name(f"{name}.manifest", self.upload) if self.manifest else object_name(name, self.upload)
+        return state, object_name(sidecar_name, self.upload)
 
     def encode(self) -> builtins.bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -102,7 +109,7 @@ class Head:
             raise DamagedHead(f"not a head record: {exc}") from None
         for name, kinds in _FIELD_TYPES.items():
             value = getattr(head, name)
-            if isinstance(value, bool) or not isinstance(value, kinds):
+            if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
                 raise DamagedHead(f"not a head record: {name} {value!r}")
         if head.generation < 0:
             raise DamagedHead(f"not a head record: generation {head.generation!r}")
@@ -113,7 +120,7 @@ class Head:
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "generation": (int,), "upload": (str, type(None)), "tokens": (int,), "bytes": (int,), "digest": (str,),
     "created": (int, float), "written": (int, float), "removed": (int, float, type(None)), "writer": (str,),
-    "prompt": (dict, type(None)),
+    "prompt": (dict, type(None)), "manifest": (bool,),
 }
 
 
@@ -164,6 +171,40 @@ class SharedTier(Protocol):
 
     async def delete(self, name: str) -> None:
         """Remove object ``name`` (nothing when there is none)."""
+        ...
+
+    async def put_bytes(self, name: str, data: builtins.bytes) -> None:
+        """Store ``data`` as object ``name`` (a small one: a manifest)."""
+        ...
+
+    async def fetch_bytes(self, name: str) -> builtins.bytes:
+        """Object ``name``'s bytes (a small one: a manifest).
+
+        :raises FileNotFoundError: when there is no such object.
+        """
+        ...
+
+    # Blocks (``blocks/``): named by their content's chained hash, so written once and never
+    # changed; shared by every conversation (and replica) that reached them.
+
+    async def put_block(self, name: str, data: builtins.bytes) -> bool:
+        """Write block ``name`` unless the tier holds it: True when this call wrote it. Never
+        overwrites (``O_EXCL`` on a directory, ``If-None-Match: *`` on S3)."""
+        ...
+
+    async def fetch_block(self, name: str) -> builtins.bytes:
+        """Block ``name``'s bytes.
+
+        :raises FileNotFoundError: when the tier does not hold it.
+        """
+        ...
+
+    async def blocks(self) -> builtins.list[Listed]:
+        """Every block the tier holds."""
+        ...
+
+    async def delete_block(self, name: str) -> None:
+        """Remove block ``name`` (nothing when there is none)."""
         ...
 
     async def head(self, name: str) -> tuple[Head, str] | None:

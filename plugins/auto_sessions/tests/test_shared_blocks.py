@@ -1,0 +1,127 @@
+"""The shared tier carries blocks (#41): two strata-serve instances parking in blocks (two
+real engines) and one shared tier, a directory or S3 (moto's server on loopback). An
+upload after a turn sends its manifest and the blocks the tier lacks, a replica's fetch
+brings only the blocks it lacks, and the state restored is the conversation's."""
+
+from __future__ import annotations
+
+import pytest
+
+from strata_serve.testing import ask, conversation
+
+from .shared_fixtures import new_bucket
+from .test_auto_sessions import key_of, parking
+
+
+@pytest.fixture(params=["directory", "s3"])
+async def shared_url(request, tmp_path, s3_env):
+    if request.param == "directory":
+        (tmp_path / "shared").mkdir()
+        return f"file://{tmp_path / 'shared'}"
+    return f"s3://{await new_bucket(s3_env)}/strata"
+
+
+def long_opening(name: str) -> list[dict]:
+    """About 2,000 tokens on the demo model."""
+    return [{"role": "user", "content": f"Conversation {name}: " + " ".join(f"{name}{n} ship sea wind"
+                                                                         for n in range(105))}]
+
+
+def then(messages, answer, text):
+    return messages + [{"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
+                       {"role": "user", "content": text}]
+
+
+def turn_text(name: str) -> str:
+    """About 350 tokens on the demo model."""
+    return "Next: " + " ".join(f"{name}{n} harbour tide" for n in range(22))
+
+
+async def server(auto_client, tmp_path, where, url, *, blocks=True, shared_blocks=True):
+    return await auto_client(engine={"slot_save_path": str(tmp_path / where)}, idle_save_s=0, blocks=blocks,
+                             shared={"url": url, "retry_s": 0.5, "blocks": shared_blocks})
+
+
+async def settled(*clients):
+    for client in clients:
+        assert await parking(client).shared.settled(30), "uploads ended"
+
+
+async def head_of(client, name):
+    return (await parking(client).shared.tier.head(name))[0]
+
+
+@pytest.mark.parametrize("shared_blocks", [True, False], ids=["blocks", "whole-files"])
+async def test_an_upload_after_a_turn_sends_only_the_blocks_the_tier_lacks(auto_client, tmp_path, shared_url,
+                                                                           shared_blocks):
+    one = await server(auto_client, tmp_path, "one", shared_url, shared_blocks=shared_blocks)
+    await ask(one, conversation("other"))  # shared before A's turns are measured
+    a = long_opening("log")
+    first = await ask(one, a)
+    await ask(one, conversation("other"))  # a switch: A is saved, then uploaded
+    await settled(one)
+    key = key_of(one, a)
+    name = parking(one).store.bin_name(key)
+    before = await head_of(one, name)
+    assert before.manifest is shared_blocks
+    sent_before = parking(one).stats.shared_uploaded_bytes
+
+    await ask(one, then(a, first, turn_text("log")))
+    await ask(one, conversation("other"))  # A's next turn saved, then uploaded
+    await settled(one)
+    after = await head_of(one, name)
+    assert after.generation == 2 and after.manifest is shared_blocks
+    new_tokens = after.tokens - before.tokens
+    per_token = after.bytes / after.tokens
+    assert new_tokens >= 300, (before.tokens, after.tokens)
+    sent = parking(one).stats.shared_uploaded_bytes - sent_before  # everything uploaded meanwhile
+    ratio = sent / (new_tokens * per_token)
+    if shared_blocks:
+        assert ratio <= 1.5, (sent, new_tokens, per_token, ratio)
+    else:  # the control: a whole file sends the whole context again
+        assert ratio > 5, (sent, new_tokens, per_token, ratio)
+
+
+async def test_a_replica_fetches_only_the_blocks_it_lacks_and_restores_the_newest_state(auto_client, tmp_path,
+                                                                                        shared_url):
+    one = await server(auto_client, tmp_path, "one", shared_url)
+    two = await server(auto_client, tmp_path, "two", shared_url)
+    a = long_opening("trip")
+    first = await ask(one, a)
+    await ask(one, conversation("other-one"))
+    await settled(one)
+    key = key_of(one, a)
+    name = parking(one).store.bin_name(key)
+    saved = await head_of(one, name)
+
+    a2 = then(a, first, turn_text("trip"))
+    second = await ask(two, a2)  # two holds none of A: every block fetched, then restored
+    assert parking(two).stats.shared_fetches == 1 and parking(two).stats.restores == 1
+    assert second["timings"]["cache_n"] >= saved.tokens - 3, (second["timings"], saved.tokens)
+    await ask(two, conversation("other-two"))  # A's next turn saved on two and shared
+    await settled(two)
+    newer = await head_of(two, name)
+    assert newer.generation == 2 and newer.manifest
+
+    fetched_before = parking(one).stats.shared_fetched_bytes
+    third = await ask(one, then(a2, second, "And after that?"))  # one holds all but the last turn
+    assert parking(one).stats.shared_fetches == 1 and parking(one).stats.restores == 1
+    assert third["timings"]["cache_n"] >= newer.tokens - 3, (third["timings"], newer.tokens)
+    fetched = parking(one).stats.shared_fetched_bytes - fetched_before
+    per_token = newer.bytes / newer.tokens
+    assert fetched <= 1.5 * (newer.tokens - saved.tokens) * per_token, (fetched, newer.tokens, saved.tokens)
+    assert parking(one).store.sidecar(key).tokens == newer.tokens
+
+
+async def test_a_server_parking_whole_files_refuses_a_conversation_shared_in_blocks(auto_client, tmp_path,
+                                                                                   shared_url, caplog):
+    one = await server(auto_client, tmp_path, "one", shared_url)
+    two = await server(auto_client, tmp_path, "two", shared_url, blocks=False)
+    a = long_opening("plain")
+    first = await ask(one, a)
+    await ask(one, conversation("other-one"))
+    await settled(one)
+    answer = await ask(two, then(a, first, "Go on."))  # answered, from the prompt: nothing restored
+    assert parking(two).stats.shared_fetches == 0 and parking(two).stats.shared_fetch_failures == 1
+    assert parking(two).stats.restores == 0 and answer["timings"]["cache_n"] < 100
+    assert "parks whole files" in caplog.text
