@@ -1,9 +1,11 @@
 """The stream relay's own guarantees, against a test double of the engine over real HTTP.
 
-The relay reads the engine with less work per chunk than aiohttp's client does on its own
-(its read timeout is kept by one watch per stream, not by a timer re-armed for every
-packet): an engine that goes silent mid-stream is still given up after
-``engine.request_timeout_s``, never sooner.
+The relay reads the engine with less work per chunk than aiohttp's client does on its own:
+its bytes are handed over from the connection's own callback (``StreamReply.forward``),
+and its read timeout is kept by one watch per stream, not by a timer re-armed for every
+packet. Every byte still arrives, in order, however the engine's writes were cut; a
+relay that stops taking hands the rest over intact; an engine that goes silent
+mid-stream is still given up after ``engine.request_timeout_s``, never sooner.
 """
 
 import asyncio
@@ -60,7 +62,7 @@ class SilentEngine:
             writer.close()
 
 
-async def engine_on(double: SilentEngine) -> tuple[LlamaServer, asyncio.Server]:
+async def engine_on(double: "SilentEngine | SplitEngine") -> tuple[LlamaServer, asyncio.Server]:
     server = await asyncio.start_server(double.handle, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     engine = LlamaServer(EngineSettings(url=f"http://127.0.0.1:{port}", start_timeout_s=10,
@@ -92,6 +94,81 @@ async def test_an_engine_silent_mid_stream_is_given_up_after_the_read_timeout_no
         await engine.stop()
         server.close()
         await server.wait_closed()
+
+
+class SplitEngine:
+    """Test double: answers a stream with ``pieces``, each in its own write (and packet),
+    then ends it."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces = pieces
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            await reader.readexactly(length)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                         b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
+            for piece in self.pieces:
+                writer.write(http_chunk(piece))
+                await writer.drain()
+                await asyncio.sleep(0.02)  # shapes the packets; nothing waits on it
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+TIMINGS = {"cache_n": 40, "prompt_n": 7, "predicted_n": 3}
+LAST = event({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}], "timings": TIMINGS})
+STREAM = b"".join(event({"choices": [{"index": 0, "delta": {"content": t}, "finish_reason": None}]})
+                  for t in "abc") + LAST + event("[DONE]")
+
+
+def pieces_of(stream: bytes) -> list[bytes]:
+    """The stream cut in odd places: the final event's numbers in three pieces."""
+    start = stream.index(LAST)
+    cuts = [7, start - 5, start + 20, start + 60, len(stream) - 4]
+    return [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)])]
+
+
+async def test_every_byte_passes_in_order_and_the_numbers_split_across_packets_are_read():
+    engine, server = await engine_on(SplitEngine(pieces_of(STREAM)))
+    taken: list[bytes] = []
+    try:
+        await engine.start()
+        async with engine.stream("/v1/chat/completions", chat_body(stream=True)) as reply:
+            ended = await reply.forward(lambda chunk: taken.append(chunk) or False)
+    finally:
+        await engine.stop()
+        server.close()
+        await server.wait_closed()
+    assert ended and b"".join(taken) == STREAM
+    assert len(taken) >= 4, "the engine's writes arrived as one piece: the split was not tested"
+    seen = StreamSeen(OPENAI, "timings")
+    for chunk in taken:
+        seen.feed(chunk)
+    assert seen.timings == TIMINGS and seen.finished and seen.error is None
+
+
+async def test_a_relay_that_stops_taking_gets_the_rest_chunk_by_chunk_intact():
+    engine, server = await engine_on(SplitEngine(pieces_of(STREAM)))
+    taken: list[bytes] = []
+    try:
+        await engine.start()
+        async with engine.stream("/v1/chat/completions", chat_body(stream=True)) as reply:
+            ended = await reply.forward(lambda chunk: taken.append(chunk) or True)  # stops at once
+            rest = [chunk async for chunk in reply.chunks()]
+    finally:
+        await engine.stop()
+        server.close()
+        await server.wait_closed()
+    assert not ended and len(taken) == 1
+    assert b"".join(taken + rest) == STREAM
 
 
 def test_the_numbers_in_a_final_event_split_across_chunks_are_read():
