@@ -9,6 +9,7 @@ import pytest
 
 from strata_serve.testing import ask, conversation
 
+from . import test_shared_parking as shared_parking
 from .shared_fixtures import new_bucket
 from .test_auto_sessions import key_of, parking
 
@@ -125,3 +126,38 @@ async def test_a_server_parking_whole_files_refuses_a_conversation_shared_in_blo
     assert parking(two).stats.shared_fetches == 0 and parking(two).stats.shared_fetch_failures == 1
     assert parking(two).stats.restores == 0 and answer["timings"]["cache_n"] < 100
     assert "parks whole files" in caplog.text
+
+
+@pytest.fixture
+def servers_in_blocks(auto_client):
+    """``auto_client`` parking in blocks, and the servers it made."""
+    made = []
+
+    async def make(*plugins, **config):
+        client = await auto_client(*plugins, **{"blocks": True, **config})
+        made.append(client)
+        return client
+
+    make.made = made
+    return make
+
+
+async def in_blocks_only(servers, tier_url):
+    """Every head in the tier names a manifest, and each server sent or fetched blocks."""
+    tier = parking(servers.made[0]).shared.tier
+    for name in await tier.heads("auto-"):
+        current = await tier.head(name)
+        assert current is not None and (current[0].tombstone or current[0].manifest), (name, current)
+    assert all(parking(client).shared.tier_blocks.known for client in servers.made), tier_url
+
+
+async def test_the_failover_holds_in_blocks(servers_in_blocks, tmp_path, shared_url):
+    await shared_parking.test_a_conversation_moves_between_servers_and_back_with_its_newest_state(
+        servers_in_blocks, tmp_path, shared_url)
+    await in_blocks_only(servers_in_blocks, shared_url)
+
+
+async def test_two_writers_hold_in_blocks(servers_in_blocks, tmp_path, shared_url, caplog):
+    await shared_parking.test_a_save_made_from_an_older_turn_never_overwrites_a_newer_one(
+        servers_in_blocks, tmp_path, caplog, shared_url)
+    await in_blocks_only(servers_in_blocks, shared_url)
