@@ -14,6 +14,9 @@ Against a bare llama-server (one slot, RAM cache off), on the random-weight demo
   whole file the engine writes. After: what the store writes (new blocks, the tail, the
   manifest). Both against the turn's new tokens times bytes per token.
 
+``--parking`` measures the same through strata-serve's own parking (auto-sessions with
+``blocks = true`` against ``blocks = false``): disk, writes per save and the switch-back.
+
 Every figure is a ratio measured in the same run as what it is compared with.
 """
 
@@ -195,6 +198,143 @@ def table(disk_rows: dict[str, list[dict[str, Any]]], write_rows: dict[str, list
     return "\n".join(out)
 
 
+# -- through strata-serve's own parking (auto-sessions, ``blocks = true`` against ``false``) ----------------
+
+#: Each conversation of the parking figures: a turn's words, its sizes (kept short: the
+#: machine this runs on is shared).
+PARKING_SIZES = {"long": 2400, "short": 800}
+PARKING_ROUNDS = 2
+
+
+def parked_tokens(slot_dir: Path, state_format: Any) -> tuple[list[tuple[int, ...]], float]:
+    """The token sequences of every conversation parked in ``slot_dir`` (whole files, or
+    blocks joined) and the state's bytes per token."""
+    from strata_auto_sessions.parked_blocks import ParkedBlocks
+
+    sequences, state_bytes = [], 0
+    paths = list(slot_dir.glob("auto-*.bin"))
+    blocks = ParkedBlocks.existing(slot_dir)
+    if blocks is not None:
+        blocks.store.format = state_format
+        for n, m in enumerate(blocks.store.manifests()):
+            joined = slot_dir / f"bench-joined-{n}.bin"
+            blocks.store.materialize(blocks.store.chain_of(m.key), joined)  # type: ignore[arg-type]
+            paths.append(joined)
+    for path in paths:
+        state = state_format.cut(path, 1 << 30)
+        assert isinstance(state, CutState), state
+        sequences.append(state.tokens)
+        state_bytes += len(state.tail.data)
+        if path.name.startswith("bench-joined-"):
+            path.unlink()
+    return sequences, state_bytes / sum(len(s) for s in sequences)
+
+
+def parking_disk_bytes(slot_dir: Path) -> int:
+    whole = sum(p.stat().st_size for p in slot_dir.glob("auto-*.bin"))
+    store = slot_dir / "blocks"
+    return whole + (sum(p.stat().st_size for p in store.rglob("*") if p.is_file()) if store.is_dir() else 0)
+
+
+async def through_parking(name: str, model: Path, work: Path, blocks: bool, cpt: float) -> dict[str, Any]:
+    """Six sessions sharing an opening, then two conversations taking turns, through
+    strata-serve with auto-sessions parking in blocks or whole files."""
+    import statistics
+
+    from bench.harness import chat, client_session, strata
+    from strata_serve.engine.llama_server.state_file import LlamaStateFormat
+
+    slot_dir = work / f"parking-{name}-{'blocks' if blocks else 'whole'}"
+    plugins = {"auto_sessions": {"min_tokens": 64, "idle_save_s": 0, "blocks": blocks, "keep": 64}}
+    ctx = int(max(OPENING_TOKENS + OWN_TOKENS, PARKING_SIZES["long"] + TURN_TOKENS * (PARKING_ROUNDS + 1)) + 1024)
+    opening = text("Shared opening: the system prompt, the tools, the environment.", int((OPENING_TOKENS - 1) * cpt))
+    flush = [{"role": "user", "content": "hi"}]  # parks the conversation the slot holds, is not worth a file
+    async with strata(model, ctx, slot_dir, 0, plugins=plugins, engine={"side_slot_tokens": 0}) as url, \
+            client_session() as session:
+
+        async def stats() -> dict[str, Any]:
+            async with session.get(url + "/stats") as reply:
+                return ((await reply.json()).get("plugins") or {}).get("auto_sessions") or {}
+
+        for i in range(SESSIONS):
+            own = text(f"Session {i} asks its own question", int(OWN_TOKENS * cpt))
+            await chat(session, url, [{"role": "system", "content": opening}, {"role": "user", "content": own}])
+        await chat(session, url, flush)
+        disk_bytes = parking_disk_bytes(slot_dir)
+        sequences, bpt = parked_tokens(slot_dir, LlamaStateFormat())
+        distinct = distinct_tokens(sequences)
+        # Two conversations taking turns: each request parks the other one.
+        history = {c: [{"role": "user", "content": text(f"The {c} conversation", int(size * cpt))}]
+                   for c, size in PARKING_SIZES.items()}
+        last: dict[str, int] = {}
+        written = new_bytes = 0.0
+        returns: list[float] = []
+        restore_ms: list[float] = []
+        for r in range(PARKING_ROUNDS + 1):
+            for c in PARKING_SIZES:
+                other = next(o for o in PARKING_SIZES if o != c)
+                before = await stats()
+                reply = await chat(session, url, history[c])
+                after = await stats()
+                if r:
+                    returns.append(reply.ttft_s)
+                    if after.get("restores", 0) - before.get("restores", 0) == 1:
+                        restore_ms.append(after["restore_ms"] - before["restore_ms"])
+                if after.get("saves", 0) - before.get("saves", 0) == 1:
+                    tokens = after["saved_tokens"] - before["saved_tokens"]
+                    if other in last:
+                        key = "block_bytes_written" if blocks else "saved_bytes"
+                        written += after[key] - before[key]
+                        new_bytes += (tokens - last[other]) * bpt
+                    last[other] = tokens
+                history[c] = history[c] + [
+                    {"role": "assistant", "content": reply.text},
+                    {"role": "user", "content": text(f"Turn {r} of {c}", int(TURN_TOKENS * cpt))}]
+        final = await stats()
+    return {"model": name, "blocks": blocks, "disk_bytes": disk_bytes, "distinct": distinct, "bpt": bpt,
+            "disk_ratio": disk_bytes / (distinct * bpt), "written": written,
+            "writes_ratio": written / new_bytes if new_bytes else float("nan"),
+            "switch_back_s": statistics.median(returns), "restore_ms": statistics.median(restore_ms or [0.0]),
+            "refused": {k: v for k, v in final.items() if k.startswith("blocks_refused_") and v}}
+
+
+def parking_table(rows: list[dict[str, Any]]) -> str:
+    out = ["## Through strata-serve's parking (`--parking`): blocks = true against false, one run", "",
+           f"auto-sessions parks the conversations itself (one slot, RAM cache off, idle saves off). Disk: "
+           f"{SESSIONS} sessions sharing a {OPENING_TOKENS:,}-token opening (+{OWN_TOKENS} each), everything "
+           f"the slot directory keeps (files, blocks, manifests) against the distinct tokens' bytes. Writes: "
+           f"conversations of {PARKING_SIZES['long']:,} and {PARKING_SIZES['short']:,} tokens taking turns, "
+           f"+{TURN_TOKENS} a turn, {PARKING_ROUNDS} rounds after the first: what the parking wrote per save "
+           f"(whole: the file; blocks: new blocks, tail, manifest; the engine's own staging file in the slot "
+           f"directory is not counted) against the turn's new tokens' bytes. Switch-back: time to the first "
+           f"token of each return (the other conversation saved, this one restored), median; the restore alone "
+           f"as auto-sessions measured it.", "",
+           "| model | parked as | disk MB | x distinct | written MB | x new tokens | switch-back s | restore ms |",
+           "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        out.append(f"| {row['model']} | {'blocks of 64' if row['blocks'] else 'whole files'} | "
+                   f"{row['disk_bytes'] / 1e6:.2f} | {row['disk_ratio']:.2f}x | {row['written'] / 1e6:.2f} | "
+                   f"{row['writes_ratio']:.2f}x | {row['switch_back_s']:.3f} | {row['restore_ms']:.0f} |")
+    refused = {row["model"]: row["refused"] for row in rows if row["refused"]}
+    out += ["", f"States kept whole by the format's refusal: {refused or 'none'}.", ""]
+    return "\n".join(out)
+
+
+async def parking_main(names: list[str], out: Path | None) -> str:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="strata-blocks-parking-") as tmp:
+        work = Path(tmp)
+        for name in names:
+            model = model_path(name, work)
+            for blocks in (False, True):
+                rows.append(await through_parking(name, model, work, blocks, CHARS_PER_TOKEN.get(name, 1.0)))
+                print(rows[-1], flush=True)
+    report = parking_table(rows)
+    if out is not None:
+        out.write_text(out.read_text() + "\n" + report + "\n" if out.exists() else report + "\n")
+    return report
+
+
 def model_path(name: str, work: Path) -> Path:
     if name == "smollm2":
         path = packaged_model_path("smollm2")
@@ -237,5 +377,11 @@ if __name__ == "__main__":
     parser.add_argument("--out", type=Path, default=None, help="also write the tables to this file")
     parser.add_argument("--models", default=None, help="comma-separated: tiny, bench, smollm2 (default: tiny,bench)")
     parser.add_argument("--disk-only", action="store_true", help="the disk figure alone")
+    parser.add_argument("--parking", action="store_true",
+                        help="through strata-serve's parking, blocks against whole files (appended to --out)")
     args = parser.parse_args()
-    print(asyncio.run(main(args.quick, args.out, args.models.split(",") if args.models else None, args.disk_only)))
+    if args.parking:
+        print(asyncio.run(parking_main(args.models.split(",") if args.models else ["bench", "smollm2"], args.out)))
+    else:
+        print(asyncio.run(main(args.quick, args.out, args.models.split(",") if args.models else None,
+                               args.disk_only)))
