@@ -402,8 +402,18 @@ class _Passing:
         forward = getattr(upstream, "forward", None)
         transport = self.request.transport
         if forward is not None and transport is not None and not transport.is_closing():
-            await self.response.write(b"")  # the headers, which aiohttp holds back until the first bytes
             seen, feed = self.seen, self.seen.feed
+            # The first chunk awaited here: the headers, which aiohttp holds back until the
+            # first bytes, leave with it in one write.
+            first = await anext(upstream.chunks(), b"")
+            if not first:
+                return
+            feed(first)
+            if seen.finished:  # the end came at once: the few bytes left go the plain way
+                self.tail = first
+                await self._one_by_one(b"", upstream)
+                return
+            await self.response.write(first)
             put, buffered, closing = transport.write, transport.get_write_buffer_size, transport.is_closing
 
             def take(chunk: bytes) -> bool:
