@@ -77,6 +77,8 @@ async def test_an_upload_after_a_turn_sends_only_the_blocks_the_tier_lacks(auto_
     assert new_tokens >= 300, (before.tokens, after.tokens)
     sent = parking(one).stats.shared_uploaded_bytes - sent_before  # everything uploaded meanwhile
     ratio = sent / (new_tokens * per_token)
+    print(f"upload of a turn ({'blocks' if shared_blocks else 'whole files'}): {sent:,} bytes for {new_tokens} new "
+          f"tokens of {per_token:.0f} bytes: {ratio:.2f}x")
     if shared_blocks:
         assert ratio <= 1.5, (sent, new_tokens, per_token, ratio)
     else:  # the control: a whole file sends the whole context again
@@ -110,6 +112,9 @@ async def test_a_replica_fetches_only_the_blocks_it_lacks_and_restores_the_newes
     assert third["timings"]["cache_n"] >= newer.tokens - 3, (third["timings"], newer.tokens)
     fetched = parking(one).stats.shared_fetched_bytes - fetched_before
     per_token = newer.bytes / newer.tokens
+    print(f"fetch of the last turn: {fetched:,} bytes for {newer.tokens - saved.tokens} new tokens of "
+          f"{per_token:.0f} bytes ({fetched / ((newer.tokens - saved.tokens) * per_token):.2f}x); the whole state "
+          f"{newer.bytes:,} bytes")
     assert fetched <= 1.5 * (newer.tokens - saved.tokens) * per_token, (fetched, newer.tokens, saved.tokens)
     assert parking(one).store.sidecar(key).tokens == newer.tokens
 
