@@ -169,12 +169,6 @@ class ParkedBlocks:
         except FileNotFoundError:
             return 0.0
 
-    def used(self, key: str, sibling: int) -> float:
-        return self._used(manifest_key(key, sibling))
-
-    def touch(self, key: str, sibling: int) -> None:
-        self.store._touch(manifest_key(key, sibling))
-
     def bytes(self) -> int:
         """Bytes of every object, each counted once."""
         return self.store.usage().bytes
