@@ -15,7 +15,7 @@ import logging
 import math
 import re
 from typing import Any
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
@@ -378,23 +378,15 @@ async def _end_with_error(response: web.StreamResponse, message: str, kind: str,
 
 
 class _Passing:
-    """A stream's bytes passed on to the client, as they come from the engine.
-
-    Where the backend can (its stream's ``forward``), each chunk is written from the engine
-    connection's own callback, with no task woken for it; otherwise, and for what is left
-    once that stops (a client whose buffer holds :data:`CLIENT_BUFFER_BYTES`, one gone), a
-    chunk at a time, each write waiting while the client's buffer is full.
-
-    The bytes after the event that ends the stream (``tail``) wait for the engine's end,
-    to leave with the stream's own end in one write: each write is a system call, as
-    costly as all the relay's Python work for a short answer.
-    """
+    """A stream's bytes passed on as they come: from the engine connection's own callback
+    where the backend can (``forward``: no task woken per chunk); else, and once a client's
+    buffer holds :data:`CLIENT_BUFFER_BYTES` or it is gone, a chunk at a time, each write
+    waiting for the client. The bytes after the event that ends the stream (``tail``) leave
+    with the stream's end, in one write (a system call costs as much as a short answer's
+    Python)."""
 
     def __init__(self, request: web.Request, response: web.StreamResponse, seen: StreamSeen) -> None:
-        self.request = request
-        self.response = response
-        self.seen = seen
-        self.tail = b""
+        self.request, self.response, self.seen, self.tail = request, response, seen, b""
 
     async def run(self, upstream: Any) -> None:
         """Until the engine's answer ends (the stream's end is then the caller's to write)."""
@@ -403,8 +395,7 @@ class _Passing:
         transport = self.request.transport
         if forward is not None and transport is not None and not transport.is_closing():
             seen, feed = self.seen, self.seen.feed
-            # The first chunk awaited here: the headers, which aiohttp holds back until the
-            # first bytes, leave with it in one write.
+            # Awaited here: the headers (held back by aiohttp until the first bytes) leave with it.
             first = await anext(upstream.chunks(), b"")
             if not first:
                 return
@@ -436,8 +427,9 @@ class _Passing:
         await self._one_by_one(left, upstream)
 
     async def _one_by_one(self, first: bytes, upstream: Any) -> None:
-        feed, write = self.seen.feed, self.response.write
-        async for chunk in _chunks(first, upstream):
+        feed, write, chunks = self.seen.feed, self.response.write, upstream.chunks()
+        chunk: bytes | None = first or await anext(chunks, None)
+        while chunk is not None:
             feed(chunk)
             if self.tail:
                 await write(self.tail)
@@ -446,13 +438,7 @@ class _Passing:
                 self.tail = chunk
             else:
                 await write(chunk)
-
-
-async def _chunks(first: bytes, upstream: Any) -> AsyncIterator[bytes]:
-    if first:
-        yield first
-    async for chunk in upstream.chunks():
-        yield chunk
+            chunk = await anext(chunks, None)
 
 
 async def _relay_stream(
