@@ -9,6 +9,10 @@ generation (one more at each save that lands), and whether the conversation was 
 that save the same conversation at once: one lands, the other is told so
 (:class:`ConditionFailed`) and never overwrites.
 
+Blocks (``put_block``, ``fetch_block``, ``blocks``, ``delete_block``) are apart from the
+objects: named by their content's chained hash, written once and never over, shared by
+every conversation and replica that reached them (:mod:`~strata_auto_sessions.shared.blocks`).
+
 Names are the slot directory's file names (``auto-<name>.bin``, its sidecar, siblings
 ``auto-<name>.<n>.bin``), so tenants are apart exactly as they are on disk: a named
 tenant's keys begin with its name.
