@@ -146,9 +146,9 @@ def report(found: dict[str, Any], model: str) -> list[str]:
         "|---|---|",
         f"| streaming tokens/s | {found['stream_ratio']:.3f} ({stream_s:.1f} / {stream_e:.1f}"
         f"{_range(found['stream_ratios'], 3)}) |",
-        f"| 1-token request p50, streamed | +{found['one_token_stream_added_p50_ms']:.2f} ms "
+        f"| 1-token request p50, streamed | {found['one_token_stream_added_p50_ms']:+.2f} ms "
         f"({one['strata']:.2f} / {one['engine']:.2f} ms) |",
-        f"| 1-token request p50, JSON | +{found['one_token_json_added_p50_ms']:.2f} ms "
+        f"| 1-token request p50, JSON | {found['one_token_json_added_p50_ms']:+.2f} ms "
         f"({plain['strata']:.2f} / {plain['engine']:.2f} ms) |",
         f"| {s['clients']} clients, requests/s | {found['clients_ratio']:.3f} ({rps_s:.2f} / {rps_e:.2f}"
         f"{_range(found['clients_ratios'], 3)}) |",
