@@ -182,3 +182,26 @@ def test_the_numbers_in_a_final_event_split_across_chunks_are_read():
         seen.feed(stream[:cut])
         seen.feed(stream[cut:])
         assert seen.timings == timings and seen.finished and seen.error is None, cut
+
+
+async def test_an_http_1_0_client_gets_the_stream_s_bare_bytes(strata_client_factory):
+    """A stream to an HTTP/1.0 client has no chunked framing (HTTP/1.1's): its body is the
+    events alone, up to the connection's close. Written in HTTP/1.1's framing, the chunks'
+    sizes would reach the client as lines of the stream (real engine: the relay's fast path
+    is the llama-server backend's)."""
+    client = await strata_client_factory()
+    payload = json.dumps(chat_body("Count to twenty", max_tokens=24, stream=True)).encode()
+    reader, writer = await asyncio.open_connection(client.host, client.port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    await writer.drain()
+    async with asyncio.timeout(60):
+        raw = await reader.read(-1)  # to the connection's close
+    writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200"), head[:200]
+    assert b"chunked" not in head.lower()
+    lines = [line for line in body.split(b"\n") if line.strip()]
+    assert len(lines) > 5  # the role, the tokens, the end
+    assert all(line.startswith(b"data: ") for line in lines), [line for line in lines if not line.startswith(b"data: ")][:3]
+    assert lines[-1] == b"data: [DONE]"

@@ -17,7 +17,7 @@ import re
 from typing import Any
 from collections.abc import Awaitable, Callable, Iterator
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from aiohttp.web_protocol import RequestPayloadError
 from pydantic import BaseModel
 
@@ -393,7 +393,10 @@ class _Passing:
         left = b""
         forward = getattr(upstream, "forward", None)
         transport = self.request.transport
-        if forward is not None and transport is not None and not transport.is_closing():
+        # Written past aiohttp in HTTP/1.1's chunked framing: an HTTP/1.0 client's answer
+        # is the bare bytes up to the connection's close, so it goes the plain way.
+        if (forward is not None and transport is not None and not transport.is_closing()
+                and self.request.version >= HttpVersion11):
             seen, feed = self.seen, self.seen.feed
             # Awaited here: the headers (held back by aiohttp until the first bytes) leave with it.
             first = await anext(upstream.chunks(), b"")
