@@ -283,7 +283,7 @@ async def through_parking(name: str, model: Path, work: Path, blocks: bool, cpt:
                 if after.get("saves", 0) - before.get("saves", 0) == 1:
                     tokens = after["saved_tokens"] - before["saved_tokens"]
                     if other in last:
-                        key = "block_bytes_written" if blocks else "saved_bytes"
+                        key = "block_written_bytes" if blocks else "saved_bytes"
                         written += after[key] - before[key]
                         new_bytes += (tokens - last[other]) * bpt
                     last[other] = tokens

@@ -108,7 +108,7 @@ def _count_blocks(parking: AutoSessions) -> str:
         parking.stats.count_kept_whole(report.refused.reason)
         return f" (whole: {report.refused.reason})"
     parking.stats.block_saves += 1
-    parking.stats.block_bytes_written += report.bytes_written
+    parking.stats.block_written_bytes += report.bytes_written
     parking.stats.block_state_bytes += report.state_bytes
     return (f" in blocks ({report.blocks_written} of {report.blocks} new, {size_text(report.bytes_written)} "
             "written)")

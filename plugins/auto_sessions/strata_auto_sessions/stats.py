@@ -87,7 +87,7 @@ class AutoSessionsStats:
     #: its sharing saves (what the conversations hold, counted per conversation, less
     #: what the store keeps).
     block_saves: int = counter("Saves kept in blocks of tokens")
-    block_bytes_written: int = counter("Bytes saves in blocks wrote (new blocks, tails, manifests)", unit="bytes")
+    block_written_bytes: int = counter("Bytes saves in blocks wrote (new blocks, tails, manifests)", unit="bytes")
     block_state_bytes: int = counter("Bytes of engine state the saves in blocks kept", unit="bytes")
     blocks_refused_state_version: int = counter(_KEPT_WHOLE, name="blocks_refused",
                                                 labels={"reason": "state_version"})

@@ -122,12 +122,12 @@ async def test_a_turn_writes_about_its_new_tokens_bytes(auto_client, tmp_path):
         for n in range(5):  # a, b, a, b, a: each request saves the other conversation
             name = "ab"[n % 2]
             other = "ab"[(n + 1) % 2]
-            before = (stats.saves, stats.saved_tokens, stats.block_bytes_written, stats.saved_bytes)
+            before = (stats.saves, stats.saved_tokens, stats.block_written_bytes, stats.saved_bytes)
             answer = await ask(client, convs[name], max_tokens=2)
             if n:
                 assert stats.saves == before[0] + 1
                 tokens = stats.saved_tokens - before[1]
-                written = stats.block_bytes_written - before[2] if blocks else stats.saved_bytes - before[3]
+                written = stats.block_written_bytes - before[2] if blocks else stats.saved_bytes - before[3]
                 per_token = (stats.saved_bytes - before[3]) / tokens
                 if other in last_tokens:
                     ratios[blocks].append(written / ((tokens - last_tokens[other]) * per_token))
