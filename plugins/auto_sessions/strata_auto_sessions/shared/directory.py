@@ -117,12 +117,8 @@ class DirectoryTier:
     def _put_bytes(self, name: str, data: builtins.bytes) -> None:
         self._ready()
         target = self._objects / name
-        temp = target.with_name(_temporary(name))
+        temp = _written_beside(target, data)
         try:
-            with _create(temp, "wb") as dst:
-                dst.write(data)
-                dst.flush()
-                os.fsync(dst.fileno())
             os.replace(temp, target)
         except BaseException:
             temp.unlink(missing_ok=True)
@@ -141,12 +137,8 @@ class DirectoryTier:
         never replaces a file, so a block is written once, and never seen half written."""
         self._ready()
         target = self._blocks / name
-        temp = target.with_name(_temporary(name))
+        temp = _written_beside(target, data)
         try:
-            with _create(temp, "wb") as dst:
-                dst.write(data)
-                dst.flush()
-                os.fsync(dst.fileno())
             try:
                 os.link(temp, target)
             except FileExistsError:
@@ -332,3 +324,18 @@ class _LockFile:
             return
         if isinstance(raw, dict) and raw.get("token") == self.token:  # never another's, taken after ours expired
             self.path.unlink(missing_ok=True)
+
+
+def _written_beside(target: Path, data: builtins.bytes) -> Path:
+    """``data`` in a private temporary beside ``target``, synced to disk; the temporary's path
+    (removed again if the write fails)."""
+    temp = target.with_name(_temporary(target.name))
+    try:
+        with _create(temp, "wb") as dst:
+            dst.write(data)
+            dst.flush()
+            os.fsync(dst.fileno())
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    return temp
