@@ -51,7 +51,48 @@ async def test_it_runs_holding_the_fifo_and_a_request_waits_for_it(strata_memory
     assert resp.status == 200 and plugin.ran == [True]
 
 
-async def test_a_busy_service_never_starts_it_and_cancel_stops_it(strata_memory_client_factory):
+class Gate:
+    """A plugin that holds each request in ``pre_request`` until it is let through: a busy service."""
+
+    strata_name = "gate"
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+        self.through = asyncio.Event()
+
+    @strata_serve.hookimpl
+    async def pre_request(self, request):
+        self.entered.set()
+        await self.through.wait()
+
+
+async def test_a_busy_service_never_starts_it_and_an_idle_one_does(strata_memory_client_factory):
+    gate = Gate()
+    client = await strata_memory_client_factory(gate)
+    service = client.app[SERVICE]
+    ran: list[str] = []
+
+    def work(name: str):
+        async def run() -> None:
+            ran.append(name)
+        return run
+
+    held = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body()))
+    await asyncio.wait_for(gate.entered.wait(), 10)
+    busy = service.when_idle(0.05, work("busy"), name="busy work")
+    # Its delay is over while the request still holds the service: it gives up, unstarted
+    # (started, it would wait for the FIFO behind the request, and never be done here).
+    await wait_for(lambda: busy.done)
+    assert ran == [] and not busy.running and not held.done()
+    gate.through.set()
+    assert (await asyncio.wait_for(held, 10)).status == 200
+    # The control: the same work asked for once the service is idle runs.
+    idle = service.when_idle(0.05, work("idle"), name="idle work")
+    await wait_for(lambda: idle.done)
+    assert ran == ["idle"], "the work run while busy never ran later either"
+
+
+async def test_cancel_stops_it(strata_memory_client_factory):
     plugin = QuietWork(0.3)
     client = await strata_memory_client_factory(plugin)
     await client.post("/v1/chat/completions", json=chat_body())
