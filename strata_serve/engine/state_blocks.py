@@ -27,7 +27,8 @@ class StateBlock:
     """Tokens and the engine's bytes for them (``cells`` of them hold state)."""
 
     tokens: tuple[int, ...]
-    data: bytes
+    #: The engine's bytes (a store may hand a view of a file it mapped).
+    data: bytes | memoryview
     #: How many of the tokens the data holds state for: a tail may end on a token the
     #: engine has not read yet (the last one it generated).
     cells: int

@@ -183,10 +183,7 @@ def test_a_damaged_block_is_not_joined(tmp_path):
     store.save("a", staged(tmp_path, conversation(1)))
     chain = store.chain_of("a")
     target = store._object_path(chain.names[1])
-    raw = bytearray(target.read_bytes())
-    raw[-1] ^= 0xFF
-    target.chmod(0o600)
-    target.write_bytes(bytes(raw))
+    damage_in_place(target)
     with pytest.raises(CorruptBlock, match="digest"):
         store.materialize(chain, tmp_path / "out.bin")
     assert not (tmp_path / "out.bin").exists()
@@ -196,6 +193,75 @@ def test_a_damaged_block_is_not_joined(tmp_path):
     assert store.save("b", staged(tmp_path, conversation(1))).blocks_written == 1
     store.materialize(store.chain_of("a"), tmp_path / "out.bin")
     assert (tmp_path / "out.bin").read_bytes() == state_file(conversation(1))
+
+
+def damage_in_place(block: Path) -> None:
+    """One byte of ``block``'s data flipped in place (same inode, same size), its mtime a
+    second past the one it had: a write later than the file system's clock step shows
+    (one within the step shows no change to a ``stat``)."""
+    before = block.stat()
+    raw = bytearray(block.read_bytes())
+    raw[-1] ^= 0xFF
+    block.chmod(0o600)
+    block.write_bytes(bytes(raw))
+    os.utime(block, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
+
+
+class CountedDigests:
+    """Counts the SHA-256 digests the block objects take (of data read back or written)."""
+
+    def __init__(self, monkeypatch):
+        import hashlib
+        import types
+
+        from strata_auto_sessions.blocks import objects
+
+        self.calls = 0
+
+        def sha256(data=b""):
+            self.calls += 1
+            return hashlib.sha256(data)
+
+        monkeypatch.setattr(objects, "hashlib", types.SimpleNamespace(sha256=sha256))
+
+
+def test_a_block_read_back_intact_is_not_digested_again_while_its_file_is_unchanged(tmp_path, monkeypatch):
+    digests = CountedDigests(monkeypatch)
+    store = store_at(tmp_path / "store")
+    store.save("a", staged(tmp_path, conversation(1)))  # 5 blocks and a tail, digested as written
+    chain = store.chain_of("a")
+    assert digests.calls == 6
+    for _ in range(2):
+        store.materialize(chain, tmp_path / "out.bin")
+        assert (tmp_path / "out.bin").read_bytes() == state_file(conversation(1))
+    assert digests.calls == 6  # the writer knows them
+    other = store_at(tmp_path / "store")  # another process: each object checked on its first read only
+    for _ in range(2):
+        other.materialize(chain, tmp_path / "out.bin")
+        assert (tmp_path / "out.bin").read_bytes() == state_file(conversation(1))
+    assert digests.calls == 12
+
+
+@pytest.mark.parametrize("change", ["in place", "replaced"])
+def test_a_block_changed_after_it_was_read_intact_is_refused(tmp_path, change):
+    store = store_at(tmp_path / "store")
+    store.save("a", staged(tmp_path, conversation(1)))
+    chain = store.chain_of("a")
+    reader = store_at(tmp_path / "store")
+    reader.materialize(chain, tmp_path / "out.bin")  # read back intact: known from now on
+    target = store._object_path(chain.names[2])
+    if change == "in place":
+        damage_in_place(target)
+    else:  # another file (another inode) under its name, of the same size
+        raw = bytearray(target.read_bytes())
+        raw[-1] ^= 0xFF
+        replacement = target.with_name("replacement")
+        replacement.write_bytes(bytes(raw))
+        os.replace(replacement, target)
+    for each in (store, reader):  # neither the writer nor a reader takes it on trust
+        with pytest.raises(CorruptBlock, match="digest|missing"):
+            each.materialize(chain, tmp_path / "out.bin")
+    assert not target.exists()
 
 
 def test_a_temporary_a_killed_save_left_is_pruned(tmp_path):

@@ -30,10 +30,15 @@ the file's last byte.
 
 from __future__ import annotations
 
+import array
 import dataclasses
+import functools
 import json
+import os
 import struct
+import sys
 from collections.abc import Mapping, Sequence
+from itertools import chain
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +53,8 @@ TOKENS_VERSION = 1  # SERVER_TOKENS_STATE_VERSION
 CELL_EXT_BYTES = 12  # llama_kv_cell_ext: i32 x, i32 y, i32 tok
 #: This module's own way of cutting; changes when a block's bytes would change.
 BLOCKS_VERSION = 1
+#: Parts written in one call (within every system's IOV_MAX).
+_WRITEV_PARTS = 1024
 
 
 class _Short(Exception):
@@ -349,8 +356,54 @@ def cut_bytes(data: bytes, block_tokens: int) -> CutState | StateRefusal:
                     blocks=blocks, tail=tail)
 
 
+def _cell_records(layout: _Layout, blocks: Sequence[StateBlock], n: int) -> bytes:
+    """The cells' records of a joined file: position ``i``, one sequence, the block's extras
+    for the cell, seq id 0 (a single-sequence restore discards it)."""
+    if not layout.ext:
+        records = bytearray(12 * n)
+        ints = memoryview(records).cast("i")
+        ints[0::3] = array.array("i", range(n))
+        ints[1::3] = array.array("i", [1]) * n
+        if sys.byteorder != "little":
+            swapped = array.array("i", records)
+            swapped.byteswap()
+            return swapped.tobytes()
+        return bytes(records)
+    head, seq_id = struct.Struct("<iI"), struct.pack("<i", 0)
+    parts: list[bytes | memoryview] = []
+    pos = 0
+    for block in blocks:
+        view = memoryview(block.data)
+        for i in range(block.cells):
+            parts += (head.pack(pos, 1), view[i * layout.ext:(i + 1) * layout.ext], seq_id)
+            pos += 1
+    return b"".join(parts)
+
+
+@functools.lru_cache(maxsize=64)
+def _rows_of(size: int, n: int) -> struct.Struct:
+    """Splits ``n`` rows of ``size`` bytes in one call."""
+    return struct.Struct(f"{size}s" * n)
+
+
+def _transposed(views: Sequence[memoryview], cells: Sequence[int], offsets: list[int], el: int,
+                n_embd: int) -> bytes:
+    """One layer's transposed V joined: for each of its ``n_embd`` rows, every block's
+    elements of that row in turn. Each block's rows are split in one call and interleaved
+    in one join, without a Python step per row."""
+    rows = []
+    for b, view in enumerate(views):
+        size = cells[b] * el
+        if size:
+            rows.append(_rows_of(size, n_embd).unpack(view[offsets[b]:offsets[b] + size * n_embd]))
+            offsets[b] += size * n_embd
+    return b"".join(list(chain.from_iterable(zip(*rows, strict=True))))
+
+
 def join_bytes(layout_record: bytes, blocks: Sequence[StateBlock], *, n_stream: int = 1) -> list[bytes | memoryview]:
-    """The parts of the file ``blocks`` make, in order (written out by :meth:`LlamaStateFormat.join`)."""
+    """The parts of the file ``blocks`` make, in order (written out by :meth:`LlamaStateFormat.join`):
+    a few headers, each block's K and V rows as views of its data, each transposed layer
+    of V in one piece."""
     layout = _Layout.from_record(layout_record)
     if not 1 <= n_stream <= 256:
         raise ValueError(f"n_stream {n_stream}")
@@ -369,50 +422,46 @@ def join_bytes(layout_record: bytes, blocks: Sequence[StateBlock], *, n_stream: 
         struct.pack("<III", STATE_MAGIC, STATE_VERSION, len(packed)),
         struct.pack(f"<{len(packed)}i", *packed),
         struct.pack("<II", n_stream, n),
+        _cell_records(layout, blocks, n),
+        struct.pack("<IIII", layout.v_trans, layout.n_layer, layout.n_rot_k, layout.n_rot_v),
     ]
-    seq_id = struct.pack("<i", 0)  # discarded by a single-sequence restore
-    cells = bytearray()
-    pos = 0
-    for block in blocks:
-        view = memoryview(block.data)
-        for i in range(block.cells):
-            cells += struct.pack("<iI", pos, 1)
-            if layout.ext:
-                cells += view[i * layout.ext:(i + 1) * layout.ext]
-            cells += seq_id
-            pos += 1
-    out.append(bytes(cells))
-    out.append(struct.pack("<IIII", layout.v_trans, layout.n_layer, layout.n_rot_k, layout.n_rot_v))
     # where each block's K and V sections start within its data
     offsets = [layout.ext * block.cells for block in blocks]
     views = [memoryview(block.data) for block in blocks]
-    for k_type, row in layout.k:
+    cells = [block.cells for block in blocks]
+    rows: list[tuple[int, ...]] = [*layout.k, *([] if layout.v_trans else layout.v)]
+    for k_type, row in rows:
         out.append(struct.pack("<iQ", k_type, row))
-        for b, block in enumerate(blocks):
-            size = block.cells * row
-            out.append(views[b][offsets[b]:offsets[b] + size])
+        for b, view in enumerate(views):
+            size = cells[b] * row
+            out.append(view[offsets[b]:offsets[b] + size])
             offsets[b] += size
-    for v in layout.v:
-        if layout.v_trans:
-            v_type, el, n_embd = v
+    if layout.v_trans:
+        for v_type, el, n_embd in layout.v:
             out.append(struct.pack("<iII", v_type, el, n_embd))
-            chunks: list[list[memoryview]] = [[] for _ in range(n_embd)]
-            for b, block in enumerate(blocks):
-                size = block.cells * el
-                for j in range(n_embd):
-                    chunks[j].append(views[b][offsets[b]:offsets[b] + size])
-                    offsets[b] += size
-            for row_chunks in chunks:
-                out.extend(row_chunks)
-        else:
-            v_type, row = v
-            out.append(struct.pack("<iQ", v_type, row))
-            for b, block in enumerate(blocks):
-                size = block.cells * row
-                out.append(views[b][offsets[b]:offsets[b] + size])
-                offsets[b] += size
+            out.append(_transposed(views, cells, offsets, el, n_embd))
     out.append(struct.pack(f"<{n_stream - 1}I", *([0] * (n_stream - 1))))
     return out
+
+
+def write_parts(fd: int, parts: Sequence[bytes | memoryview]) -> int:
+    """Write ``parts`` at ``fd``'s position, a batch of them in each call (``os.writev``);
+    returns the bytes written."""
+    written = 0
+    for at in range(0, len(parts), _WRITEV_PARTS):
+        batch = [p for p in parts[at:at + _WRITEV_PARTS] if len(p)]
+        want = sum(len(p) for p in batch)
+        done = os.writev(fd, batch) if batch else 0
+        if done < want:  # a short write (rare on a file): the rest one part at a time
+            for part in batch:
+                view = memoryview(part)
+                skip = min(done, len(view))
+                done -= skip
+                view = view[skip:]
+                while len(view):
+                    view = view[os.write(fd, view):]
+        written += want
+    return written
 
 
 def shifting_flag(args: Sequence[str], env: Mapping[str, str]) -> str | None:
@@ -464,8 +513,8 @@ class LlamaStateFormat:
 
     def join(self, layout: bytes, blocks: Sequence[StateBlock], dest: Path, *, n_stream: int = 1) -> int:
         parts = join_bytes(layout, blocks, n_stream=n_stream)
-        written = 0
-        with open(dest, "wb") as f:
-            for part in parts:
-                written += f.write(part)
-        return written
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            return write_parts(fd, parts)
+        finally:
+            os.close(fd)

@@ -44,6 +44,9 @@ MANIFEST_VERSION = 1
 #: are stored per session), and a turn writes 1.1x its new tokens' bytes against up to 1.6x
 #: (a save writes the tail again); saving and joining take about as long either way.
 DEFAULT_BLOCK_TOKENS = 64
+#: Blocks of one join mapped from their files at most (each mapping holds a file
+#: descriptor until the join ends); the rest are read into memory.
+MAPPED_BLOCKS = 256
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,8 @@ class BlockStore:
         self.fsync = fsync
         self.grace_s = grace_s
         self._lock = threading.RLock()
+        #: Objects read back intact or written here: not digested again while unchanged.
+        self._verified = objects.Verified()
         self._objects = self.root / "objects"
         self._manifests = self.root / "manifests"
         for path in (self.root, self._objects, self._manifests):
@@ -204,7 +209,13 @@ class BlockStore:
     def _publish_raw(self, name: str, raw: bytes) -> int:
         path = self._object_path(name)
         make_private_dir(path.parent)
-        return len(raw) if objects.publish(path, raw, fsync=self.fsync) else 0
+        if not objects.publish(path, raw, fsync=self.fsync):
+            return 0
+        try:
+            self._verified.add(name, path.stat())  # its digest was taken from the bytes written
+        except FileNotFoundError:
+            pass
+        return len(raw)
 
     def _write_manifest(self, manifest: Manifest) -> int:
         raw = json.dumps({"version": MANIFEST_VERSION, **asdict(manifest)}, separators=(",", ":")).encode()
@@ -291,22 +302,25 @@ class BlockStore:
         :raises objects.CorruptBlock: a block missing or not as it was written.
         """
         with self._lock:
-            blocks = [self._read(name) for name in [*chain.names, *([chain.tail] if chain.tail else [])]]
+            names = [*chain.names, *([chain.tail] if chain.tail else [])]
+            blocks = [self._read(name, mapped=i < MAPPED_BLOCKS) for i, name in enumerate(names)]
             if chain.source is not None:
                 self._touch(chain.source)
         return self.format.join(chain.layout.encode(), blocks, Path(dest), n_stream=chain.n_stream)
 
-    def _read(self, name: str) -> StateBlock:
+    def _read(self, name: str, *, mapped: bool = False) -> StateBlock:
+        """The stored block ``name``, checked against its digest unless this process
+        wrote it or checked this very file before; ``mapped``: its data a view of the file."""
+        path = self._object_path(name)
         try:
-            raw = self._object_path(name).read_bytes()
+            return objects.load(path, name, self._verified, mapped=mapped)
         except FileNotFoundError:
             raise objects.CorruptBlock(f"block {name[:16]} is missing") from None
-        try:
-            return objects.decode(raw)
         except objects.CorruptBlock:
             # Gone, so that the next save of any conversation holding it writes it anew
             # (a save skips the blocks the store has).
-            self._object_path(name).unlink(missing_ok=True)
+            self._verified.forget(name)
+            path.unlink(missing_ok=True)
             raise
 
     def _touch(self, key: str) -> None:
@@ -375,6 +389,7 @@ class BlockStore:
                     continue
                 # A temporary a killed save left (``.<name>...tmp``) sits beside its object.
                 path = self._objects / (name.lstrip(".")[:2]) / name
+                self._verified.forget(name)
                 try:
                     path.unlink()
                 except FileNotFoundError:
