@@ -75,6 +75,10 @@ class StrataRequest:
     #: every slot for it, and learns from the engine afterwards which slot ran it (``slot``
     #: is set to that one before ``post_request``).
     pinned: bool = True
+    #: True when the service sent it to the engine ahead of its turn (``may_go_ahead``):
+    #: its ``pre_request`` runs while the engine may be answering it, and must leave the
+    #: slot alone. Set by the service alone.
+    sent_ahead: bool = False
     #: Tokens a plugin restored into the slot for this request (0: none).
     restored_tokens: int = 0
     #: True when the slot already held this request's conversation as it was sent.

@@ -171,7 +171,7 @@ class Service(SlotCalls, Stopping):
         if not may_go_ahead(self.pm, request, self.slots[0], self):
             return None
         place = self.fifo.line_up(claim)  # its place, from now: no one passes it
-        request.slot = 0
+        request.slot, request.sent_ahead = 0, True
         self._ahead = request
         outcome = Outcome(status="error", error="not sent")
         log.debug("[strata] request %d goes to the engine ahead of its turn (request %d is answering)",

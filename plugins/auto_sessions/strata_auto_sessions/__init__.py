@@ -37,6 +37,8 @@ __all__ = ["AutoSessions", "AutoSessionsConfig", "AutoSessionsStats", "Parked", 
 
 #: How long a stop waits for the uploads to the shared tier under way.
 SHARED_STOP_WAIT_S = 30.0
+#: How long a stop spends saving the conversations left to the engine's RAM cache.
+RAM_STOP_WAIT_S = 30.0
 #: The plugin's name when registered by hand (tests); the entry point gives the same.
 strata_name = NAME
 #: The hooks this plugin offers others (``auto_sessions_store``); the core adds them.
@@ -99,6 +101,12 @@ async def post_request(request, outcome, service):
 
 
 @strata_serve.hookimpl
+def may_go_ahead(request, held, service):
+    parking = _parking(service)
+    return parking is None or parking.may_go_ahead(request, held, service)
+
+
+@strata_serve.hookimpl
 async def pre_slot_action(slot, action, service):
     parking = _parking(service)
     if parking is not None and parking.mode.parks:
@@ -121,6 +129,7 @@ async def on_shutdown(service):
         if parking.mode.parks:
             for slot in range(len(service.slots)):
                 await parking.park_slot(service, slot, reason="shutdown")
+            await parking.save_left_in_ram(service, RAM_STOP_WAIT_S)
         await parking.synced()  # every save's fsyncs, before the server says it stopped
         if parking.shared is not None:
             await parking.shared.close(min(parking.shared.config.transfer_timeout_s, SHARED_STOP_WAIT_S))

@@ -107,6 +107,11 @@ class AutoSessionsConfig(BaseModel):
     #: normal stop waits for them either way; after a power cut a file whose data had not
     #: reached the disk is refused by its size and digest, never handed to the engine.
     fsync: Literal["background", "at_save"] = "background"
+    #: While the engine's RAM prompt cache has room, leave a switch to it: the outgoing
+    #: conversation stays in the engine's RAM, the incoming one comes back from there, and
+    #: nothing is saved or restored on the request's path (docs/sessions.md, "The engine's
+    #: RAM cache"). Off: every switch parks to disk. Never with a shared tier.
+    ram_first: bool = True
     #: Park conversations as blocks of tokens (docs/sessions.md, "Blocks"): a block two
     #: conversations of a tenant share is stored once, and a save writes only the blocks
     #: the store lacks. Off: whole files, as earlier versions did (states the engine's

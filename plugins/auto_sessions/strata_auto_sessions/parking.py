@@ -1,10 +1,10 @@
 """The parking logic: when to save the slot's conversation, and when to restore one.
 
 What the slot holds is the core's picture (``service.slots``), recorded for every
-request and slot call; this module keeps no model of the engine of its own. It never
-leaves a conversation to the engine's RAM prompt cache on a guess: the outgoing
-conversation is saved at a switch unless its file is already current (an idle save
-made it so), because the RAM cache's eviction cannot be seen from outside.
+request and slot call; this module keeps no model of the engine's slots of its own.
+The outgoing conversation is saved at a switch unless its file is already current (an
+idle save made it so), or the switch is left to the engine's RAM prompt cache while it
+has room (``engine_ram``: a belief about that cache, checked at each return from it).
 
 :class:`AutoSessions` holds the state and decides around each request; the rest is
 decided in one module each: whether a conversation is worth a file (``policy``), the
@@ -24,10 +24,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from strata_serve import ConfigError, EngineMeasures, Outcome, StrataRequest, first_result, make_private_dir, span
+from strata_serve import (ConfigError, EngineError, EngineMeasures, EngineUnavailable, Outcome, StrataRequest, api_of,
+                          first_result, make_private_dir, span)
 
 from strata_auto_sessions import restoring
 from strata_auto_sessions.config import GB, NAME, AutoSessionsConfig, size_text
+from strata_auto_sessions.engine_ram import MAX_SHARED, EngineRam, Left, cache_budget, leaving_ident, shared_share
 from strata_auto_sessions.idle import IdleSaves
 from strata_auto_sessions.mode import ParkingMode, ParkingStatus
 from strata_auto_sessions.parked_blocks import ParkedBlocks
@@ -35,7 +37,7 @@ from strata_auto_sessions.policy import describe
 from strata_auto_sessions.prompts import continues, prompt_signature
 from strata_auto_sessions.pruning import in_use, refresh_usage
 from strata_auto_sessions.restoring import RestoreSpeed
-from strata_auto_sessions.saving import Parked, park_slot
+from strata_auto_sessions.saving import Parked, park_slot, save_from_engine_ram
 from strata_auto_sessions.shared.sync import SharedParking
 from strata_auto_sessions.siblings import Sibling, SiblingIndex
 from strata_auto_sessions.stats import AutoSessionsStats
@@ -43,7 +45,7 @@ from strata_auto_sessions.store import DirectoryInUse, LockTimeout, ParkingStore
 from strata_auto_sessions.store import of_sibling, swa_unusable
 
 if TYPE_CHECKING:
-    from strata_serve import Service
+    from strata_serve import Service, SlotState
 
 __all__ = ["GB", "NAME", "AutoSessions", "AutoSessionsConfig", "AutoSessionsStats", "Parked", "ParkingMode"]
 
@@ -89,6 +91,13 @@ class AutoSessions:
         #: The fsyncs of saves made without them (``fsync = "background"``), under way.
         self._syncing: asyncio.Task[None] | None = None
         self._sync_again = False
+        #: What the engine's RAM prompt cache holds of the conversations left to it
+        #: (``ram_first``); None when switches always park to disk.
+        self.engine_ram: EngineRam | None = None
+        #: By slot, the engine path and body of the last request that ran there, with its
+        #: key (kept with ``ram_first`` only: a conversation left to the engine's RAM is
+        #: brought back by it at a stop).
+        self.last_sent: dict[int, tuple[str, str, dict[str, Any]]] = {}
         #: Requests within :meth:`syncs_held`; a sync asked for meanwhile.
         self._holding_syncs = 0
         self._sync_held = False
@@ -121,6 +130,10 @@ class AutoSessions:
         refresh_usage(store, parking.stats, report=True)
         if config.shared is not None:
             parking.shared = await SharedParking.start(parking, service, config.shared)
+        budget = cache_budget(service)
+        if config.ram_first and config.shared is None and budget is not None:
+            # With a shared tier, the other servers need every state on the tier.
+            parking.engine_ram = EngineRam(budget)
         log.info("[strata] auto sessions: on, files in %s (%d file(s), %s); a conversation is worth a file "
                  "from %s", directory, parking.stats.files_on_disk, size_text(parking.stats.bytes_on_disk),
                  describe(config))
@@ -147,6 +160,8 @@ class AutoSessions:
         """A new engine process: the model file may have been replaced in place meanwhile,
         so the fingerprint files are checked against is taken again."""
         info = service.engine.info
+        if self.engine_ram is not None:
+            self.engine_ram.restarted()
         if self.store is not None:
             self.fingerprint = engine_fingerprint(info)
             self.describe_engine()
@@ -169,6 +184,8 @@ class AutoSessions:
     async def before(self, request: StrataRequest, service: Service) -> None:
         self.idle_saves.cancel(request.slot)
         self.record_in_use(service)
+        if request.sent_ahead:
+            return  # it continues what the slot holds (:meth:`may_go_ahead`), and may be running
         if getattr(service, "side_lane", False) and request.slot != MAIN_SLOT:
             # The main conversation stays in its slot while this request runs beside it, as a
             # one-slot engine's parks it: its file is made current first, so an engine crash
@@ -197,6 +214,8 @@ class AutoSessions:
                     # The conversation moves here (it outgrew the side slot): its newest state is
                     # in the other slot, so its file is written from there before it is restored.
                     await self.park_slot(service, other.id, reason="moves to another slot", incoming=key)
+        if await self._left_to_engine(service, request, in_slot):
+            return  # the engine's RAM cache makes this switch by itself
         if key is None and in_slot.key is None:
             return  # nothing nameable leaves, nothing nameable comes
         # A switch (or a request without a key, or another conversation under the held
@@ -232,6 +251,92 @@ class AutoSessions:
             self.stats.restores_withheld += 1
             return
         await restoring.restore(self, key, request, service, choice)
+
+    async def _left_to_engine(self, service: Service, request: StrataRequest, in_slot: SlotState) -> bool:
+        """Whether this switch is left to the engine's RAM prompt cache (the conditions are
+        :mod:`strata_auto_sessions.engine_ram`'s): nothing restored, and nothing saved but
+        what the cache has no room for, and an engine's first state (saved to measure its size)."""
+        ram = self.engine_ram
+        if ram is None or not ram.trusted or in_slot.tokens is None:
+            return False
+        key = request.conversation_key
+        incoming = None if key is None else (request.tenant, key, 0)
+        in_ram = False
+        if key is not None:
+            if key == in_slot.key:
+                return False  # another conversation under the held key: their files tell them apart
+            files = self.siblings.of(key)
+            if set(files) - {0}:
+                return False  # several conversations under the key: their files tell them apart
+            in_ram = ram.holds((request.tenant, key, 0))
+            if in_ram and not continues(self.prompts.get(key), request):
+                return False  # another conversation under a key held in RAM
+            if not in_ram and files:
+                return False  # parked on disk and not in RAM: restored from its file
+        fate = "empty" if in_slot.empty else await self._outgoing_fate(service, request, in_slot)
+        if fate == "kept" and not in_ram:
+            return False  # saved as ever; the engine reuses what the two prompts share
+        if fate in ("kept", "no room"):
+            # Parked to disk, and the slot emptied: the engine caches nothing (there is no
+            # room), and brings an incoming conversation back from RAM (it would not look
+            # there for a prompt the slot shares much with).
+            parked = await self.park_slot(service, in_slot.id, reason="switch", incoming=key)
+            if parked is Parked.ONLY_IN_SLOT:
+                return False
+            try:
+                await service.erase_slot(in_slot.id)
+            except (EngineError, EngineUnavailable) as exc:
+                log.warning("[strata] auto sessions: could not empty slot %d before a switch: %s", in_slot.id, exc)
+                return False
+        if incoming is not None:
+            request.state.setdefault(NAME, {})["sibling"] = 0
+            expected = ram.take_back(incoming)
+            if expected is not None:
+                request.state[NAME]["from_ram"] = expected
+        if not in_slot.empty or in_ram:
+            self.stats.ram_switches += 1
+            log.debug("[strata] auto sessions: switch from %s to %s left to the engine's RAM cache",
+                      in_slot.key, key)
+        return True
+
+    async def _outgoing_fate(self, service: Service, request: StrataRequest, in_slot: SlotState) -> str:
+        """What the engine does at this switch with what ``in_slot`` holds: ``cached`` in
+        RAM within the half of its cache (recorded); ``kept`` in the slot, cut to what it
+        shares with ``request`` (it then caches nothing); or caching it leaves ``no room``."""
+        ram = self.engine_ram
+        assert ram is not None and in_slot.tokens is not None
+        outgoing = leaving_ident(in_slot)
+        if outgoing is not None:
+            share = shared_share(self.prompts.get(outgoing[1]), prompt_signature(request))
+            if share is None or share > MAX_SHARED:
+                return "kept"
+        bytes_per_token = self.speeds.bytes_per_token
+        if bytes_per_token is None and outgoing is not None:
+            # The engine's first state: saved, which measures its size.
+            await self.park_slot(service, in_slot.id, reason="switch", incoming=request.conversation_key)
+            bytes_per_token = self.speeds.bytes_per_token
+        if bytes_per_token is None or not ram.fits(in_slot.tokens, bytes_per_token):
+            return "no room"
+        path, body = None, None
+        sent = self.last_sent.get(in_slot.id)
+        if outgoing is not None and sent is not None and sent[0] == outgoing[1]:
+            path, body = sent[1], sent[2]
+        ram.cached(outgoing, Left(in_slot.tokens, path, body, self.prompts.get(in_slot.key or ""), in_slot.since))
+        return "cached"
+
+    def may_go_ahead(self, request: StrataRequest, held: SlotState, service: Service) -> bool:
+        """Whether ``request`` needs nothing done to the slot before the engine reads it,
+        while the request before it is answered: it continues the conversation the slot
+        holds, or neither has a key (the ``may_go_ahead`` hook)."""
+        if not self.mode.parks:
+            return True
+        if len(service.slots) != 1:
+            return False
+        key = request.conversation_key
+        if key is None:
+            return held.key is None
+        return (held.key == key and held.tenant == request.tenant and not held.empty
+                and self.holds(key, request, held.sibling))
 
     def holds(self, key: str, request: StrataRequest, sibling: int) -> bool:
         """Whether the request continues what the slot holding ``key`` (its ``sibling``)
@@ -314,6 +419,34 @@ class AutoSessions:
                 self.prompts.pop(next(iter(self.prompts)))
         if request.restored_tokens:
             restoring.check_reuse(self, request, request.restored_tokens, outcome, service)
+        if self.engine_ram is not None and key is not None:
+            api = api_of(request)
+            if api is not None and api.engine_path:
+                self.last_sent[request.slot] = (key, api.engine_path, dict(request.body))
+        expected = request.state.get(NAME, {}).get("from_ram")
+        if expected and key is not None and self.engine_ram is not None:
+            if self.engine_ram.came_back((request.tenant, key, 0), expected, outcome.timings.reused):
+                self.stats.ram_hits += 1
+            else:
+                self.stats.ram_misses += 1
+
+    async def save_left_in_ram(self, service: Service, within_s: float) -> None:
+        """At a normal stop, after the slots were parked: each conversation left to the
+        engine's RAM cache, newest first, brought back into the main slot and saved
+        (:func:`strata_auto_sessions.saving.save_from_engine_ram`), within ``within_s``."""
+        ram = self.engine_ram
+        if ram is None or not ram.held or not self.mode.parks:
+            return
+        deadline = time.monotonic() + within_s
+        left = ram.conversations()
+        ram.held.clear()
+        for done, (ident, conversation) in enumerate(left):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                log.warning("[strata] auto sessions: %d conversation(s) left to the engine's RAM cache not saved: "
+                            "the stop's %.0f s for them ran out", len(left) - done, within_s)
+                return
+            await save_from_engine_ram(self, service, MAIN_SLOT, ident, conversation, remaining)
 
     async def park_slot(self, service: Service, slot: int = 0, *, reason: str, incoming: str | None = None,
                         incoming_sibling: int | None = None) -> Parked:

@@ -24,6 +24,9 @@ def prompt_signature(request: StrataRequest) -> dict[str, Any]:
     signature: dict[str, Any] = {"units": len(units), "digest": _digest(units)}
     if isinstance(units, list):
         signature.update(message_chain(request.body, units))
+        tools = request.body.get("tools")
+        # the characters of the tools, which the chain's sizes leave out
+        signature["tools_chars"] = len(json.dumps(tools, ensure_ascii=False)) if tools else 0
     return signature
 
 

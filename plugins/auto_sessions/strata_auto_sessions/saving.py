@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from enum import Enum
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from strata_serve import EngineError, EngineUnavailable, Verdict, span
+from strata_serve import EngineError, EngineUnavailable, SlotState, Verdict, span
 
 from strata_auto_sessions.config import from_slot, size_text
+from strata_auto_sessions.engine_ram import Ident, Left
 from strata_auto_sessions.mode import ParkingMode
 from strata_auto_sessions.policy import worth_a_file
 from strata_auto_sessions.pruning import in_use, prune, prune_siblings, refresh_usage
@@ -17,7 +19,7 @@ from strata_auto_sessions.restoring import failure_verdict
 from strata_auto_sessions.store import SIDECAR_VERSION, LockTimeout, Sidecar, of_sibling
 
 if TYPE_CHECKING:
-    from strata_serve import Service, SlotState
+    from strata_serve import Service
 
     from strata_auto_sessions.parking import AutoSessions
 
@@ -151,6 +153,44 @@ def _not_to_save(parking: AutoSessions, service: Service, key: str, in_slot: Slo
         # Unsaved state must not be replaced by a restore unless there is none.
         return Parked.NOTHING_TO_KEEP if in_slot.tokens == 0 else Parked.ONLY_IN_SLOT
     return None
+
+
+async def save_from_engine_ram(parking: AutoSessions, service: Service, slot: int, ident: Ident, left: Left,
+                               timeout: float) -> bool:
+    """At a normal stop: a conversation left in the engine's RAM cache
+    (:mod:`strata_auto_sessions.engine_ram`) brought back into ``slot`` by its last request
+    sent again for one token (the engine loads it from RAM), then saved. False when not saved."""
+    tenant, key, sibling = ident
+    body = left.replay()
+    worth, _ = worth_a_file(left.tokens, parking.config, parking.speeds, parking.restore_speed)
+    if body is None or left.path is None or not worth:
+        return False
+    try:
+        async with asyncio.timeout(timeout):
+            status, answer = await service.engine.request("POST", left.path, json=body, op="completion",
+                                                          resend=False)
+    except (TimeoutError, EngineError, EngineUnavailable) as exc:
+        log.warning("[strata] auto sessions: %s, left to the engine's RAM cache, could not be brought back to be "
+                    "saved: %s", key, exc or "no answer in time")
+        return False
+    if status != 200:
+        log.warning("[strata] auto sessions: %s, left to the engine's RAM cache, could not be brought back to be "
+                    "saved: the engine answered %d", key, status)
+        return False
+    if left.prompt is not None:
+        parking.prompts[key] = left.prompt
+    in_slot = SlotState(id=slot, key=key, tenant=tenant, tokens=left.tokens, since=left.since, sibling=sibling)
+    saved = await _save(parking, service, slot, key, in_slot)
+    if isinstance(saved, Parked):
+        return False
+    parking.stats.saves += 1
+    parking.stats.saved_tokens += saved.tokens
+    parking.stats.saved_bytes += saved.bytes
+    parking.stats.save_ms += saved.ms
+    log.info("[strata] auto sessions: saved %s tokens (%s) to %s in %.0f ms (brought back from the engine's RAM "
+             "cache at the stop)", f"{saved.tokens:,}", size_text(saved.bytes),
+             of_sibling(parking.store.bin_name, key, sibling), saved.ms)  # type: ignore[union-attr]
+    return True
 
 
 async def _save(parking: AutoSessions, service: Service, slot: int, key: str, in_slot: SlotState) -> _Saved | Parked:

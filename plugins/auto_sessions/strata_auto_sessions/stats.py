@@ -72,6 +72,12 @@ class AutoSessionsStats:
     prefix_restored_tokens: int = counter("Tokens restored from another conversation's file")
     prefix_reused_tokens: int = counter("Tokens of another conversation's file the next request reused")
 
+    #: Switches left to the engine's RAM prompt cache (``ram_first``), and the conversations
+    #: believed there that came back from it or did not.
+    ram_switches: int = counter("Switches left to the engine's RAM prompt cache: nothing saved or restored")
+    ram_hits: int = counter("Conversations left to the engine's RAM cache that came back from it")
+    ram_misses: int = counter("Conversations left to the engine's RAM cache that were not there when they came back")
+
     #: Session files and their bytes, as of the last save or prune.
     files_on_disk: int = gauge("Session files on disk", summary="files")
     bytes_on_disk: int = gauge("Bytes of session files on disk", name="on_disk_bytes", unit="bytes",
