@@ -18,7 +18,7 @@ Its numbers are in :class:`AutoSessionsStats`, reported through ``collect_stats`
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import strata_serve
 from strata_serve import ConfigError
@@ -31,6 +31,9 @@ from strata_auto_sessions.prefix import ParkedConversation, message_chain
 from strata_auto_sessions.saving import Parked
 from strata_auto_sessions.stats import AutoSessionsStats
 from strata_auto_sessions.store import ParkingStore, SessionStore
+
+if TYPE_CHECKING:
+    from strata_serve import Service
 
 __all__ = ["AutoSessions", "AutoSessionsConfig", "AutoSessionsStats", "Parked", "ParkedConversation", "ParkingMode",
            "ParkingStore", "SessionStore", "message_chain"]
@@ -45,7 +48,7 @@ strata_name = NAME
 strata_hookspecs = hookspecs
 
 
-def _parking(service: Any) -> AutoSessions | None:
+def _parking(service: Service) -> AutoSessions | None:
     return service.state.get(NAME)
 
 

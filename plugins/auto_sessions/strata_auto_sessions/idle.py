@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 from strata_auto_sessions.mode import ParkingMode
 
 if TYPE_CHECKING:
+    from strata_serve import Service
+
     from strata_auto_sessions.parking import AutoSessions
 
 
@@ -18,7 +20,7 @@ class IdleSaves:
         self.parking = parking
         self._waiting: dict[int, Any] = {}
 
-    async def save_if_emptied_when_idle(self, service: Any, slot: int) -> None:
+    async def save_if_emptied_when_idle(self, service: Service, slot: int) -> None:
         """On an engine that empties idle slots into its RAM cache when another slot gets
         a task (``engine.info.clears_idle_slots``, not known for an attached one), the
         slot's conversation is saved as soon as its answer ends, while its request
@@ -26,7 +28,7 @@ class IdleSaves:
         if len(service.slots) > 1 and service.engine.info.clears_idle_slots is not False:
             await self.parking.park_slot(service, slot, reason="the engine empties idle slots")
 
-    def schedule(self, service: Any, slot: int = 0) -> None:
+    def schedule(self, service: Service, slot: int = 0) -> None:
         """Save the slot's conversation once the slot has been idle ``idle_save_s``."""
         in_slot = service.slots[slot]
         if (self.parking.config.idle_save_s <= 0 or in_slot.key is None or in_slot.file_current
@@ -45,6 +47,6 @@ class IdleSaves:
         if idle is not None:
             idle.cancel()
 
-    async def _save(self, service: Any, slot: int) -> None:
+    async def _save(self, service: Service, slot: int) -> None:
         if self.parking.mode.parks and (await self.parking.park_slot(service, slot, reason="idle")).on_file:
             self.parking.stats.idle_saves += 1

@@ -77,7 +77,7 @@ from strata_auto_sessions.shared.tier import (
 from strata_auto_sessions.sidecar import DamagedSidecar, Sidecar
 
 if TYPE_CHECKING:
-    from strata_serve import StrataRequest
+    from strata_serve import Service, StrataRequest
 
     from strata_auto_sessions.parking import AutoSessions
 
@@ -286,7 +286,7 @@ class SharedParking:
         self.tier_blocks = TierBlocks(tier, self._call, config.transfer_timeout_s)
 
     @classmethod
-    async def start(cls, parking: AutoSessions, service: Any, config: SharedConfig) -> SharedParking | None:
+    async def start(cls, parking: AutoSessions, service: Service, config: SharedConfig) -> SharedParking | None:
         """The shared tier the hook or ``shared.url`` names, checked: None when the store
         ignores conditional writes (shared mode refused, said why). A store that does not
         answer is not refused: it is checked again before its first use."""
