@@ -236,9 +236,10 @@ def parking_disk_bytes(slot_dir: Path) -> int:
     return whole + (sum(p.stat().st_size for p in store.rglob("*") if p.is_file()) if store.is_dir() else 0)
 
 
-async def through_parking(name: str, model: Path, work: Path, blocks: bool, cpt: float) -> dict[str, Any]:
-    """Six sessions sharing an opening, then two conversations taking turns, through
-    strata-serve with auto-sessions parking in blocks or whole files."""
+async def through_parking(name: str, model: Path, work: Path, blocks: bool, cpt: float,
+                          disk: bool = True) -> dict[str, Any]:
+    """Six sessions sharing an opening (unless not ``disk``), then two conversations taking
+    turns, through strata-serve with auto-sessions parking in blocks or whole files."""
     import statistics
 
     from bench.harness import chat, client_session, strata
@@ -256,13 +257,15 @@ async def through_parking(name: str, model: Path, work: Path, blocks: bool, cpt:
             async with session.get(url + "/stats") as reply:
                 return ((await reply.json()).get("plugins") or {}).get("auto_sessions") or {}
 
-        for i in range(SESSIONS):
+        for i in range(SESSIONS if disk else 0):
             own = text(f"Session {i} asks its own question", int(OWN_TOKENS * cpt))
             await chat(session, url, [{"role": "system", "content": opening}, {"role": "user", "content": own}])
-        await chat(session, url, flush)
-        disk_bytes = parking_disk_bytes(slot_dir)
-        sequences, bpt = parked_tokens(slot_dir, LlamaStateFormat())
-        distinct = distinct_tokens(sequences)
+        disk_bytes, distinct, bpt = 0, 0, 0.0
+        if disk:
+            await chat(session, url, flush)
+            disk_bytes = parking_disk_bytes(slot_dir)
+            sequences, bpt = parked_tokens(slot_dir, LlamaStateFormat())
+            distinct = distinct_tokens(sequences)
         # Two conversations taking turns: each request parks the other one.
         history = {c: [{"role": "user", "content": text(f"The {c} conversation", int(size * cpt))}]
                    for c, size in PARKING_SIZES.items()}
@@ -270,6 +273,7 @@ async def through_parking(name: str, model: Path, work: Path, blocks: bool, cpt:
         written = new_bytes = 0.0
         returns: list[float] = []
         restore_ms: list[float] = []
+        save_ms: list[float] = []
         for r in range(PARKING_ROUNDS + 1):
             for c in PARKING_SIZES:
                 other = next(o for o in PARKING_SIZES if o != c)
@@ -281,7 +285,12 @@ async def through_parking(name: str, model: Path, work: Path, blocks: bool, cpt:
                     if after.get("restores", 0) - before.get("restores", 0) == 1:
                         restore_ms.append(after["restore_ms"] - before["restore_ms"])
                 if after.get("saves", 0) - before.get("saves", 0) == 1:
+                    if r:
+                        save_ms.append(after["save_ms"] - before["save_ms"])
                     tokens = after["saved_tokens"] - before["saved_tokens"]
+                    if not bpt:  # without the disk figure: the state's bytes per token from this save
+                        bpt = (after["block_state_bytes"] - before["block_state_bytes"]) / tokens if blocks \
+                            else (after["saved_bytes"] - before["saved_bytes"]) / tokens
                     if other in last:
                         key = "block_written_bytes" if blocks else "saved_bytes"
                         written += after[key] - before[key]
@@ -292,9 +301,10 @@ async def through_parking(name: str, model: Path, work: Path, blocks: bool, cpt:
                     {"role": "user", "content": text(f"Turn {r} of {c}", int(TURN_TOKENS * cpt))}]
         final = await stats()
     return {"model": name, "blocks": blocks, "disk_bytes": disk_bytes, "distinct": distinct, "bpt": bpt,
-            "disk_ratio": disk_bytes / (distinct * bpt), "written": written,
+            "disk_ratio": disk_bytes / (distinct * bpt) if disk else float("nan"), "written": written,
             "writes_ratio": written / new_bytes if new_bytes else float("nan"),
             "switch_back_s": statistics.median(returns), "restore_ms": statistics.median(restore_ms or [0.0]),
+            "save_ms": statistics.median(save_ms or [0.0]),
             "refused": {k: v for k, v in final.items() if k.startswith("blocks_refused_") and v}}
 
 
@@ -307,27 +317,29 @@ def parking_table(rows: list[dict[str, Any]]) -> str:
            f"+{TURN_TOKENS} a turn, {PARKING_ROUNDS} rounds after the first: what the parking wrote per save "
            f"(whole: the file; blocks: new blocks, tail, manifest; the engine's own staging file in the slot "
            f"directory is not counted) against the turn's new tokens' bytes. Switch-back: time to the first "
-           f"token of each return (the other conversation saved, this one restored), median; the restore alone "
-           f"as auto-sessions measured it.", "",
-           "| model | parked as | disk MB | x distinct | written MB | x new tokens | switch-back s | restore ms |",
-           "|---|---|---:|---:|---:|---:|---:|---:|"]
+           f"token of each return (the other conversation saved, this one restored), median; the save and the "
+           f"restore alone as auto-sessions measured them, median.", "",
+           "| model | parked as | disk MB | x distinct | written MB | x new tokens | switch-back s | save ms | "
+           "restore ms |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
-        out.append(f"| {row['model']} | {'blocks of 64' if row['blocks'] else 'whole files'} | "
-                   f"{row['disk_bytes'] / 1e6:.2f} | {row['disk_ratio']:.2f}x | {row['written'] / 1e6:.2f} | "
-                   f"{row['writes_ratio']:.2f}x | {row['switch_back_s']:.3f} | {row['restore_ms']:.0f} |")
+        disk = f"{row['disk_bytes'] / 1e6:.2f} | {row['disk_ratio']:.2f}x" if row["disk_bytes"] else "- | -"
+        out.append(f"| {row['model']} | {'blocks of 64' if row['blocks'] else 'whole files'} | {disk} | "
+                   f"{row['written'] / 1e6:.2f} | {row['writes_ratio']:.2f}x | {row['switch_back_s']:.3f} | "
+                   f"{row['save_ms']:.0f} | {row['restore_ms']:.0f} |")
     refused = {row["model"]: row["refused"] for row in rows if row["refused"]}
     out += ["", f"States kept whole by the format's refusal: {refused or 'none'}.", ""]
     return "\n".join(out)
 
 
-async def parking_main(names: list[str], out: Path | None) -> str:
+async def parking_main(names: list[str], out: Path | None, disk: bool = True) -> str:
     rows = []
     with tempfile.TemporaryDirectory(prefix="strata-blocks-parking-") as tmp:
         work = Path(tmp)
         for name in names:
             model = model_path(name, work)
             for blocks in (False, True):
-                rows.append(await through_parking(name, model, work, blocks, CHARS_PER_TOKEN.get(name, 1.0)))
+                rows.append(await through_parking(name, model, work, blocks, CHARS_PER_TOKEN.get(name, 1.0), disk))
                 print(rows[-1], flush=True)
     report = parking_table(rows)
     if out is not None:
@@ -377,11 +389,14 @@ if __name__ == "__main__":
     parser.add_argument("--out", type=Path, default=None, help="also write the tables to this file")
     parser.add_argument("--models", default=None, help="comma-separated: tiny, bench, smollm2 (default: tiny,bench)")
     parser.add_argument("--disk-only", action="store_true", help="the disk figure alone")
+    parser.add_argument("--turns-only", action="store_true",
+                        help="with --parking: the conversations taking turns alone (no disk figure; quicker)")
     parser.add_argument("--parking", action="store_true",
                         help="through strata-serve's parking, blocks against whole files (appended to --out)")
     args = parser.parse_args()
     if args.parking:
-        print(asyncio.run(parking_main(args.models.split(",") if args.models else ["bench", "smollm2"], args.out)))
+        print(asyncio.run(parking_main(args.models.split(",") if args.models else ["bench", "smollm2"], args.out,
+                                       disk=not args.turns_only)))
     else:
         print(asyncio.run(main(args.quick, args.out, args.models.split(",") if args.models else None,
                                args.disk_only)))

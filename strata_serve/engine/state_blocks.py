@@ -48,13 +48,21 @@ class CutState:
     #: The engine's number of KV streams when the file was written (a join writes as many).
     n_stream: int
     block_tokens: int
-    blocks: list[StateBlock]
+    #: The whole blocks. A format may build a block's data when it is first read (a
+    #: store reads only those it lacks): ``tokens`` and ``state_bytes`` need none of them.
+    blocks: Sequence[StateBlock]
     #: The tokens past the last whole block (possibly none).
     tail: StateBlock
+    #: Every token, the blocks' then the tail's (from the blocks when not given).
+    tokens: tuple[int, ...] = ()
+    #: The engine's bytes of the state, the blocks' and the tail's (from the blocks when not given).
+    state_bytes: int = -1
 
-    @property
-    def tokens(self) -> tuple[int, ...]:
-        return tuple(t for block in [*self.blocks, self.tail] for t in block.tokens)
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            object.__setattr__(self, "tokens", tuple(t for b in [*self.blocks, self.tail] for t in b.tokens))
+        if self.state_bytes < 0:
+            object.__setattr__(self, "state_bytes", sum(len(b.data) for b in [*self.blocks, self.tail]))
 
 
 @dataclass(frozen=True)

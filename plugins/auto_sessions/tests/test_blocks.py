@@ -68,6 +68,23 @@ def test_a_turn_added_writes_only_its_new_blocks(tmp_path):
     assert longer.bytes_written < 1.5 * new_tokens * per_cell + 2000
 
 
+def test_a_save_copies_out_of_the_engines_file_only_the_blocks_the_store_lacks(tmp_path, monkeypatch):
+    from strata_serve.engine.llama_server import state_file as llama_file
+
+    gathered = []
+    real = llama_file._block_data
+    monkeypatch.setattr(llama_file, "_block_data", lambda buf, cache, a, b: gathered.append((a, b)) or
+                        real(buf, cache, a, b))
+    store = store_at(tmp_path / "store")
+    store.save("a", staged(tmp_path, conversation(1, 20)))  # 44 tokens: 5 blocks and a tail of 4
+    assert len(gathered) == 6
+    gathered.clear()
+    longer = store.save("a", staged(tmp_path, conversation(1, 40)))  # 64 tokens: 8 blocks, no tail
+    assert longer.blocks_written == 3 and sorted(gathered) == [(40, 48), (48, 56), (56, 64), (64, 64)]
+    store.materialize(store.chain_of("a"), tmp_path / "a.bin")
+    assert (tmp_path / "a.bin").read_bytes() == state_file(conversation(1, 40))
+
+
 def test_a_prompt_finds_the_longest_chain_from_any_of_its_tenants_conversations(tmp_path):
     store = store_at(tmp_path / "store")
     store.save("a", staged(tmp_path, conversation(1)))

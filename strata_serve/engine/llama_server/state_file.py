@@ -34,6 +34,7 @@ import array
 import dataclasses
 import functools
 import json
+import mmap
 import os
 import struct
 import sys
@@ -41,6 +42,7 @@ from collections.abc import Mapping, Sequence
 from itertools import chain
 from dataclasses import dataclass
 from pathlib import Path
+from typing import overload
 
 from strata_serve.engine.state_blocks import StateBlock, CutState, StateRefusal
 
@@ -161,12 +163,11 @@ def _read_cache(buf: memoryview, off: int, ext: int, has_v: bool) -> _Cache:
             continue
         record = 8 + ext + 4
         cells_at = r.skip(n_cells * record)
-        positions = []
-        for i in range(n_cells):
-            pos, n_seq = struct.unpack_from("<iI", buf, cells_at + i * record)
-            if n_seq != 1:
-                raise _Short(f"cell {i} names {n_seq} sequences")
-            positions.append(pos)
+        cells = list(struct.iter_unpack(f"<iI{ext + 4}x", buf[cells_at:cells_at + n_cells * record]))
+        many = next((i for i, (_, n_seq) in enumerate(cells) if n_seq != 1), None)
+        if many is not None:
+            raise _Short(f"cell {many} names {cells[many][1]} sequences")
+        positions = [pos for pos, _ in cells]
         v_trans, n_layer, n_rot_k, n_rot_v = (r.take("<I") for _ in range(4))
         if v_trans not in (0, 1) or not 1 <= n_layer <= 4096:
             raise _Short(f"v_trans {v_trans}, n_layer {n_layer}")
@@ -247,7 +248,7 @@ def _read_tokens(r: _Reader) -> tuple[int, ...] | StateRefusal:
     return tuple(packed[3:3 + count])
 
 
-def parse(data: bytes | memoryview) -> ParsedState | StateRefusal:
+def parse(data: bytes | memoryview | mmap.mmap) -> ParsedState | StateRefusal:
     """Read a slot file's layout (no bytes copied); a :class:`StateRefusal` for what is not covered."""
     buf = memoryview(data)
     r = _Reader(buf)
@@ -334,7 +335,35 @@ def _block_data(buf: memoryview, cache: _Cache, a: int, b: int) -> bytes:
     return data
 
 
-def cut_bytes(data: bytes, block_tokens: int) -> CutState | StateRefusal:
+class _Blocks(Sequence[StateBlock]):
+    """A cut state's whole blocks, each one's data gathered from the file when it is read."""
+
+    def __init__(self, buf: memoryview, cache: _Cache, tokens: tuple[int, ...], block_tokens: int):
+        self._buf, self._cache, self._tokens, self._b = buf, cache, tokens, block_tokens
+        self._n = cache.n_cells // block_tokens
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, i: int) -> StateBlock: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[StateBlock]: ...
+
+    def __getitem__(self, i: int | slice) -> StateBlock | Sequence[StateBlock]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._n))]
+        if not -self._n <= i < self._n:
+            raise IndexError(i)
+        i %= self._n
+        a, b = i * self._b, (i + 1) * self._b
+        return StateBlock(tokens=self._tokens[a:b], data=_block_data(self._buf, self._cache, a, b), cells=self._b)
+
+
+def cut_bytes(data: bytes | mmap.mmap, block_tokens: int) -> CutState | StateRefusal:
+    """``data`` (a slot file) cut into blocks of ``block_tokens``; a block's data is
+    gathered when the block is read (see :class:`CutState`)."""
     if block_tokens < 1:
         raise ValueError("block_tokens must be at least 1")
     parsed = parse(data)
@@ -343,17 +372,12 @@ def cut_bytes(data: bytes, block_tokens: int) -> CutState | StateRefusal:
     buf = memoryview(data)
     cache, tokens = parsed.cache, parsed.tokens
     assert cache.layout is not None
-    whole = cache.n_cells // block_tokens
-    blocks = [
-        StateBlock(tokens=tokens[i * block_tokens:(i + 1) * block_tokens],
-              data=_block_data(buf, cache, i * block_tokens, (i + 1) * block_tokens), cells=block_tokens)
-        for i in range(whole)
-    ]
-    start = whole * block_tokens
+    start = cache.n_cells // block_tokens * block_tokens
     tail = StateBlock(tokens=tokens[start:], data=_block_data(buf, cache, start, cache.n_cells),
-                 cells=cache.n_cells - start)
+                      cells=cache.n_cells - start)
     return CutState(layout=cache.layout.record(), n_stream=cache.n_stream, block_tokens=block_tokens,
-                    blocks=blocks, tail=tail)
+                    blocks=_Blocks(buf, cache, tokens, block_tokens), tail=tail, tokens=tokens,
+                    state_bytes=cache.n_cells * cache.layout.cell_bytes)
 
 
 def _cell_records(layout: _Layout, blocks: Sequence[StateBlock], n: int) -> bytes:
@@ -506,9 +530,12 @@ class LlamaStateFormat:
             return StateRefusal("shifted", f"the engine runs with {self.shifting}: a state's cells may have been "
                                 "moved beside other tokens, which no file shows")
         try:
-            data = Path(path).read_bytes()
-        except OSError as e:
-            return StateRefusal("unreadable", f"{path}: {e.strerror or e}")
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                # mapped, not read: only the blocks a store lacks are copied out of it
+                data = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) if size else b""
+        except (OSError, ValueError) as e:
+            return StateRefusal("unreadable", f"{path}: {getattr(e, 'strerror', None) or e}")
         return cut_bytes(data, block_tokens)
 
     def join(self, layout: bytes, blocks: Sequence[StateBlock], dest: Path, *, n_stream: int = 1) -> int:

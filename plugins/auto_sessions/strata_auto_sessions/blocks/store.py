@@ -179,12 +179,11 @@ class BlockStore:
         names = list(chain_names(root, cut.tokens[:len(cut.blocks) * cut.block_tokens], cut.block_tokens))
         written = 0
         new_blocks = 0
-        state_bytes = sum(len(b.data) for b in [*cut.blocks, cut.tail])
         with self._lock:
-            for name, block in zip(names, cut.blocks, strict=True):
+            for i, name in enumerate(names):
                 if self.has(name):
-                    continue
-                n = self._publish(name, block)
+                    continue  # its data is never read out of the cut file
+                n = self._publish(name, cut.blocks[i])
                 if n:
                     new_blocks += 1
                     written += n
@@ -201,7 +200,7 @@ class BlockStore:
             )
             written += self._write_manifest(manifest)
         return SaveReport(key=manifest_key, tokens=len(cut.tokens), blocks=len(names), blocks_written=new_blocks,
-                          bytes_written=written, state_bytes=state_bytes)
+                          bytes_written=written, state_bytes=cut.state_bytes)
 
     def _publish(self, name: str, block: StateBlock) -> int:
         return self._publish_raw(name, objects.encode(block, self.compression))
