@@ -438,8 +438,35 @@ async def hold_a_conversation_then_hang_the_engine(log_file: Path, port: int) ->
                                 json=body(conversation("hung"))) as resp:
             assert resp.status == 200
             key = resp.headers["X-Strata-Conversation"]
+        # The answer leaves before its request's turn ends (post_request): the engine is
+        # frozen once the turn is over, with no call of that request in flight, so that
+        # every later call waits unread in its socket (unread_by_the_engine).
+        deadline = time.monotonic() + 30
+        while True:
+            async with session.get(f"http://127.0.0.1:{port}/stats") as resp:
+                if (await resp.json())["phases"]["requests"] >= 1:
+                    break
+            assert time.monotonic() < deadline, "the request's turn never ended"
+            await asyncio.sleep(0.02)
     os.kill(engine_pid, signal.SIGSTOP)
     return key, engine_pid
+
+
+def unread_by_the_engine(log_file: Path) -> bool:
+    """A request waits in the engine's socket, unread: sent to the frozen engine.
+
+    The engine is frozen after its last answer was read, and nothing but the stop
+    calls it then (the supervisor watches its process, not its port).
+    """
+    port = int(re.search(r"engine ready at http://[^:]+:(\d+) ", log_file.read_text()).group(1))
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                local_port, state, queues = int(fields[1].rsplit(":", 1)[1], 16), fields[3], fields[4]
+                if local_port == port and state == "01" and int(queues.split(":")[1], 16) > 0:
+                    return True
+    return False
 
 
 def gone(pid: int) -> bool:
@@ -503,7 +530,12 @@ async def test_a_second_signal_stops_at_once(tmp_path, strata_demo_model, second
             key, engine_pid = await hold_a_conversation_then_hang_the_engine(log_file, port)
             proc.send_signal(signal.SIGTERM)
             await asyncio.to_thread(wait_for, log_file, "[strata] stopping:")
-            await asyncio.sleep(1)  # the shutdown save is sent, and waits on the frozen engine
+            # The stop's save is sent, and waits on the frozen engine.
+            deadline = time.monotonic() + 30
+            while not unread_by_the_engine(log_file):
+                assert proc.poll() is None and time.monotonic() < deadline, (
+                    f"the stop called no engine in 30 s:\n{log_file.read_text()[-3000:]}")
+                await asyncio.sleep(0.02)
             assert proc.poll() is None, "the first signal alone does not stop it this soon"
             began = time.monotonic()
             proc.send_signal(second)
