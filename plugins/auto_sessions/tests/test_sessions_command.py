@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -133,6 +134,16 @@ async def test_prune_keeps_the_newest_within_max_gb(parked):
     assert list(listed(parked)) == [newest]
 
 
+def waits_for_a_flock(path: Path) -> bool:
+    """A process of ours is blocked in ``flock`` on ``path`` (``/proc/locks`` lists it after ``->``)."""
+    inode, pid = str(path.stat().st_ino), str(os.getpid())
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        if fields[1:3] == ["->", "FLOCK"] and fields[5] == pid and fields[6].rsplit(":", 1)[1] == inode:
+            return True
+    return False
+
+
 async def test_rm_waits_for_a_save_in_progress(parked):
     """The lock: while the server holds it (a commit, a prune, a restore), rm waits."""
     key = next(iter(listed(parked)))
@@ -141,7 +152,11 @@ async def test_rm_waits_for_a_save_in_progress(parked):
     with server_side.lock():
         worker = threading.Thread(target=lambda: (sessions(parked, "rm", key), done.set()))
         worker.start()
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10
+        while not waits_for_a_flock(parked):  # rm's flock, blocked behind the server's
+            assert not done.is_set(), "rm ran while the lock was held"
+            assert time.monotonic() < deadline, "rm never waited for the lock"
+            time.sleep(0.01)
         assert not done.is_set(), "rm ran while the lock was held"
         assert (parked / f"auto-{key}.bin").exists()
     worker.join(timeout=10)
