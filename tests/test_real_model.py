@@ -3,7 +3,9 @@
 The random-weight demo models show that the machinery works; only a real model shows
 that an answer makes sense, that the model's own chat template is applied, and that a
 parked state is the conversation's own. SmolLM2 reads 100-240 tokens/s on 2 cores, so
-the conversations here stay near 600 tokens and auto-sessions' ``min_tokens`` is low.
+the conversations here stay near 300 tokens (the one that must take seconds to read, near
+1,200), the one that only pushes another out of the slot is short, and auto-sessions'
+``min_tokens`` is low.
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ ANIMALS = ["fox", "owl", "heron", "badger", "otter", "lynx", "crane", "beaver", 
 PLACES = ["river", "forest", "valley", "harbour", "meadow", "ridge", "marsh", "village", "orchard", "quarry", "bridge"]
 
 
-def journal(name: str, days: int = 30) -> list[dict[str, str]]:
-    """A conversation whose first message is about 600 SmolLM2 tokens, different for each name."""
+def journal(name: str, days: int = 15) -> list[dict[str, str]]:
+    """A conversation whose first message is about 20 SmolLM2 tokens a day (300 by default),
+    different for each name."""
     lines = [f"This is the field journal of {name}."]
     for n in range(days):
         lines.append(f"On day {n + 1} the {ANIMALS[n % 11]} went to the {PLACES[(n * 3 + len(name)) % 11]} "
@@ -152,7 +155,7 @@ async def test_the_models_own_chat_template_is_applied_as_by_the_bare_engine(
 
 async def test_switch_and_back_answers_from_the_parked_state(strata_client_factory, real_settings, bare_smollm2):
     client = await strata_client_factory(strata_auto_sessions, settings=real_settings())
-    a, b = journal("Alma"), journal("Boris")
+    a, b = journal("Alma"), journal("Boris", days=2)  # B only takes A's place in the slot
     a2, back = await switch_and_back(client, a, b, MAX_TOKENS)
 
     reference = await replayed_answer(bare_smollm2, a, a2, MAX_TOKENS)
