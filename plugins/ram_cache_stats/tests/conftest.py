@@ -13,13 +13,15 @@ AUTO_SESSIONS_MIN_TOKENS = 100
 
 @pytest.fixture
 def stats_client(strata_client_factory, strata_settings_factory):
-    """``await stats_client(auto_sessions=False, engine={...}, server={...}, **plugin_config)``."""
+    """``await stats_client(auto_sessions=False, engine={...}, server={...}, **plugin_config)``;
+    ``auto_sessions`` may be its settings (beside ``min_tokens``)."""
 
-    async def make(*, auto_sessions: bool = False, engine=None, server=None, **plugin_config):
+    async def make(*, auto_sessions: bool | dict = False, engine=None, server=None, **plugin_config):
         plugins = {"ram_cache_stats": plugin_config}
         modules = [strata_ram_cache_stats]
         if auto_sessions:
-            plugins["auto_sessions"] = {"min_tokens": AUTO_SESSIONS_MIN_TOKENS}
+            extra = auto_sessions if isinstance(auto_sessions, dict) else {}
+            plugins["auto_sessions"] = {"min_tokens": AUTO_SESSIONS_MIN_TOKENS, **extra}
             modules.insert(0, strata_auto_sessions)
         settings = strata_settings_factory(plugins=plugins, engine=engine or {}, server=server or {})
         return await strata_client_factory(*modules, settings=settings)

@@ -95,7 +95,8 @@ async def test_a_switch_with_the_ram_cache_on_shows_a_ram_hit(stats_client):
 
 
 async def test_with_auto_sessions_and_the_ram_cache_a_return_comes_from_disk(stats_client):
-    client = await stats_client(auto_sessions=True, engine={"cache_ram_mib": 256})
+    # Every switch parked (ram_first off: no switch left to the engine's RAM cache).
+    client = await stats_client(auto_sessions={"ram_first": False}, engine={"cache_ram_mib": 256})
     a, b = conversation("both-a"), conversation("both-b")
     for messages in (a, b, a):
         await ask(client, messages)
