@@ -19,7 +19,7 @@ from pathlib import Path
 
 from strata_serve import PRIVATE_FILE_MODE, StateBlock
 
-__all__ = ["CorruptBlock", "Verified", "decode", "encode", "load", "publish"]
+__all__ = ["CorruptBlock", "Verified", "decode", "encode", "encode_parts", "load", "publish"]
 
 MAGIC = b"SBLK"
 VERSION = 1
@@ -40,6 +40,12 @@ def _zstd() -> object:
 
 
 def encode(block: StateBlock, compression: str | None = None) -> bytes:
+    return b"".join(encode_parts(block, compression))
+
+
+def encode_parts(block: StateBlock, compression: str | None = None) -> list[bytes | memoryview]:
+    """The block's file as two parts, its header (with its tokens) and its data (not copied
+    when not compressed)."""
     if compression not in COMPRESSIONS:
         raise ValueError(f"unknown compression {compression!r}; expected one of {sorted(map(str, COMPRESSIONS))}")
     data = block.data
@@ -47,7 +53,7 @@ def encode(block: StateBlock, compression: str | None = None) -> bytes:
         data = _zstd().ZstdCompressor(level=3).compress(block.data)  # type: ignore[attr-defined]
     header = _HEADER.pack(MAGIC, VERSION, COMPRESSIONS[compression], len(block.tokens), block.cells,
                           len(block.data), hashlib.sha256(block.data).digest())
-    return header + struct.pack(f"<{len(block.tokens)}i", *block.tokens) + data
+    return [header + struct.pack(f"<{len(block.tokens)}i", *block.tokens), data]
 
 
 class Verified:
@@ -131,8 +137,9 @@ def decode(raw: bytes | mmap.mmap, *, check: bool = True) -> StateBlock:
         raise CorruptBlock(str(e)) from None
 
 
-def publish(path: Path, raw: bytes, *, fsync: bool = False) -> bool:
-    """Write ``raw`` at ``path`` unless a file is there already; True when this call wrote it.
+def publish(path: Path, raw: bytes | list[bytes | memoryview], *, fsync: bool = False) -> bool:
+    """Write ``raw`` (bytes, or parts written one after the other) at ``path`` unless a
+    file is there already; True when this call wrote it.
 
     The bytes go to a private temporary file first, linked to ``path`` (which fails if
     ``path`` exists: a block is never overwritten, and a reader never sees half of one).
@@ -141,7 +148,8 @@ def publish(path: Path, raw: bytes, *, fsync: bool = False) -> bool:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(raw)
+            for part in [raw] if isinstance(raw, bytes) else raw:
+                f.write(part)  # a large part goes to the file as it is, not copied into a buffer
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())

@@ -189,8 +189,11 @@ class BlockStore:
                     written += n
             tail_name = None
             if cut.tail.tokens:
-                raw = objects.encode(cut.tail, self.compression)
-                tail_name = hashlib.sha256(b"tail\0" + root.encode() + raw).hexdigest()
+                raw = objects.encode_parts(cut.tail, self.compression)
+                digest = hashlib.sha256(b"tail\0" + root.encode())
+                for part in raw:
+                    digest.update(part)
+                tail_name = digest.hexdigest()
                 if not self.has(tail_name):
                     written += self._publish_raw(tail_name, raw)
             manifest = Manifest(
@@ -203,9 +206,9 @@ class BlockStore:
                           bytes_written=written, state_bytes=cut.state_bytes)
 
     def _publish(self, name: str, block: StateBlock) -> int:
-        return self._publish_raw(name, objects.encode(block, self.compression))
+        return self._publish_raw(name, objects.encode_parts(block, self.compression))
 
-    def _publish_raw(self, name: str, raw: bytes) -> int:
+    def _publish_raw(self, name: str, raw: list[bytes | memoryview]) -> int:
         path = self._object_path(name)
         make_private_dir(path.parent)
         if not objects.publish(path, raw, fsync=self.fsync):
@@ -214,7 +217,7 @@ class BlockStore:
             self._verified.add(name, path.stat())  # its digest was taken from the bytes written
         except FileNotFoundError:
             pass
-        return len(raw)
+        return sum(len(part) for part in raw)
 
     def _write_manifest(self, manifest: Manifest) -> int:
         raw = json.dumps({"version": MANIFEST_VERSION, **asdict(manifest)}, separators=(",", ":")).encode()
