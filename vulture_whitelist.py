@@ -13,7 +13,7 @@ from strata_serve.engine.base import CAPABILITIES, EngineInfo, StateLayout
 from strata_serve.engine.llama_server import LlamaServer
 from strata_serve.engine.results import Timings
 from strata_serve.files import PRIVATE_FILE_MODE
-from strata_serve.hook_types import Outcome, Verdict
+from strata_serve.hook_types import Outcome, StrataRequest, Verdict
 from strata_serve.measures import EngineMeasures
 from strata_serve.memory_engine import MemoryEngine
 from strata_serve.metrics import counter, gauge, plugin_metrics
@@ -38,6 +38,8 @@ _ = (
     Service.when_idle, Service.verdict, Service.started_at, SlotRegistry.file_written, SlotRegistry.holds_sibling,
     SlotRegistry.nothing_durable, SlotRegistry.file_gone, SlotRegistry.corrections, EngineMeasures.prefill_seconds,
     EngineMeasures.bytes_per_token, PhaseTotals.snapshot,
+    # Read by the plugins acting around a request sent ahead of its turn (auto-sessions' pre_request).
+    StrataRequest.sent_ahead,
     # strata_serve.testing, the pytest plugin: its fixtures and helpers are for plugins' tests.
     KeyRecorder, ask, assert_openai_error, chat_body, conversation, llama_server_factory, until, until_idle,
     # pydantic-settings calls these on a settings source (config.py).

@@ -243,7 +243,7 @@ async def through_parking(name: str, model: Path, work: Path, blocks: bool, cpt:
     import statistics
 
     from bench.harness import chat, client_session, strata
-    from strata_serve.engine.llama_server.state_file import LlamaStateFormat
+    from strata_serve.engine.llama_server.state_format import LlamaStateFormat
 
     slot_dir = work / f"parking-{name}-{'blocks' if blocks else 'whole'}"
     plugins = {"auto_sessions": {"min_tokens": 64, "idle_save_s": 0, "blocks": blocks, "keep": 64}}

@@ -15,7 +15,8 @@ import pytest
 
 from strata_serve.demo_model import write_demo_model
 from strata_serve.engine.llama_server import LlamaServer
-from strata_serve.engine.llama_server.state_file import LlamaStateFormat, cut_bytes, join_bytes, parse, shifting_flag
+from strata_serve.engine.llama_server.state_file import cut_bytes, parse
+from strata_serve.engine.llama_server.state_format import LlamaStateFormat, join_bytes, shifting_flag
 from strata_serve.engine.state_blocks import CutState, StateBlock, StateRefusal
 from strata_serve.memory_engine import MemoryEngine
 from strata_serve.models import packaged_model_path

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from strata_auto_sessions.parked_blocks import BLOCKS_DIR, ParkedBlocks
 from strata_serve import CutState
 from strata_serve.cli import cli
-from strata_serve.engine.llama_server.state_file import LlamaStateFormat
+from strata_serve.engine.llama_server.state_format import LlamaStateFormat
 from strata_serve.testing import ask
 
 from .test_auto_sessions import key_of, parking, slot_dir

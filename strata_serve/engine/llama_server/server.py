@@ -25,7 +25,7 @@ from strata_serve.engine.llama_server.client import EngineClient, StreamReply
 from strata_serve.engine.llama_server.command import build_command, clears_idle_slots, free_port, state_layout
 from strata_serve.engine.llama_server.output import forward_output
 from strata_serve.engine.llama_server.state import EngineState
-from strata_serve.engine.llama_server.state_file import LlamaStateFormat, shifting_flag
+from strata_serve.engine.llama_server.state_format import LlamaStateFormat, shifting_flag
 from strata_serve.engine.state_blocks import StateFormat
 from strata_serve.files import make_private_dir
 from strata_serve.engine.results import EngineError, Timings
