@@ -212,14 +212,19 @@ async def test_the_default_threshold_parks_what_takes_seconds_to_reread_and_noth
     long = journal("the long conversation", days=60)  # about 1,200 tokens: 3-12 s to read here
     short = [{"role": "user", "content": "Say hello."}]
     body = {"max_tokens": 4, "temperature": 0}
+    service = client.app[SERVICE]
     first = await ask(client, {"messages": long, **body})
     assert first["timings"]["prompt_ms"] > 2500, "re-reading it takes more than the threshold"
     await ask(client, {"messages": short, **body})  # the long one is parked
+    # The short one (about 36 tokens) reads in well under 2 s, unless the machine is so busy
+    # that the engine's measured speed makes even that 2 s: the rule is the measured speed's.
+    short_tokens = service.slots[0].tokens
+    short_worth = service.measures.prefill_seconds(short_tokens) >= config.min_prefill_s
     back = await ask(client, {"messages": long, **body})  # the short one is not; the long one is restored
     stats = parking(client).stats
-    assert stats.saves == 1 and stats.restores == 1, stats
+    assert stats.saves == 1 + short_worth and stats.restores == 1, (stats, short_tokens, service.measures)
     assert back["timings"]["cache_n"] >= first["usage"]["prompt_tokens"] - 2
-    slots = client.app[SERVICE].engine.info.slot_save_path
-    assert len(list(slots.glob("auto-*.bin"))) == 1
-    assert any("less than min_prefill_s (2 s) more than a restore" in record.getMessage()
-               for record in caplog.records), "the short one's reason is logged"
+    slots = service.engine.info.slot_save_path
+    assert len(list(slots.glob("auto-*.bin"))) == 1 + short_worth
+    assert short_worth or any("less than min_prefill_s (2 s) more than a restore" in record.getMessage()
+                              for record in caplog.records), "the short one's reason is logged"
