@@ -148,9 +148,6 @@ class EngineRam:
     held: OrderedDict[Ident | int, Left] = field(default_factory=OrderedDict)
     #: False once a conversation believed in RAM was not: every switch parks to disk.
     trusted: bool = True
-    #: Conversations believed in RAM that came back from it, and that did not.
-    hits: int = 0
-    misses: int = 0
     _unnamed: int = 0
 
     def fits(self, tokens: int, bytes_per_token: float) -> bool:
@@ -181,9 +178,7 @@ class EngineRam:
         """A conversation believed in RAM came back reusing ``reused`` tokens: whether it was
         there. When it was not, belief is given up until the engine restarts."""
         if reused >= REUSED_SHARE * expected:
-            self.hits += 1
             return True
-        self.misses += 1
         if self.trusted:
             log.warning("[strata] auto sessions: %s was left to the engine's RAM cache with %d tokens, and "
                         "came back reusing %d: it was not there. Every switch parks to disk from now on.",
