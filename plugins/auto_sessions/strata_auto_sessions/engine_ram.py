@@ -19,7 +19,7 @@ when
 
 - the engine's cache is on and its budget known (a managed engine; an attached one says
   nothing of its flags), no shared tier is configured (the other servers need each
-  state on the tier), and the engine does not move idle slots into its cache by itself;
+  state on the tier), and the engine runs one slot;
 - the incoming conversation is one left to the engine, or has nothing parked;
 - the outgoing conversation fits within the half with what is cached already, and its
   prompt shares at most :data:`MAX_SHARED` of its characters with the incoming one (the

@@ -131,8 +131,9 @@ class AutoSessions:
         if config.shared is not None:
             parking.shared = await SharedParking.start(parking, service, config.shared)
         budget = cache_budget(service)
-        if config.ram_first and config.shared is None and budget is not None:
-            # With a shared tier, the other servers need every state on the tier.
+        if config.ram_first and config.shared is None and budget is not None and len(service.slots) == 1:
+            # With a shared tier, the other servers need every state on the tier; with
+            # several slots, the engine caches what each one leaves, in turns not seen here.
             parking.engine_ram = EngineRam(budget)
         log.info("[strata] auto sessions: on, files in %s (%d file(s), %s); a conversation is worth a file "
                  "from %s", directory, parking.stats.files_on_disk, size_text(parking.stats.bytes_on_disk),
