@@ -80,14 +80,9 @@ async def park_slot(parking: AutoSessions, service: Service, slot: int = 0, *, r
         return saved
     service.slots.file_written(slot, key)
     parking.saved_states[slot] = state_of(service.slots[slot])
-    parking.sync_soon()  # its fsyncs, beside the next request (fsync = "background")
     if parking.shared is not None:
         parking.shared.saved(of_sibling(parking.store.bin_name, key, sibling))  # uploaded in the background
-    parking.stats.saves += 1
-    parking.stats.saved_tokens += saved.tokens
-    parking.stats.saved_bytes += saved.bytes
-    parking.stats.save_ms += saved.ms
-    in_blocks = _count_blocks(parking)
+    in_blocks = _counted(parking, saved)
     log.info("[strata] auto sessions: saved %s tokens (%s) to %s%s in %.0f ms%s%s",
              f"{saved.tokens:,}", size_text(saved.bytes), of_sibling(parking.store.bin_name, key, sibling),
              in_blocks, saved.ms, "" if reason == "switch" else f" ({reason})", from_slot(service, slot))
@@ -183,14 +178,22 @@ async def save_from_engine_ram(parking: AutoSessions, service: Service, slot: in
     saved = await _save(parking, service, slot, key, in_slot)
     if isinstance(saved, Parked):
         return False
+    in_blocks = _counted(parking, saved)
+    log.info("[strata] auto sessions: saved %s tokens (%s) to %s%s in %.0f ms (brought back from the engine's RAM "
+             "cache at the stop)", f"{saved.tokens:,}", size_text(saved.bytes),
+             of_sibling(parking.store.bin_name, key, sibling), in_blocks, saved.ms)  # type: ignore[union-attr]
+    return True
+
+
+def _counted(parking: AutoSessions, saved: _Saved) -> str:
+    """A save made: its fsyncs started (beside the next request, with ``fsync = "background"``)
+    and it counted; for its log line, where it went when in blocks."""
+    parking.sync_soon()
     parking.stats.saves += 1
     parking.stats.saved_tokens += saved.tokens
     parking.stats.saved_bytes += saved.bytes
     parking.stats.save_ms += saved.ms
-    log.info("[strata] auto sessions: saved %s tokens (%s) to %s in %.0f ms (brought back from the engine's RAM "
-             "cache at the stop)", f"{saved.tokens:,}", size_text(saved.bytes),
-             of_sibling(parking.store.bin_name, key, sibling), saved.ms)  # type: ignore[union-attr]
-    return True
+    return _count_blocks(parking)
 
 
 async def _save(parking: AutoSessions, service: Service, slot: int, key: str, in_slot: SlotState) -> _Saved | Parked:
