@@ -236,17 +236,24 @@ def parking_disk_bytes(slot_dir: Path) -> int:
     return whole + (sum(p.stat().st_size for p in store.rglob("*") if p.is_file()) if store.is_dir() else 0)
 
 
-async def through_parking(name: str, model: Path, work: Path, blocks: bool, cpt: float,
+#: How the parking is run: whole files; blocks with the newest states kept whole in memory
+#: (the default with blocks); blocks joined at every restore (nothing kept in memory).
+PARKED_AS = {"whole files": {"blocks": False}, "blocks of 64, kept": {"blocks": True},
+             "blocks of 64, joined": {"blocks": True, "stage_keep_mb": 0}}
+
+
+async def through_parking(name: str, model: Path, work: Path, how: str, cpt: float,
                           disk: bool = True) -> dict[str, Any]:
     """Six sessions sharing an opening (unless not ``disk``), then two conversations taking
-    turns, through strata-serve with auto-sessions parking in blocks or whole files."""
+    turns, through strata-serve with auto-sessions parking as ``how`` says (:data:`PARKED_AS`)."""
     import statistics
 
     from bench.harness import chat, client_session, strata
     from strata_serve.engine.llama_server.state_format import LlamaStateFormat
 
-    slot_dir = work / f"parking-{name}-{'blocks' if blocks else 'whole'}"
-    plugins = {"auto_sessions": {"min_tokens": 64, "idle_save_s": 0, "blocks": blocks, "keep": 64}}
+    blocks = PARKED_AS[how]["blocks"]
+    slot_dir = work / f"parking-{name}-{how.replace(' ', '-').replace(',', '')}"
+    plugins = {"auto_sessions": {"min_tokens": 64, "idle_save_s": 0, "keep": 64, **PARKED_AS[how]}}
     ctx = int(max(OPENING_TOKENS + OWN_TOKENS, PARKING_SIZES["long"] + TURN_TOKENS * (PARKING_ROUNDS + 1)) + 1024)
     opening = text("Shared opening: the system prompt, the tools, the environment.", int((OPENING_TOKENS - 1) * cpt))
     flush = [{"role": "user", "content": "hi"}]  # parks the conversation the slot holds, is not worth a file
@@ -300,7 +307,7 @@ async def through_parking(name: str, model: Path, work: Path, blocks: bool, cpt:
                     {"role": "assistant", "content": reply.text},
                     {"role": "user", "content": text(f"Turn {r} of {c}", int(TURN_TOKENS * cpt))}]
         final = await stats()
-    return {"model": name, "blocks": blocks, "disk_bytes": disk_bytes, "distinct": distinct, "bpt": bpt,
+    return {"model": name, "how": how, "blocks": blocks, "disk_bytes": disk_bytes, "distinct": distinct, "bpt": bpt,
             "disk_ratio": disk_bytes / (distinct * bpt) if disk else float("nan"), "written": written,
             "writes_ratio": written / new_bytes if new_bytes else float("nan"),
             "switch_back_s": statistics.median(returns), "restore_ms": statistics.median(restore_ms or [0.0]),
@@ -315,16 +322,17 @@ def parking_table(rows: list[dict[str, Any]]) -> str:
            f"the slot directory keeps (files, blocks, manifests) against the distinct tokens' bytes. Writes: "
            f"conversations of {PARKING_SIZES['long']:,} and {PARKING_SIZES['short']:,} tokens taking turns, "
            f"+{TURN_TOKENS} a turn, {PARKING_ROUNDS} rounds after the first: what the parking wrote per save "
-           f"(whole: the file; blocks: new blocks, tail, manifest; the engine's own staging file in the slot "
-           f"directory is not counted) against the turn's new tokens' bytes. Switch-back: time to the first "
+           f"(whole: the file; blocks: new blocks, tail, manifest; the engine's own file, staged in memory, "
+           f"is not counted) against the turn's new tokens' bytes. Switch-back: time to the first "
            f"token of each return (the other conversation saved, this one restored), median; the save and the "
-           f"restore alone as auto-sessions measured them, median.", "",
+           f"restore alone as auto-sessions measured them, median. Blocks, kept: the newest states are kept "
+           f"whole in memory (the default); joined: every restore joins its blocks (`stage_keep_mb = 0`).", "",
            "| model | parked as | disk MB | x distinct | written MB | x new tokens | switch-back s | save ms | "
            "restore ms |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         disk = f"{row['disk_bytes'] / 1e6:.2f} | {row['disk_ratio']:.2f}x" if row["disk_bytes"] else "- | -"
-        out.append(f"| {row['model']} | {'blocks of 64' if row['blocks'] else 'whole files'} | {disk} | "
+        out.append(f"| {row['model']} | {row['how']} | {disk} | "
                    f"{row['written'] / 1e6:.2f} | {row['writes_ratio']:.2f}x | {row['switch_back_s']:.3f} | "
                    f"{row['save_ms']:.0f} | {row['restore_ms']:.0f} |")
     refused = {row["model"]: row["refused"] for row in rows if row["refused"]}
@@ -338,8 +346,8 @@ async def parking_main(names: list[str], out: Path | None, disk: bool = True) ->
         work = Path(tmp)
         for name in names:
             model = model_path(name, work)
-            for blocks in (False, True):
-                rows.append(await through_parking(name, model, work, blocks, CHARS_PER_TOKEN.get(name, 1.0), disk))
+            for how in PARKED_AS:
+                rows.append(await through_parking(name, model, work, how, CHARS_PER_TOKEN.get(name, 1.0), disk))
                 print(rows[-1], flush=True)
     report = parking_table(rows)
     if out is not None:

@@ -119,6 +119,16 @@ class AutoSessionsConfig(BaseModel):
     blocks: bool = False
     #: Tokens a block holds (64: measured best by bench/blocks.py, bench/results/blocks.md).
     block_tokens: int = Field(64, ge=1, le=1 << 20)
+    #: With blocks: a directory in memory (tmpfs) the engine's saves are staged in while
+    #: they are cut, so the whole file never reaches the disk, and where the newest states
+    #: are kept whole so that a switch back to them is as fast as a whole file's
+    #: (docs/sessions.md, "Blocks"). None: a private directory under /dev/shm, for an
+    #: engine strata-serve started (an engine it attached to saves to the slot directory).
+    stage_dir: Path | None = None
+    #: MiB of the newest states kept whole in the stage directory, least recently used
+    #: out first; None: an eighth of the machine's memory, at most 4 GiB; 0: none kept
+    #: (a restore then joins its blocks).
+    stage_keep_mb: int | None = Field(None, ge=0)
     #: A tier of parked conversations several servers share (``[plugins.auto_sessions.shared]``);
     #: None: the slot directory alone.
     shared: SharedConfig | None = None

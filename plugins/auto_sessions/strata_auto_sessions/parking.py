@@ -40,6 +40,7 @@ from strata_auto_sessions.restoring import RestoreSpeed
 from strata_auto_sessions.saving import Parked, park_slot, save_from_engine_ram
 from strata_auto_sessions.shared.sync import SharedParking
 from strata_auto_sessions.siblings import Sibling, SiblingIndex
+from strata_auto_sessions.staging import Staging, default_keep_bytes
 from strata_auto_sessions.stats import AutoSessionsStats
 from strata_auto_sessions.store import DirectoryInUse, LockTimeout, ParkingStore, SessionStore, engine_fingerprint
 from strata_auto_sessions.store import of_sibling, swa_unusable
@@ -148,6 +149,9 @@ class AutoSessions:
     def stop(self) -> None:
         """The server stops: it holds nothing any more, and lets go of the directory."""
         self._record_in_use([])
+        staging = getattr(self.store, "staging", None)
+        if staging is not None:
+            staging.close()
         release = getattr(self.store, "release", None)  # a store of the protocol's first version has none
         if release is not None:
             release()
@@ -547,6 +551,10 @@ def _use_blocks(store: ParkingStore, directory: Path, config: AutoSessionsConfig
     make_private_dir(directory)
     store.blocks = ParkedBlocks.open(directory, state_format, fingerprint=engine_fingerprint(service.engine.info),
                                      block_tokens=config.block_tokens, fsync=config.fsync == "at_save")
+    if config.stage_dir is not None or service.engine.info.managed:
+        # The engine must reach the stage directory: one strata-serve started does.
+        keep = default_keep_bytes() if config.stage_keep_mb is None else config.stage_keep_mb << 20
+        store.staging = Staging.open(directory, config.stage_dir, keep)
 
 
 async def _open(store: ParkingStore, directory: Path, config: AutoSessionsConfig) -> int:

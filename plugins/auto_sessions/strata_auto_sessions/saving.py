@@ -221,6 +221,9 @@ async def _save(parking: AutoSessions, service: Service, slot: int, key: str, in
             log.warning("[strata] auto sessions: saving %s given up: %s; it stays in the slot", key, exc)
             return Parked.ONLY_IN_SLOT
         except (EngineError, EngineUnavailable, OSError) as exc:
+            staging = getattr(parking.store, "staging", None)
+            if staging is not None:  # staged in memory: the next try goes to the slot directory
+                staging.failed(parking.store.directory / temp, exc)  # type: ignore[attr-defined]
             _discard(parking, temp)
             verdict = failure_verdict("save", exc, service, in_slot.tokens)
             if verdict == Verdict.RETRY and attempt == 0:

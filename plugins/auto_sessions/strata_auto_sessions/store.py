@@ -37,6 +37,7 @@ from strata_auto_sessions.naming import (
 )
 from strata_auto_sessions.parked_blocks import ParkedBlocks
 from strata_auto_sessions.sidecar import SIDECAR_VERSION, DamagedSidecar, Sidecar
+from strata_auto_sessions.staging import Staging, staged_link
 
 #: What this module exports: its own names and those of the modules the store is made of
 #: that plugins and tests import from here.
@@ -164,6 +165,9 @@ class SessionStore:
         #: whole files only. Whole files are read either way (earlier versions', and
         #: states the format refuses).
         self.blocks = blocks
+        #: Where the engine's saves land while they are cut, and the newest states are
+        #: kept whole (with blocks only; :mod:`strata_auto_sessions.staging`); None: none.
+        self.staging: Staging | None = None
         self._lock = DirectoryLock(directory)
         #: The server lock (:meth:`claim`).
         self._claim = ServerClaim(directory)
@@ -223,6 +227,10 @@ class SessionStore:
         if self.restorable(key, sibling) or self.blocks is None:
             return None
         name = fresh_temp_name(key, ".bin")
+        if self.staging is not None:
+            manifest = self.blocks.manifest(key, sibling)
+            if manifest is not None and self.staging.link_kept(key, sibling, manifest.identity, self.directory / name):
+                return name  # its newest state, kept whole in memory since it was saved
         self.blocks.join_into(key, sibling, self.directory / name)
         return name
 
@@ -247,7 +255,15 @@ class SessionStore:
         return self.directory / session_name(key, "json", sibling)
 
     def temp_name(self, key: str) -> str:
-        return fresh_temp_name(key, ".bin")
+        """A fresh temporary's name for the engine to save ``key``'s state to (in memory,
+        through a link, when saves are staged)."""
+        name = fresh_temp_name(key, ".bin")
+        if self.staging is not None:
+            try:
+                self.staging.link(self.directory / name)
+            except OSError as exc:
+                self.staging.failed(self.directory / name, exc)
+        return name
 
     def prepare(self) -> int:
         """Create the directory, claim it for this server (:meth:`claim`), and remove
@@ -260,7 +276,7 @@ class SessionStore:
         removed = 0
         with self.lock():
             for leftover in self.directory.iterdir():
-                if TEMP_NAME.fullmatch(leftover.name) and not leftover.is_symlink():
+                if TEMP_NAME.fullmatch(leftover.name) and (not leftover.is_symlink() or staged_link(leftover)):
                     leftover.unlink(missing_ok=True)
                     removed += 1
             if self.blocks is not None:
@@ -444,6 +460,9 @@ class SessionStore:
                 return
             # Kept whole (the format refused the state): an earlier manifest goes.
             self.blocks.remove(key, sidecar.sibling)
+            if self.staging is not None:
+                self.staging.drop(key, sidecar.sibling)
+                self.staging.make_real(temp)
         with span("auto_sessions.sidecar"):
             self._put_in_place(temp, target, key, sidecar)
 
@@ -454,6 +473,9 @@ class SessionStore:
         tokens differ: refused at its restore, never a wrong state."""
         target.unlink(missing_ok=True)
         sidecar.write(self.sidecar_path(key, sidecar.sibling), sync=not self.sync_later)
+        manifest = self.blocks.manifest(key, sidecar.sibling) if self.blocks is not None else None
+        if self.staging is not None and manifest is not None:
+            self.staging.keep(temp, key, sidecar.sibling, manifest.identity)
         temp.unlink(missing_ok=True)
         if self.sync_later:
             with self._unsynced_lock:
@@ -509,6 +531,8 @@ class SessionStore:
         return len(self._unsynced) + len(self._retired)
 
     def discard(self, temp_name: str) -> None:
+        if self.staging is not None:
+            self.staging.discard(self.directory / temp_name)
         (self.directory / temp_name).unlink(missing_ok=True)
 
     def write_sidecar(self, sidecar: Sidecar) -> None:

@@ -139,12 +139,18 @@ async def test_a_turn_writes_about_its_new_tokens_bytes(auto_client, tmp_path):
     assert min(ratios[False]) > 3, ratios
 
 
+#: Parked whole; in blocks joined at the restore (no state kept whole in memory); in
+#: blocks with the newest states kept whole in memory (the default).
+HOW_PARKED = {"whole": {"blocks": False}, "joined": {"blocks": True, "stage_keep_mb": 0},
+              "kept": {"blocks": True}}
+
+
 async def test_restored_from_blocks_it_answers_as_from_a_whole_file(auto_client, tmp_path, sharp_model):
     answers = {}
-    for blocks in (True, False):
-        slots = tmp_path / f"slots-{blocks}"
-        client = await auto_client(engine={"slot_save_path": str(slots), "model": str(sharp_model)}, blocks=blocks,
-                                   idle_save_s=0)
+    for how, settings in HOW_PARKED.items():
+        slots = tmp_path / f"slots-{how}"
+        client = await auto_client(engine={"slot_save_path": str(slots), "model": str(sharp_model)}, idle_save_s=0,
+                                   **settings)
         a, b = agent("alpha", 60), agent("beta")
         first = await ask(client, a, max_tokens=8, temperature=0)
         await ask(client, b, max_tokens=1)
@@ -152,13 +158,18 @@ async def test_restored_from_blocks_it_answers_as_from_a_whole_file(auto_client,
         stats = parking(client).stats
         assert stats.restores == 1 and stats.restore_failures == 0 and stats.restores_refused_damaged == 0
         key = key_of(client, a)
-        assert (slots / f"auto-{key}.bin").is_file() is not blocks
-        assert not list(slots.glob("auto-tmp*")), "the joined file is removed once restored"
-        answers[blocks] = (back["choices"][0]["message"]["content"], back["timings"]["cache_n"],
-                           back["timings"]["prompt_n"])
+        assert (slots / f"auto-{key}.bin").is_file() is (how == "whole")
+        assert not list(slots.glob("tmp-auto-*")), "the joined file (or the link) is removed once restored"
+        staging = parking(client).store.staging
+        if how != "whole":
+            assert staging is not None and staging.hits == (how == "kept"), "kept whole: read from memory"
+        answers[how] = (back["choices"][0]["message"]["content"], back["timings"]["cache_n"],
+                        back["timings"]["prompt_n"])
         await client.close()
-    assert answers[True] == answers[False]
-    assert answers[True][1] > 1500, answers
+        if staging is not None:
+            assert not staging.directory.exists(), "the stage directory goes at the stop"
+    assert answers["joined"] == answers["whole"] == answers["kept"]
+    assert answers["whole"][1] > 1500, answers
 
 
 @pytest.fixture(scope="module")

@@ -71,6 +71,11 @@ class Manifest:
     def objects(self) -> list[str]:
         return [*self.chain, *([self.tail] if self.tail else [])]
 
+    @property
+    def identity(self) -> tuple[object, ...]:
+        """What tells this state from any other (its objects are named by their content)."""
+        return (self.root, self.tokens, tuple(self.chain), self.tail)
+
 
 @dataclass(frozen=True)
 class Chain:
