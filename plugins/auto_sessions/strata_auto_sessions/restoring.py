@@ -216,9 +216,14 @@ async def _join(parking: AutoSessions, source: str, sibling: int, path: Path) ->
     store = parking.store
     if getattr(store, "blocks", None) is None or store.restorable(source, sibling):  # type: ignore[union-attr]
         return None  # a whole file: the engine reads it as it is
+    staging = getattr(store, "staging", None)
+    hits = staging.hits if staging is not None else 0
     try:
         with span("auto_sessions.join"):
-            return await asyncio.to_thread(store.joined, source, sibling)  # type: ignore[union-attr]
+            name = await asyncio.to_thread(store.joined, source, sibling)  # type: ignore[union-attr]
+        if staging is not None and staging.hits > hits:
+            parking.stats.restores_kept_whole += 1
+        return name
     except (CorruptBlock, ValueError, OSError) as exc:
         parking.stats.restores_refused_damaged += 1
         log.warning("[strata] auto sessions: not restoring %s: its blocks do not join (%s)", path.name, exc)

@@ -223,7 +223,7 @@ async def _save(parking: AutoSessions, service: Service, slot: int, key: str, in
         except (EngineError, EngineUnavailable, OSError) as exc:
             staging = getattr(parking.store, "staging", None)
             if staging is not None:  # staged in memory: the next try goes to the slot directory
-                staging.failed(parking.store.directory / temp, exc)  # type: ignore[attr-defined]
+                staging.failed(parking.store.directory / temp, exc)
             _discard(parking, temp)
             verdict = failure_verdict("save", exc, service, in_slot.tokens)
             if verdict == Verdict.RETRY and attempt == 0:

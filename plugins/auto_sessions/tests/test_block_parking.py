@@ -162,7 +162,7 @@ async def test_restored_from_blocks_it_answers_as_from_a_whole_file(auto_client,
         assert not list(slots.glob("tmp-auto-*")), "the joined file (or the link) is removed once restored"
         staging = parking(client).store.staging
         if how != "whole":
-            assert staging is not None and staging.hits == (how == "kept"), "kept whole: read from memory"
+            assert staging is not None and stats.restores_kept_whole == (how == "kept"), "kept: read from memory"
         answers[how] = (back["choices"][0]["message"]["content"], back["timings"]["cache_n"],
                         back["timings"]["prompt_n"])
         await client.close()
