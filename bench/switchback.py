@@ -26,6 +26,7 @@ SETUPS = {
     "llama-server, RAM cache off": (False, 0),
     "llama-server, no switch (A still in the slot)": (False, 0),
     "strata + auto-sessions, RAM cache off": (True, 0),
+    "strata + auto-sessions in blocks, RAM cache off": (True, 0),
     "llama-server, RAM cache on": (False, None),
     "strata + auto-sessions, RAM cache on": (True, None),
 }
@@ -36,6 +37,11 @@ HELD = "llama-server, no switch (A still in the slot)"
 PARKED_OFF = "strata + auto-sessions, RAM cache off"
 #: The returns of PARKED_OFF made after an idle save: the outgoing file was current.
 FILE_CURRENT = "strata + auto-sessions, RAM cache off, file current"
+#: PARKED_OFF parking in blocks (the engine's saves staged in memory, the newest states
+#: kept whole there): returning at once, the outgoing save writes only its new blocks.
+BLOCKS_OFF = "strata + auto-sessions in blocks, RAM cache off"
+#: auto-sessions' settings per setup, beyond those every strata setup has.
+PLUGIN_SETTINGS = {BLOCKS_OFF: {"blocks": True}}
 #: How long strata-serve waits idle before saving the held conversation, here.
 IDLE_SAVE_S = 0.5
 #: The second conversation of the bare engine with its RAM cache off: its size changes
@@ -69,7 +75,7 @@ async def one_setup(name: str, model: Path, work: Path, size: int, rounds: int) 
     b = conversation("Bob", SHORT_B if name == BARE_OFF else size)
     slot_dir = work / f"switch-{size}-{list(SETUPS).index(name)}"  # each setup starts with no files
     if through_strata:
-        plugins = {"auto_sessions": {"min_tokens": 256, "idle_save_s": IDLE_SAVE_S}}
+        plugins = {"auto_sessions": {"min_tokens": 256, "idle_save_s": IDLE_SAVE_S, **PLUGIN_SETTINGS.get(name, {})}}
         # One slot, as the bare engine here: B takes A's slot, and the switch is what is measured
         # (with a side slot, a B that fits beside A would leave A in its slot: no switch).
         setup = strata(model, size * 2 + 512, slot_dir, cache, plugins=plugins, engine={"side_slot_tokens": 0})

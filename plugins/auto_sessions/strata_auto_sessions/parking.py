@@ -117,6 +117,7 @@ class AutoSessions:
         try:
             _use_blocks(store, Path(directory), config, service)
             removed = await _open(store, Path(directory), config)
+            _stage(store, Path(directory), config, service)
         except DirectoryInUse as exc:
             raise ConfigError(f"auto sessions: {exc}") from None
         except OSError as exc:
@@ -551,10 +552,16 @@ def _use_blocks(store: ParkingStore, directory: Path, config: AutoSessionsConfig
     make_private_dir(directory)
     store.blocks = ParkedBlocks.open(directory, state_format, fingerprint=engine_fingerprint(service.engine.info),
                                      block_tokens=config.block_tokens, fsync=config.fsync == "at_save")
-    if config.stage_dir is not None or service.engine.info.managed:
-        # The engine must reach the stage directory: one strata-serve started does.
-        keep = default_keep_bytes() if config.stage_keep_mb is None else config.stage_keep_mb << 20
-        store.staging = Staging.open(directory, config.stage_dir, keep)
+
+
+def _stage(store: ParkingStore, directory: Path, config: AutoSessionsConfig, service: Service) -> None:
+    """With blocks, stage the engine's saves in memory (:mod:`strata_auto_sessions.staging`),
+    once the directory is this server's: the engine must reach the stage directory, which
+    one strata-serve started does (or one the operator chose, ``stage_dir``)."""
+    if getattr(store, "blocks", None) is None or not (config.stage_dir is not None or service.engine.info.managed):
+        return
+    keep = default_keep_bytes() if config.stage_keep_mb is None else config.stage_keep_mb << 20
+    store.staging = Staging.open(directory, config.stage_dir, keep)  # type: ignore[attr-defined]
 
 
 async def _open(store: ParkingStore, directory: Path, config: AutoSessionsConfig) -> int:
