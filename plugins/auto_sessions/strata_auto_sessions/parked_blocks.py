@@ -161,7 +161,7 @@ class ParkedBlocks:
         return self._sizes()
 
     def _sizes(self) -> dict[str, int]:
-        return {name: st.st_size for name, st in self.store._object_files().items() if not name.startswith(".")}
+        return self.store.object_sizes()
 
     def _used(self, name: str) -> float:
         try:
@@ -171,7 +171,7 @@ class ParkedBlocks:
 
     def bytes(self) -> int:
         """Bytes of every object, each counted once."""
-        return self.store.usage().bytes
+        return sum(self.store.object_sizes().values())
 
     # -- removing ------------------------------------------------------------------------
 

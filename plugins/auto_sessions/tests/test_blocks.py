@@ -187,6 +187,25 @@ def test_a_removed_conversation_keeps_the_blocks_another_holds(tmp_path):
     assert store.usage().objects == 0 and store.longest_prefix(None, OPENING) is None
 
 
+def test_the_objects_sizes_follow_this_stores_changes_and_another_processs(tmp_path, monkeypatch):
+    store = store_at(tmp_path / "store")
+    store.save("a", staged(tmp_path, conversation(1)))
+    assert store.object_sizes() == {p.name: p.stat().st_size for p in object_files(tmp_path / "store")}
+    listed = []
+    real = BlockStore._object_files
+    monkeypatch.setattr(BlockStore, "_object_files", lambda self: listed.append(1) or real(self))
+    store.save("b", staged(tmp_path, conversation(2)))
+    store.remove("a")
+    store.prune()
+    assert store.object_sizes() == {p.name: p.stat().st_size for p in object_files(tmp_path / "store")}
+    assert len(listed) == 1, "listed by the prune alone; the sizes followed the save and the prune"
+    # Another process (sessions rm) removes b: this store lists the objects again.
+    other = store_at(tmp_path / "store")
+    other.remove("b")
+    other.prune()
+    assert store.object_sizes() == {} and store.usage().bytes == 0
+
+
 def test_young_objects_outlive_a_prune(tmp_path):
     """A save under way elsewhere has written blocks before its manifest: they are kept."""
     store = store_at(tmp_path / "store", grace_s=3600)

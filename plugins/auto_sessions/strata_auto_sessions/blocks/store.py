@@ -25,7 +25,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,9 @@ from strata_auto_sessions.blocks.names import chain_names, root_name
 __all__ = ["BlockStore", "Chain", "Manifest", "PruneReport", "SaveReport", "StoreUsage"]
 
 MANIFEST_VERSION = 1
+#: A file of the store's root, rewritten whenever objects are added or removed: another
+#: process's store lists the objects again once it changed (:meth:`BlockStore.object_sizes`).
+GENERATION_NAME = ".generation"
 #: Tokens a block holds unless told otherwise. Measured (bench/blocks.py, bench/results/blocks.md):
 #: six sessions sharing a 2,289-token opening take 1.06x their distinct tokens' bytes in
 #: blocks of 64 and 1.27x in blocks of 256 (the opening's last, partial block and each tail
@@ -155,6 +158,10 @@ class BlockStore:
         self._manifests = self.root / "manifests"
         for path in (self.root, self._objects, self._manifests):
             make_private_dir(path)
+        #: Each object's bytes, as last listed or changed here; valid while the generation
+        #: file still says :attr:`_mark` (no other process added or removed objects since).
+        self._sizes: dict[str, int] | None = None
+        self._mark: str | None = None
 
     # -- paths ---------------------------------------------------------------------------
 
@@ -166,6 +173,44 @@ class BlockStore:
 
     def has(self, name: str) -> bool:
         return self._object_path(name).is_file()
+
+    # -- what the objects weigh ----------------------------------------------------------
+
+    def _generation(self) -> str | None:
+        try:
+            return (self.root / GENERATION_NAME).read_text()
+        except (FileNotFoundError, UnicodeDecodeError):
+            return None
+
+    def object_sizes(self) -> dict[str, int]:
+        """Each object's bytes (temporaries left out): listed from the directory once, then
+        kept as this store changes them, and listed again once another process (``sessions
+        rm``) changed the objects."""
+        with self._lock:
+            mark = self._generation()
+            if self._sizes is None or mark != self._mark:
+                self._sizes = {n: st.st_size for n, st in self._object_files().items() if not n.startswith(".")}
+                self._mark = mark
+            return dict(self._sizes)
+
+    def objects_changed(self, added: Mapping[str, int] | None = None, removed: Iterable[str] = ()) -> None:
+        """Objects were added (name: bytes) or removed: the kept sizes follow, and the
+        generation file is rewritten, so that other processes list them again. ``added``
+        None: not known which (the sizes are listed again). Under the directory's lock."""
+        with self._lock:
+            current = self._sizes is not None and self._generation() == self._mark
+            mark = os.urandom(8).hex()
+            path = self.root / GENERATION_NAME
+            tmp = path.with_name(f"{GENERATION_NAME}.{mark}.tmp")
+            tmp.write_text(mark)
+            os.replace(tmp, path)
+            if not current or added is None or self._sizes is None:
+                self._sizes, self._mark = None, None
+                return
+            self._sizes.update(added)
+            for name in removed:
+                self._sizes.pop(name, None)
+            self._mark = mark
 
     # -- saving --------------------------------------------------------------------------
 
@@ -184,6 +229,7 @@ class BlockStore:
         names = list(chain_names(root, cut.tokens[:len(cut.blocks) * cut.block_tokens], cut.block_tokens))
         written = 0
         new_blocks = 0
+        added: dict[str, int] = {}
         with self._lock:
             for i, name in enumerate(names):
                 if self.has(name):
@@ -192,6 +238,7 @@ class BlockStore:
                 if n:
                     new_blocks += 1
                     written += n
+                    added[name] = n
             tail_name = None
             if cut.tail.tokens:
                 raw = objects.encode_parts(cut.tail, self.compression)
@@ -199,8 +246,11 @@ class BlockStore:
                 for part in raw:
                     digest.update(part)
                 tail_name = digest.hexdigest()
-                if not self.has(tail_name):
-                    written += self._publish_raw(tail_name, raw)
+                if not self.has(tail_name) and (n := self._publish_raw(tail_name, raw)):
+                    written += n
+                    added[tail_name] = n
+            if added:
+                self.objects_changed(added)
             manifest = Manifest(
                 key=manifest_key, tenant=tenant, format_version=self.format.version, layout=cut.layout.decode(),
                 n_stream=cut.n_stream, block_tokens=cut.block_tokens, root=root, chain=names, tail=tail_name,
@@ -328,6 +378,7 @@ class BlockStore:
             # (a save skips the blocks the store has).
             self._verified.forget(name)
             path.unlink(missing_ok=True)
+            self.objects_changed({}, [name])
             raise
 
     def _touch(self, key: str) -> None:
@@ -360,9 +411,8 @@ class BlockStore:
         return found
 
     def usage(self) -> StoreUsage:
-        files = {n: st for n, st in self._object_files().items() if not n.startswith(".")}
-        return StoreUsage(manifests=len(self.manifests()), objects=len(files),
-                          bytes=sum(st.st_size for st in files.values()))
+        sizes = self.object_sizes()
+        return StoreUsage(manifests=len(self.manifests()), objects=len(sizes), bytes=sum(sizes.values()))
 
     def prune(self, *, keep: int | None = None, max_bytes: int | None = None) -> PruneReport:
         """Keep at most ``keep`` manifests and ``max_bytes`` of objects, least recently used
@@ -391,6 +441,7 @@ class BlockStore:
             held = {n for m in self.manifests() for n in m.objects()}
             now = time.time()
             n_removed = freed = 0
+            freed_names: list[str] = []
             for name, st in files.items():
                 if name in held or now - st.st_mtime < self.grace_s:
                     continue
@@ -403,4 +454,7 @@ class BlockStore:
                     continue
                 n_removed += 1
                 freed += st.st_size
+                freed_names.append(name)
+            if freed_names:
+                self.objects_changed({}, freed_names)
             return PruneReport(manifests_removed=removed, objects_removed=n_removed, bytes_freed=freed)

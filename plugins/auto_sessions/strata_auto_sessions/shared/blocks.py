@@ -150,6 +150,8 @@ def put_in_store(store: BlockStore, manifest: Manifest, key: str, staged: list[t
             os.link(temp, path)
         except FileExistsError:
             pass
+    if staged:
+        store.objects_changed()  # listed again at the next look
     missing = [name for name in manifest.objects() if not store.has(name)]
     if missing:
         raise SharedTierError(f"{len(missing)} block(s) of the manifest went from the store here meanwhile")
