@@ -449,8 +449,6 @@ class SessionStore:
         if sidecar.bytes and size != sidecar.bytes:
             raise OSError(f"{temp_name} holds {size:,} bytes; the engine reported {sidecar.bytes:,}")
         os.chmod(temp, PRIVATE_FILE_MODE)
-        with span("auto_sessions.digest"):
-            sidecar.digest = sample_digest(temp)
         target = self.bin_path(key, sidecar.sibling)
         if self.blocks is not None:
             with span("auto_sessions.blocks"):
@@ -463,6 +461,8 @@ class SessionStore:
             if self.staging is not None:
                 self.staging.drop(key, sidecar.sibling)
                 self.staging.make_real(temp)
+        with span("auto_sessions.digest"):  # a whole file's (a manifest names its blocks by their digests)
+            sidecar.digest = sample_digest(temp)
         with span("auto_sessions.sidecar"):
             self._put_in_place(temp, target, key, sidecar)
 
