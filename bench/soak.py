@@ -897,7 +897,10 @@ class Soak:
 
     def faults_loop(self) -> None:
         for at, kind in self.schedule():
-            if self.stop.wait(max(0.0, self.began + at - time.monotonic())):
+            if self.stop.wait(max(0.0, self.began + at - time.monotonic())) and not (
+                    kind == "restart" and self.hung is not None):
+                # The run is over; but a restart planned during a hung tier is made even late
+                # (on a busy machine the tier's conversation can be slow to come free).
                 break
             print(f"  {time.monotonic() - self.began:6.0f} s  {kind}", flush=True)
             self.fault(kind)
