@@ -473,9 +473,10 @@ class SessionStore:
         tokens differ: refused at its restore, never a wrong state."""
         target.unlink(missing_ok=True)
         sidecar.write(self.sidecar_path(key, sidecar.sibling), sync=not self.sync_later)
-        manifest = self.blocks.manifest(key, sidecar.sibling) if self.blocks is not None else None
-        if self.staging is not None and manifest is not None:
-            self.staging.keep(temp, key, sidecar.sibling, manifest.identity)
+        if self.staging is not None and self.blocks is not None:
+            manifest = self.blocks.manifest(key, sidecar.sibling)
+            if manifest is not None:  # the engine's file, kept whole in memory as this state
+                self.staging.keep(temp, key, sidecar.sibling, manifest.identity)
         temp.unlink(missing_ok=True)
         if self.sync_later:
             with self._unsynced_lock:
