@@ -31,8 +31,6 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-from strata_serve.files import PRIVATE_DIR_MODE
-
 __all__ = ["DEFAULT_ROOT", "Staging", "default_keep_bytes", "staged_link"]
 
 log = logging.getLogger("strata_auto_sessions")
@@ -54,6 +52,8 @@ def default_keep_bytes() -> int:
     return min(KEEP_MAX_BYTES, int(ram * KEEP_SHARE_OF_RAM))
 
 
+#: A stage directory's mode: its owner's alone (it holds transcripts' states).
+PRIVATE_DIR_MODE = 0o700
 #: How a stage directory's name begins.
 DIR_PREFIX = "strata-serve-"
 
