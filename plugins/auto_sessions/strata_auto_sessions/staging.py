@@ -157,7 +157,7 @@ class Staging:
         if not self.owns(temp):
             return
         target = Path(os.readlink(temp))
-        copy = temp.with_name(temp.name + ".copy")
+        copy = temp.with_name(f"{temp.stem}-copy{temp.suffix}")  # a temporary's name: a start clears it
         shutil.copyfile(target, copy)
         os.replace(copy, temp)
         target.unlink(missing_ok=True)
