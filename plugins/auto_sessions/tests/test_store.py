@@ -67,15 +67,38 @@ def test_sidecar_round_trip_and_unreadable(tmp_path):
     assert store.sidecar("a") is None
 
 
-def test_a_sidecar_write_on_a_full_disk_leaves_no_temporary(tmp_path):
-    """The disk fills up to its last byte (a real tmpfs, a ballast file): touching a sidecar
-    fails with ENOSPC and leaves the directory as it was, once space is back too."""
+def _every_small_write(directory):
+    """Each small file auto-sessions rewrites in a slot directory, as a call that writes it."""
+    from strata_auto_sessions.blocks import BlockStore
+    from strata_auto_sessions.blocks.objects import encode
+    from strata_auto_sessions.shared.blocks import _write_checked
+    from strata_auto_sessions.shared.sync import Ledger
+    from strata_serve import LlamaServer, StateBlock
+
+    store = SessionStore(directory)
+    make_file(store, "a", 10, 0)
+    blocks = BlockStore(directory / "blocks", LlamaServer.state_format, fingerprint={"model": "m"},
+                        block_tokens=8)
+    ledger = Ledger(directory / "auto-.shared.json")
+    fetched = encode(StateBlock(tuple(range(8)), b"\1" * 64 * 1024, 8))  # more than a page
+    return {
+        "sidecar": lambda: store.touch("a"),
+        "ledger": lambda: ledger.write(1, '{"auto-a.bin": {"generation": 1}}'),
+        "block generation": lambda: blocks.objects_changed(),
+        "fetched block": lambda: _write_checked(directory / "tmp-auto-a-00000000.x.blk", fetched, "x" * 64),
+    }
+
+
+@pytest.mark.parametrize("write", ["sidecar", "ledger", "block generation", "fetched block"])
+def test_a_small_write_on_a_full_disk_leaves_no_temporary(tmp_path, write):
+    """The disk fills up to its last byte (a real tmpfs, a ballast file): each small write
+    fails with ENOSPC and leaves the directory as it was (no temporary per failed write:
+    a soak with a full disk found fourteen), once space is back too."""
     from tests.test_reliability import tmpfs
 
     with tmpfs(tmp_path / "full", "256k") as directory:
-        store = SessionStore(directory)
-        make_file(store, "a", 10, 0)
-        before = sorted(p.name for p in directory.iterdir())
+        call = _every_small_write(directory)[write]
+        before = sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
         ballast = os.open(directory / "ballast", os.O_WRONLY | os.O_CREAT)
         try:
             with pytest.raises(OSError):
@@ -83,10 +106,23 @@ def test_a_sidecar_write_on_a_full_disk_leaves_no_temporary(tmp_path):
                     pass
         finally:
             os.close(ballast)
-        with pytest.raises(OSError):
-            store.touch("a")
+        with pytest.raises(Exception):
+            call()
         (directory / "ballast").unlink()
-        assert sorted(p.name for p in directory.iterdir()) == before
+        assert sorted(str(p.relative_to(directory)) for p in directory.rglob("*")) == before
+
+
+def test_the_shared_ledger_is_private(tmp_path):
+    """The ledger names the conversations parked here: 0600 like every session file, even
+    under umask 0."""
+    from strata_auto_sessions.shared.sync import Ledger
+
+    old = os.umask(0)
+    try:
+        Ledger(tmp_path / "auto-.shared.json").write(1, "{}")
+    finally:
+        os.umask(old)
+    assert oct((tmp_path / "auto-.shared.json").stat().st_mode & 0o777) == "0o600"
 
 
 def test_fingerprint_tells_models_apart(tmp_path):

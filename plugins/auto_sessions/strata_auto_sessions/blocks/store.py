@@ -202,8 +202,12 @@ class BlockStore:
             mark = os.urandom(8).hex()
             path = self.root / GENERATION_NAME
             tmp = path.with_name(f"{GENERATION_NAME}.{mark}.tmp")
-            tmp.write_text(mark)
-            os.replace(tmp, path)
+            try:
+                tmp.write_text(mark)
+                os.replace(tmp, path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)  # a full disk must not leave the temporary behind
+                raise
             if not current or added is None or self._sizes is None:
                 self._sizes, self._mark = None, None
                 return

@@ -128,8 +128,12 @@ def _write_checked(temp: Path, raw: bytes, name: str) -> None:
     except CorruptBlock as exc:
         raise SharedTierError(f"block {name[:16]} in the tier is damaged: {exc}") from None
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(raw)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(raw)
+    except BaseException:
+        temp.unlink(missing_ok=True)  # a full disk must not leave the temporary behind
+        raise
 
 
 def unlink_staged(staged: Iterable[tuple[str, Path]]) -> None:

@@ -55,7 +55,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from strata_serve import first_result
+from strata_serve import PRIVATE_FILE_MODE, first_result
 
 from strata_auto_sessions.compat import incompatibility
 from strata_auto_sessions.config import SharedConfig, size_text
@@ -175,8 +175,15 @@ class Ledger:
             if number <= self._written_number or text == self._written:
                 return
             temp = self.path.with_name(temp_for(f"{PREFIX}ledger", ".json"))
-            temp.write_text(text)
-            os.replace(temp, self.path)
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
+            try:
+                os.fchmod(fd, PRIVATE_FILE_MODE)  # the mode given to open passes through the umask
+                with os.fdopen(fd, "wb") as handle:
+                    handle.write(text.encode())
+                os.replace(temp, self.path)
+            except BaseException:
+                temp.unlink(missing_ok=True)  # a full disk fails every write: no temporary per write
+                raise
             self._written, self._written_number = text, number
 
     def save(self) -> None:
