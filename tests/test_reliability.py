@@ -128,8 +128,11 @@ async def test_engine_killed_during_a_slot_operation(auto_client, during, caplog
     async def restore_killed_in_flight(filename, slot=0):
         pid = engine.pid
         os.kill(pid, signal.SIGSTOP)
-        call = asyncio.create_task(real(filename, slot))
         deadline = time.monotonic() + 10
+        while not stopped(pid):  # else a thread not stopped yet may read the call
+            assert time.monotonic() < deadline, "the engine's threads did not all stop in 10 s"
+            await asyncio.sleep(0.005)
+        call = asyncio.create_task(real(filename, slot))
         while unread_bytes_at(engine._port) == 0:
             assert time.monotonic() < deadline and not call.done(), "the restore call never reached the engine"
             await asyncio.sleep(0.005)
@@ -449,7 +452,23 @@ async def hold_a_conversation_then_hang_the_engine(log_file: Path, port: int) ->
             assert time.monotonic() < deadline, "the request's turn never ended"
             await asyncio.sleep(0.02)
     os.kill(engine_pid, signal.SIGSTOP)
+    # A signal is delivered when each thread next runs: a thread woken from its read by
+    # the signal may still take a call that arrives meanwhile before it stops. Every
+    # thread stopped, a later call stays unread.
+    deadline = time.monotonic() + 30
+    while not stopped(engine_pid):
+        assert time.monotonic() < deadline, "the engine's threads did not all stop in 30 s"
+        await asyncio.sleep(0.01)
     return key, engine_pid
+
+
+def stopped(pid: int) -> bool:
+    """Every thread of process ``pid`` is stopped by a signal (state T)."""
+    states = []
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        with contextlib.suppress(FileNotFoundError):
+            states.append(re.search(r"^State:\s+(\S)", status.read_text(), re.M).group(1))
+    return bool(states) and all(state == "T" for state in states)
 
 
 def unread_by_the_engine(log_file: Path) -> bool:

@@ -106,7 +106,7 @@ def test_a_small_write_on_a_full_disk_leaves_no_temporary(tmp_path, write):
                     pass
         finally:
             os.close(ballast)
-        with pytest.raises(Exception):
+        with pytest.raises(OSError):
             call()
         (directory / "ballast").unlink()
         assert sorted(str(p.relative_to(directory)) for p in directory.rglob("*")) == before
