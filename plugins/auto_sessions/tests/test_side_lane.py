@@ -131,6 +131,8 @@ async def test_claude_code_title_at_the_same_instant_as_the_main_turn(auto_clien
                 await stream.get_final_message()
 
         async def main(turn_messages: list[dict]) -> tuple[dict, int]:
+            # Shapes the arrival as the CLI's (the title first, the main turn a moment
+            # later); nothing waits on it: either order is placed the same way.
             await asyncio.sleep(0.05)
             async with sdk.messages.with_streaming_response.create(
                     model="sonnet", max_tokens=16, system=system_main, messages=turn_messages,

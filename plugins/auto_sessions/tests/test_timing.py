@@ -5,6 +5,7 @@ idle time between two answers when a request waited."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -56,7 +57,9 @@ async def test_the_engine_idle_between_two_answers_is_the_gap_of_the_request_tha
     await until_idle(service)  # A's turn has ended: the FIFO taken next is the long request's
     assert service.phases.snapshot()["count"].get("gap", 0) == 0  # nobody waited
     long = asyncio.ensure_future(chat(client, a + [{"role": "user", "content": "go on"}], max_tokens=64))
-    while service.fifo.idle:
+    deadline = time.monotonic() + 30
+    while service.fifo.idle:  # the long request holds the FIFO
+        assert time.monotonic() < deadline and not long.done(), "the long request never took the FIFO"
         await asyncio.sleep(0.001)
     waited = await chat(client, b)  # waits for A's answer, then B's switch saves A
     await long
