@@ -8,7 +8,7 @@ import pytest
 
 import strata_auto_sessions
 
-SHARED_S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+from .shared_fixtures import S3_ENV, make_tier, new_bucket
 
 MIN_TOKENS = 100
 
@@ -50,6 +50,27 @@ def s3_server() -> Iterator[str]:
 @pytest.fixture
 def s3_env(monkeypatch: pytest.MonkeyPatch, s3_server: str) -> str:
     """The usual AWS variables pointing at the loopback server: its endpoint."""
-    for name, value in {**SHARED_S3_ENV, "AWS_ENDPOINT_URL": s3_server}.items():
+    for name, value in {**S3_ENV, "AWS_ENDPOINT_URL": s3_server}.items():
         monkeypatch.setenv(name, value)
     return s3_server
+
+
+@pytest.fixture(params=["directory", "s3"])
+async def shared_url(request: pytest.FixtureRequest, tmp_path, s3_env: str) -> str:
+    """A shared tier's URL, once for each kind: a directory of the test's own, and a bucket
+    of its own on the S3 server."""
+    if request.param == "directory":
+        (tmp_path / "shared").mkdir()
+        return f"file://{tmp_path / 'shared'}"
+    return f"s3://{await new_bucket(s3_env)}/strata"
+
+
+@pytest.fixture(params=["directory", "s3"])
+async def tier(request: pytest.FixtureRequest, tmp_path, s3_server: str, monkeypatch: pytest.MonkeyPatch):
+    """A shared tier itself, once for each kind, closed after the test (a test module of
+    replicas has a ``tier`` of its own)."""
+    for name, value in S3_ENV.items():
+        monkeypatch.setenv(name, value)
+    made = await make_tier(request.param, tmp_path, s3_server)
+    yield made
+    await made.close()

@@ -18,7 +18,6 @@ from strata_serve.engine.llama_server.state_format import LlamaStateFormat
 from strata_serve.testing import ask
 
 from .test_auto_sessions import key_of, parking, slot_dir
-from .shared_fixtures import new_bucket
 from .test_shared_parking import settled, shared_head, then
 
 BLOCK = 64
@@ -276,14 +275,6 @@ async def test_rm_frees_the_blocks_no_other_conversation_holds(auto_client):
     assert shared <= stored and held == stored, "the blocks others hold stay"
     assert blocks.manifest(keys[0], 0) is None
     assert all(blocks.intact(k, 0, rows[k]["tokens"]) for k in keys[1:])
-
-
-@pytest.fixture(params=["directory", "s3"])
-async def shared_url(request, tmp_path, s3_env):
-    if request.param == "directory":
-        (tmp_path / "shared").mkdir()
-        return f"file://{tmp_path / 'shared'}"
-    return f"s3://{await new_bucket(s3_env)}/strata"
 
 
 async def test_in_blocks_a_conversation_moves_between_servers_through_the_shared_tier(auto_client, tmp_path,

@@ -21,18 +21,9 @@ import strata_auto_sessions
 from strata_serve.cli import cli
 from strata_serve.testing import chat, conversation
 
-from .shared_fixtures import new_bucket
 from .test_auto_sessions import parking
 
 KEYS = {"api_keys": {"alice": "alice-key", "bob": "bob-key"}}
-
-
-@pytest.fixture(params=["directory", "s3"])
-async def shared_url(request, tmp_path, s3_env):
-    if request.param == "directory":
-        (tmp_path / "shared").mkdir()
-        return f"file://{tmp_path / 'shared'}"
-    return f"s3://{await new_bucket(s3_env)}/strata"
 
 
 async def server(factory, settings_factory, tmp_path, url, name):

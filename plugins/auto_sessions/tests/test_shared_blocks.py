@@ -10,16 +10,7 @@ import pytest
 from strata_serve.testing import ask, conversation
 
 from . import test_shared_parking as shared_parking
-from .shared_fixtures import new_bucket
 from .test_auto_sessions import key_of, parking
-
-
-@pytest.fixture(params=["directory", "s3"])
-async def shared_url(request, tmp_path, s3_env):
-    if request.param == "directory":
-        (tmp_path / "shared").mkdir()
-        return f"file://{tmp_path / 'shared'}"
-    return f"s3://{await new_bucket(s3_env)}/strata"
 
 
 def long_opening(name: str) -> list[dict]:

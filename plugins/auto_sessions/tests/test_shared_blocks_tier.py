@@ -16,19 +16,6 @@ from strata_auto_sessions.shared import Head, sync
 from strata_auto_sessions.shared.blocks import encode_manifest
 from strata_auto_sessions.shared.sync import remove_by_hand, sweep
 
-from .shared_fixtures import S3_ENV, make_tier
-
-KINDS = ["directory", "s3"]
-
-
-@pytest.fixture(params=KINDS)
-async def tier(request, tmp_path, s3_server, monkeypatch):
-    for name, value in S3_ENV.items():
-        monkeypatch.setenv(name, value)
-    made = await make_tier(request.param, tmp_path, s3_server)
-    yield made
-    await made.close()
-
 
 async def test_a_block_is_written_once_and_never_over(tier):
     assert await tier.put_block("ab12", b"first") is True

@@ -24,14 +24,6 @@ from .test_auto_sessions import key_of, log_lines, parking
 from .test_shared_tier import ConditionBlindS3
 
 
-@pytest.fixture(params=["directory", "s3"])
-async def shared_url(request, tmp_path, s3_env):
-    if request.param == "directory":
-        (tmp_path / "shared").mkdir()
-        return f"file://{tmp_path / 'shared'}"
-    return f"s3://{await new_bucket(s3_env)}/strata"
-
-
 async def two_servers(auto_client, tmp_path, url, **more):
     shared = {"url": url, "retry_s": 0.5, **more}
     one = await auto_client(engine={"slot_save_path": str(tmp_path / "one")}, idle_save_s=0, shared=shared)

@@ -21,18 +21,7 @@ from strata_auto_sessions.shared import (
 from strata_auto_sessions.config import SharedConfig
 from strata_auto_sessions.shared.sync import sweep
 
-from .shared_fixtures import S3_ENV, make_tier, new_bucket
-
-KINDS = ["directory", "s3"]
-
-
-@pytest.fixture(params=KINDS)
-async def tier(request, tmp_path, s3_server, monkeypatch):
-    for name, value in S3_ENV.items():
-        monkeypatch.setenv(name, value)
-    made = await make_tier(request.param, tmp_path, s3_server)
-    yield made
-    await made.close()
+from .shared_fixtures import S3_ENV, new_bucket
 
 
 def head(generation: int, **more) -> Head:

@@ -20,14 +20,12 @@ import time
 from pathlib import Path
 
 import aiohttp
-import pytest
 
 from strata_auto_sessions.config import SharedConfig
 from strata_auto_sessions.shared import Head
 from strata_auto_sessions.shared.sync import sweep
 from strata_serve.testing import ask, chat, conversation
 
-from .shared_fixtures import S3_ENV, make_tier
 from .test_auto_sessions import log_lines, parking
 
 #: Calls on the tier give up after this long here (5 s by default); a turn that waits for
@@ -207,15 +205,6 @@ async def test_a_stop_with_the_shared_directory_hung_ends_and_saves_what_it_held
 
 
 # -- a damaged head --------------------------------------------------------------------
-
-
-@pytest.fixture(params=["directory", "s3"])
-async def tier(request, tmp_path, s3_server, monkeypatch):
-    for name, value in S3_ENV.items():
-        monkeypatch.setenv(name, value)
-    made = await make_tier(request.param, tmp_path, s3_server)
-    yield made
-    await made.close()
 
 
 async def stored(tier) -> dict[str, bytes]:
