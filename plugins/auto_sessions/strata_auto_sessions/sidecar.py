@@ -84,20 +84,27 @@ class Sidecar:
         """Write it at ``path``, private to this user, whole or not at all: through a
         temporary beside it, synced (unless ``sync`` is False: the caller syncs it later),
         then renamed over the old one."""
-        temp = path.with_name(fresh_temp_name(self.key, ".json"))
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
-        try:
-            os.fchmod(fd, PRIVATE_FILE_MODE)  # the mode given to open passes through the umask
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(json.dumps(asdict(self)).encode())  # one C call; json.dump writes piece by piece
-                handle.flush()
-                if sync:
-                    os.fsync(handle.fileno())
-            os.replace(temp, path)
-        except BaseException:
-            # A full disk fails the write: the temporary would stay until the next start.
-            temp.unlink(missing_ok=True)
-            raise
+        # One C call for the text; json.dump writes piece by piece.
+        write_private(path, path.with_name(fresh_temp_name(self.key, ".json")), json.dumps(asdict(self)).encode(),
+                      sync=sync)
+
+
+def write_private(path: Path, temp: Path, raw: bytes, *, sync: bool = False) -> None:
+    """``raw`` at ``path``, private to this user whatever the umask, whole or not at all:
+    written to ``temp`` (a new file), synced when ``sync``, then renamed over ``path``.
+    A failed write (a full disk) removes ``temp``: no temporary is left per write."""
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            os.fchmod(handle.fileno(), PRIVATE_FILE_MODE)  # the mode given to open passes through the umask
+            handle.write(raw)
+            handle.flush()
+            if sync:
+                os.fsync(handle.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
 
 
 class DamagedSidecar(ValueError):

@@ -55,7 +55,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from strata_serve import PRIVATE_FILE_MODE, first_result
+from strata_serve import first_result
 
 from strata_auto_sessions.compat import incompatibility
 from strata_auto_sessions.config import SharedConfig, size_text
@@ -74,7 +74,7 @@ from strata_auto_sessions.shared.tier import (
     ConditionFailed, ConditionsIgnored, DamagedHead, Head, SharedTier, SharedTierError, check_conditions, new_upload,
     writer_name,
 )
-from strata_auto_sessions.sidecar import DamagedSidecar, Sidecar
+from strata_auto_sessions.sidecar import DamagedSidecar, Sidecar, write_private
 
 if TYPE_CHECKING:
     from strata_serve import Service, StrataRequest
@@ -174,16 +174,7 @@ class Ledger:
         with self._writing:
             if number <= self._written_number or text == self._written:
                 return
-            temp = self.path.with_name(temp_for(f"{PREFIX}ledger", ".json"))
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
-            try:
-                os.fchmod(fd, PRIVATE_FILE_MODE)  # the mode given to open passes through the umask
-                with os.fdopen(fd, "wb") as handle:
-                    handle.write(text.encode())
-                os.replace(temp, self.path)
-            except BaseException:
-                temp.unlink(missing_ok=True)  # a full disk fails every write: no temporary per write
-                raise
+            write_private(self.path, self.path.with_name(temp_for(f"{PREFIX}ledger", ".json")), text.encode())
             self._written, self._written_number = text, number
 
     def save(self) -> None:
