@@ -118,20 +118,30 @@ def write_demo_model(
     tmp = out.with_name(out.name + ".tmp")
 
     tokens, token_types = _vocab(fim)
-    head_dim = shape.n_embd // shape.n_head
-    rng = np.random.default_rng(seed)
-
-    def weight(*dims: int) -> np.ndarray:
-        # numpy shapes are the reverse of ggml's: (rows=out, cols=in).
-        return (rng.standard_normal(dims, dtype=np.float32) * shape.weight_scale).astype(np.float16)
-
-    def norm() -> np.ndarray:
-        return np.ones(shape.n_embd, dtype=np.float32)
-
     swa = sliding_window is not None
     arch = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.GEMMA2 if swa else gguf.MODEL_ARCH.LLAMA]
     writer = gguf.GGUFWriter(tmp, arch)
     writer.add_name(f"strata-serve demo ({size}, random weights)")
+    _add_metadata(writer, shape, tokens, token_types, fim=fim, sliding_window=sliding_window)
+    _add_tensors(writer, shape, token_types, np.random.default_rng(seed), n_vocab=len(tokens), swa=swa)
+
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, out)
+    except BaseException:
+        writer.close()  # idempotent; the file must be closed before unlinking
+        tmp.unlink(missing_ok=True)
+        raise
+    return out
+
+
+def _add_metadata(writer: gguf.GGUFWriter, shape: ModelShape, tokens: list[str], token_types: list[int], *,
+                  fim: bool, sliding_window: int | None) -> None:
+    """The model's shape, its tokenizer and its chat template."""
+    head_dim = shape.n_embd // shape.n_head
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     writer.add_vocab_size(len(tokens))
     writer.add_context_length(shape.n_ctx)
@@ -169,10 +179,23 @@ def write_demo_model(
         for kind, token in _FIM_TOKENS.items():
             writer.add_uint32(getattr(gguf.Keys.Tokenizer, f"FIM_{kind.upper()}_ID"), tokens.index(token))
 
+
+def _add_tensors(writer: gguf.GGUFWriter, shape: ModelShape, token_types: list[int], rng: np.random.Generator, *,
+                 n_vocab: int, swa: bool) -> None:
+    """Random weights, drawn from ``rng`` in one fixed order (the file is deterministic)."""
+    head_dim = shape.n_embd // shape.n_head
+
+    def weight(*dims: int) -> np.ndarray:
+        # numpy shapes are the reverse of ggml's: (rows=out, cols=in).
+        return (rng.standard_normal(dims, dtype=np.float32) * shape.weight_scale).astype(np.float16)
+
+    def norm() -> np.ndarray:
+        return np.ones(shape.n_embd, dtype=np.float32)
+
     q_dim = shape.n_head * head_dim
     kv_dim = shape.n_head_kv * head_dim
     T = gguf.MODEL_TENSOR
-    embedding = weight(len(tokens), shape.n_embd)
+    embedding = weight(n_vocab, shape.n_embd)
     # Random logits would mostly pick byte tokens (256 of the ~350), which
     # decode to control characters and invalid UTF-8. Zero rows pin every
     # non-NORMAL token's logit at 0, below the best of ~95 random printable
@@ -196,18 +219,6 @@ def write_demo_model(
             writer.add_tensor(_tensor_name(T.FFN_POST_NORM, bid), norm())
     writer.add_tensor(_tensor_name(T.OUTPUT_NORM), norm())
     if not swa:
-        output = weight(len(tokens), shape.n_embd)
+        output = weight(n_vocab, shape.n_embd)
         output[printable_only] = 0
         writer.add_tensor(_tensor_name(T.OUTPUT), output)
-
-    try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, out)
-    except BaseException:
-        writer.close()  # idempotent; the file must be closed before unlinking
-        tmp.unlink(missing_ok=True)
-        raise
-    return out

@@ -186,21 +186,7 @@ class Service(SlotCalls, Stopping):
         async with self.fifo.hold(claim, lined_up=None if ahead is None else ahead.place) as granted:
             timeline.add("queue", (time.perf_counter() - arrived) * 1000)
             with span("ready"):
-                try:
-                    await self._ready_to_act(multi)
-                except BaseException:
-                    if ahead is not None:
-                        # Sent, never recorded: what the slot holds now is nobody's to name.
-                        self._ahead = None
-                        await asyncio.wait({ahead.task})
-                        _ = ahead.task.cancelled() or ahead.task.exception()  # its failure is this one's
-                        self.slots.unknown(request.slot, nameable=False)
-                    raise
-                limit = None
-                if lane:
-                    limit = await self._place_in_lane(request)
-                else:
-                    request.slot = slot_for(self.slots, request, granted)
+                limit = await self._ready_and_placed(request, granted, ahead, multi)
             if multi and request.pinned:
                 request.body["id_slot"] = request.slot  # the engine runs it in the slot chosen here
             began = time.monotonic()
@@ -260,6 +246,25 @@ class Service(SlotCalls, Stopping):
                     with span("post_request"):
                         await _shielded(self._post(request, outcome, began))
             return outcome
+
+    async def _ready_and_placed(self, request: StrataRequest, granted: int, ahead: Ahead | None,
+                                multi: bool) -> int | None:
+        """The engine ready for ``request`` and its slot chosen; returned, the most it may
+        generate there (None: no bound of ours)."""
+        try:
+            await self._ready_to_act(multi)
+        except BaseException:
+            if ahead is not None:
+                # Sent, never recorded: what the slot holds now is nobody's to name.
+                self._ahead = None
+                await asyncio.wait({ahead.task})
+                _ = ahead.task.cancelled() or ahead.task.exception()  # its failure is this one's
+                self.slots.unknown(request.slot, nameable=False)
+            raise
+        if self.side_lane:
+            return await self._place_in_lane(request)
+        request.slot = slot_for(self.slots, request, granted)
+        return None
 
     async def _place_in_lane(self, request: StrataRequest) -> int | None:
         """The main slot or the side slot for ``request`` (:func:`strata_serve.side_lane.choose_lane`):
