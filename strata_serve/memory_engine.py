@@ -42,7 +42,7 @@ def render(body: dict[str, Any]) -> str:
 class MemoryEngine:
     """One slot, slot files, synthetic timings; see the module's docstring."""
 
-    capabilities = frozenset({"slots", "slot_files"})
+    capabilities = frozenset({"slots", "slot_files", "tokens"})
     #: What it answers; every other route of the API is ``not_supported`` (404).
     routes = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
     #: One slot: every request runs in it.
@@ -86,6 +86,10 @@ class MemoryEngine:
 
     async def health(self) -> bool:
         return self._ready
+
+    async def prompt_tokens(self, path: str, body: dict[str, Any]) -> list[int] | None:
+        """One token per character of the prompt, as it reads it (its code point)."""
+        return [ord(c) for c in render(body)] if path in self.routes and path != "/v1/models" else None
 
     # -- answers ----------------------------------------------------------------------
 

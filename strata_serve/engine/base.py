@@ -153,8 +153,9 @@ class ContextOverflow:
 #: What a backend may declare in ``capabilities``:
 #: ``slots`` (``slots()`` reports what each slot holds), ``slot_files`` (``save``,
 #: ``restore`` and ``erase`` of a slot, into files in ``info.slot_save_path``),
-#: ``ram_cache`` (the engine keeps prompts in a RAM cache of its own).
-CAPABILITIES = frozenset({"slots", "slot_files", "ram_cache"})
+#: ``ram_cache`` (the engine keeps prompts in a RAM cache of its own), ``tokens``
+#: (``prompt_tokens()`` says which tokens a request's prompt is, as the engine reads it).
+CAPABILITIES = frozenset({"slots", "slot_files", "ram_cache", "tokens"})
 
 
 class Engine(Protocol):
@@ -267,3 +268,13 @@ class Engine(Protocol):
         ...
 
     async def health(self) -> bool: ...
+
+    async def prompt_tokens(self, path: str, body: dict[str, Any]) -> list[int] | None:
+        """The tokens the engine would read for ``body`` sent to ``path``, its own template
+        and tokenizer applied (``tokens`` capability); None when it cannot tell (a path or
+        a prompt it does not tokenize alone, such as media). Asked beside the slots' work.
+
+        :raises EngineError: when the engine refuses.
+        :raises EngineUnavailable: when it cannot be reached.
+        """
+        ...

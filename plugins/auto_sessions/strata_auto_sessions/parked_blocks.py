@@ -23,7 +23,7 @@ from typing import Any
 
 from strata_serve import CutState, StateBlock, StateRefusal
 
-from strata_auto_sessions.blocks import BlockStore, CorruptBlock, Manifest, PruneReport, SaveReport
+from strata_auto_sessions.blocks import BlockStore, Chain, CorruptBlock, Manifest, PruneReport, SaveReport
 
 __all__ = ["BLOCKS_DIR", "BlockHolding", "CorruptBlock", "ParkedBlocks", "ReadOnlyFormat", "manifest_key"]
 
@@ -133,6 +133,26 @@ class ParkedBlocks:
         chain = self.store.chain_of(manifest_key(key, sibling))
         if chain is None:
             raise ValueError(f"{key} (sibling {sibling}) has no manifest")
+        try:
+            return self.store.materialize(chain, dest)
+        except BaseException:
+            dest.unlink(missing_ok=True)
+            raise
+
+    def longest_prefix(self, tenant: str | None, tokens: Sequence[int]) -> Chain | None:
+        """The longest chain of stored blocks of ``tenant`` that prefixes ``tokens``, from any
+        conversation's manifest (:meth:`BlockStore.longest_prefix`)."""
+        return self.store.longest_prefix(tenant, tokens)
+
+    def matched(self, key: str, sibling: int, tokens: Sequence[int]) -> int:
+        """How many of ``tokens``, from the first, the conversation's own manifest holds."""
+        return self.store.matched(manifest_key(key, sibling), tokens)
+
+    def join_chain(self, chain: Chain, dest: Path) -> int:
+        """``chain``'s blocks as one engine file at ``dest``; its bytes.
+
+        :raises CorruptBlock: a block missing or damaged.
+        """
         try:
             return self.store.materialize(chain, dest)
         except BaseException:

@@ -33,10 +33,9 @@ from strata_auto_sessions.engine_ram import MAX_SHARED, EngineRam, Left, cache_b
 from strata_auto_sessions.idle import IdleSaves
 from strata_auto_sessions.mode import ParkingMode, ParkingStatus
 from strata_auto_sessions.parked_blocks import ParkedBlocks
-from strata_auto_sessions.policy import describe
+from strata_auto_sessions.policy import RestoreSpeed, describe
 from strata_auto_sessions.prompts import continues, prompt_signature
 from strata_auto_sessions.pruning import in_use, refresh_usage
-from strata_auto_sessions.restoring import RestoreSpeed
 from strata_auto_sessions.saving import Parked, park_slot, save_from_engine_ram
 from strata_auto_sessions.shared.sync import SharedParking
 from strata_auto_sessions.siblings import Sibling, SiblingIndex

@@ -4,8 +4,27 @@ the speeds the core measured (``service.measures``) and the restore speed measur
 from __future__ import annotations
 
 from strata_auto_sessions.config import AutoSessionsConfig
-from strata_auto_sessions.restoring import RestoreSpeed
 from strata_serve import EngineMeasures
+
+
+class RestoreSpeed:
+    """How fast restores read their files on this engine, measured from earlier restores."""
+
+    def __init__(self) -> None:
+        #: Bytes read and the milliseconds it took.
+        self._read = [0, 0.0]
+
+    def restored(self, n_read: int, ms: float) -> None:
+        """A restore read ``n_read`` bytes in ``ms``."""
+        if n_read and ms > 0:
+            self._read[0] += n_read
+            self._read[1] += ms
+
+    def seconds(self, size: float) -> float | None:
+        """How long restoring a file of ``size`` bytes takes, as measured here (None: not yet)."""
+        if not self._read[1]:
+            return None
+        return size / (self._read[0] / self._read[1] * 1000)
 
 
 def worth_a_file(tokens: int | None, config: AutoSessionsConfig, speeds: EngineMeasures,

@@ -1,4 +1,12 @@
-"""Restoring a conversation's file into the slot, and whether the next request reused it."""
+"""Restoring a conversation's state into the slot, and whether the next request reused it.
+
+With blocks (``blocks = true``), what comes back is decided by tokens: the request's
+prompt, tokenized by the engine, is matched against every stored chain of blocks of its
+tenant (:meth:`BlockStore.longest_prefix`); where a chain holds more of the prompt than
+the conversation's own state under its key (a sibling's, another session's opening, or
+its own after an edit), that chain is restored. Otherwise the conversation named by its
+key and sibling comes back, as without blocks.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +16,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from strata_serve import EngineError, EngineUnavailable, Outcome, StrataRequest, Verdict, first_result, span
+from strata_serve import EngineError, EngineUnavailable, Outcome, StrataRequest, Verdict, api_of, first_result, span
 
 from strata_auto_sessions import fallback
 from strata_auto_sessions.config import NAME, from_slot
+from strata_auto_sessions.blocks import Chain
 from strata_auto_sessions.parked_blocks import CorruptBlock
+from strata_auto_sessions.policy import worth_a_file
 from strata_auto_sessions.prompts import continues
 from strata_auto_sessions.store import LockTimeout, Refusal, Sidecar, incompatibility, of_sibling
 
@@ -23,26 +33,6 @@ if TYPE_CHECKING:
     from strata_auto_sessions.siblings import Choice
 
 log = logging.getLogger("strata_auto_sessions")
-
-
-class RestoreSpeed:
-    """How fast restores read their files on this engine, measured from earlier restores."""
-
-    def __init__(self) -> None:
-        #: Bytes read and the milliseconds it took.
-        self._read = [0, 0.0]
-
-    def restored(self, n_read: int, ms: float) -> None:
-        """A restore read ``n_read`` bytes in ``ms``."""
-        if n_read and ms > 0:
-            self._read[0] += n_read
-            self._read[1] += ms
-
-    def seconds(self, size: float) -> float | None:
-        """How long restoring a file of ``size`` bytes takes, as measured here (None: not yet)."""
-        if not self._read[1]:
-            return None
-        return size / (self._read[0] / self._read[1] * 1000)
 
 
 def failure_verdict(op: str, exc: Exception, service: Service, tokens: int | None) -> Verdict | None:
@@ -72,6 +62,9 @@ async def restore(parking: AutoSessions, key: str, request: StrataRequest, servi
 
 async def _restore_locked(parking: AutoSessions, key: str, request: StrataRequest, service: Service,
                           choice: Choice | None) -> bool:
+    chain = await _chain_by_tokens(parking, key, request, service, choice)
+    if chain is not None:
+        return await _restore_chain(parking, key, request, service, choice, chain)
     with span("auto_sessions.restore_checks"):
         chosen = _file_to_restore(parking, key, request, service, choice)
         if chosen is None:
@@ -113,6 +106,92 @@ async def _restore_locked(parking: AutoSessions, key: str, request: StrataReques
         return True
     log.info("[strata] auto sessions: restored %s tokens from %s in %.0f ms%s",
              f"{n_restored:,}", path.name, ms, from_slot(service, request.slot, "into"))
+    return True
+
+
+async def _chain_by_tokens(parking: AutoSessions, key: str, request: StrataRequest, service: Service,
+                           choice: Choice | None) -> Chain | None:
+    """With blocks: the stored chain that holds the most of the request's prompt, when it
+    holds more than the conversation's own state (``choice.source``) and more than the slot
+    holds already, and is worth a restore (:func:`~strata_auto_sessions.policy.worth_a_file`); None: restore as named.
+
+    A conversation kept as a whole file, a prompt the engine cannot tokenize alone (media,
+    an API it does not render), and a failed tokenizing all leave the choice to the key.
+    """
+    store = parking.store
+    blocks = getattr(store, "blocks", None)
+    api = api_of(request)
+    if blocks is None or "tokens" not in service.engine.capabilities or api is None or not api.engine_path:
+        return None
+    sibling = None if choice is None else choice.source
+    if sibling is not None and store.restorable(key, sibling):  # type: ignore[union-attr]
+        return None  # its whole file: restored as it is
+    in_slot = service.slots[request.slot]
+    if sibling is not None and in_slot.key == key and in_slot.sibling == sibling and not in_slot.empty:
+        return None  # the slot holds it: the engine reuses it from there
+    try:
+        with span("auto_sessions.tokenize"):
+            tokens = await service.engine.prompt_tokens(api.engine_path, request.body)
+    except (EngineError, EngineUnavailable) as exc:
+        log.debug("[strata] auto sessions: the prompt of request %d was not tokenized (%s): restoring by "
+                  "its key", request.id, exc)
+        return None
+    if not tokens:
+        return None
+    with span("auto_sessions.longest_prefix"):
+        chain = await asyncio.to_thread(blocks.longest_prefix, request.tenant, tokens)
+        own = await asyncio.to_thread(blocks.matched, key, sibling, tokens) if sibling is not None else 0
+        # What the slot holds already (the conversation just parked from it), which the
+        # engine reuses without a restore.
+        kept = 0
+        if in_slot.key is not None and not in_slot.empty and in_slot.file_current and in_slot.tenant == request.tenant:
+            kept = await asyncio.to_thread(blocks.matched, in_slot.key, in_slot.sibling, tokens)
+    if chain is None or chain.tokens <= max(own, kept):
+        return None
+    worth, _why = worth_a_file(chain.tokens, parking.config, parking.speeds, parking.restore_speed)
+    return chain if worth else None
+
+
+async def _restore_chain(parking: AutoSessions, key: str, request: StrataRequest, service: Service,
+                         choice: Choice | None, chain: Chain) -> bool:
+    """Restore ``chain`` (found by the prompt's tokens) into the request's slot, which then
+    holds a prefix of this request's conversation under its key."""
+    assert parking.store is not None
+    verdict = service.verdict("restore", None, service.slots[request.slot].tokens)
+    if verdict in (Verdict.SKIP, Verdict.UNSUPPORTED):
+        if verdict == Verdict.UNSUPPORTED:
+            parking.status.stop("the engine cannot restore slots")
+        return False
+    sibling = 0 if choice is None else choice.sibling
+    began = time.monotonic()
+    try:
+        with span("auto_sessions.join"):
+            name = await asyncio.to_thread(parking.store.joined_chain, chain)  # type: ignore[attr-defined]
+    except (CorruptBlock, ValueError, OSError) as exc:
+        parking.stats.restores_refused_damaged += 1
+        log.warning("[strata] auto sessions: not restoring %s by its tokens: its blocks do not join (%s)", key, exc)
+        return False
+    try:
+        answer = await service.restore_slot(name, slot=request.slot, key=key, tenant=request.tenant,
+                                            request=request, sibling=sibling)
+    except (EngineError, EngineUnavailable) as exc:
+        _restore_failed(parking, key, exc, failure_verdict("restore", exc, service, None))
+        return False
+    finally:
+        parking.store.discard(name)
+    ms = (time.monotonic() - began) * 1000
+    parking.stats.restores += 1
+    parking.stats.restores_by_tokens += 1
+    parking.stats.restored_tokens += answer.tokens
+    parking.stats.restored_bytes += answer.bytes
+    parking.stats.restore_ms += ms
+    parking.restore_speed.restored(answer.bytes, ms)
+    # The chain prefixes the prompt, by construction: the request continues what was restored.
+    request.state.setdefault(NAME, {}).update(restore_ms=ms, continues=True)
+    source = chain.source.rpartition("#")[0] if chain.source else "?"
+    log.info("[strata] auto sessions: restored %s tokens for %s in %.0f ms%s: the longest stored prefix of its "
+             "prompt, %d block(s) of %s's", f"{answer.tokens:,}", key, ms,
+             from_slot(service, request.slot, "into"), len(chain.names), "its own" if source == key else source)
     return True
 
 

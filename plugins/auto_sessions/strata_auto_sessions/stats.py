@@ -95,6 +95,8 @@ class AutoSessionsStats:
     block_saves: int = counter("Saves kept in blocks of tokens")
     block_written_bytes: int = counter("Bytes saves in blocks wrote (new blocks, tails, manifests)", unit="bytes")
     block_state_bytes: int = counter("Bytes of engine state the saves in blocks kept", unit="bytes")
+    restores_by_tokens: int = counter("Restores of the longest stored chain of blocks that prefixes the prompt, "
+                                      "where it held more than the conversation's own state")
     restores_kept_whole: int = counter("Restores of a conversation in blocks read from its newest state, kept "
                                        "whole in memory since its save (no join)")
     blocks_refused_state_version: int = counter(_KEPT_WHOLE, name="blocks_refused",

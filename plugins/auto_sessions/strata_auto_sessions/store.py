@@ -35,6 +35,7 @@ from strata_auto_sessions.naming import (
     ENGINE_NAME, HELD_NAME, PREFIX, REMOVED_NAME, SERVER_LOCK_NAME, SESSION_NAME, TEMP_NAME, TEMP_PREFIX,
     file_key, fresh_json_temp_name, fresh_temp_name, key_of_file, session_name, sibling_of,
 )
+from strata_auto_sessions.blocks import Chain
 from strata_auto_sessions.parked_blocks import ParkedBlocks
 from strata_auto_sessions.sidecar import SIDECAR_VERSION, DamagedSidecar, Sidecar
 from strata_auto_sessions.staging import Staging, staged_link
@@ -232,6 +233,17 @@ class SessionStore:
             if manifest is not None and self.staging.link_kept(key, sibling, manifest.identity, self.directory / name):
                 return name  # its newest state, kept whole in memory since it was saved
         self.blocks.join_into(key, sibling, self.directory / name)
+        return name
+
+    def joined_chain(self, chain: Chain) -> str:
+        """``chain``'s blocks (found by tokens, of any conversation) joined into a temporary
+        in the slot directory; its name, removed by the caller (:meth:`discard`) once read.
+
+        :raises CorruptBlock: a block missing or damaged.
+        """
+        assert self.blocks is not None
+        name = fresh_temp_name("by-tokens", ".bin")
+        self.blocks.join_chain(chain, self.directory / name)
         return name
 
     def intact(self, key: str, sidecar: Sidecar) -> bool:

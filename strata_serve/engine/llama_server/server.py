@@ -24,6 +24,7 @@ from strata_serve.engine.llama_server.binary import resolve_binary
 from strata_serve.engine.llama_server.client import EngineClient, StreamReply
 from strata_serve.engine.llama_server.command import build_command, clears_idle_slots, free_port, state_layout
 from strata_serve.engine.llama_server.output import forward_output
+from strata_serve.engine.llama_server.prompts import prompt_text
 from strata_serve.engine.llama_server.state import EngineState
 from strata_serve.engine.llama_server.state_format import LlamaStateFormat, shifting_flag
 from strata_serve.engine.state_blocks import StateFormat
@@ -44,7 +45,7 @@ class LlamaServer:
     ``on_start(restarted)`` is awaited after every successful (re)start.
     """
 
-    capabilities = frozenset({"slots", "slot_files", "ram_cache"})
+    capabilities = frozenset({"slots", "slot_files", "ram_cache", "tokens"})
     #: llama-server serves every engine path the built-in APIs are relayed to
     #: (``strata_serve.ENGINE_ROUTES``: ``tests/test_memory_engine.py`` holds the two equal).
     routes = frozenset({
@@ -367,6 +368,22 @@ class LlamaServer:
         if status != 200 or not isinstance(answer, list):
             raise EngineError(op="slots", message=answers.error_message(answer), status=status, body=answer)
         return answers.slot_reports(answer)
+
+    async def prompt_tokens(self, path: str, body: dict[str, Any]) -> list[int] | None:
+        """The prompt's tokens as llama-server reads it: a chat's messages through its own
+        chat template (``/apply-template``, the same parsing as ``/v1/chat/completions``),
+        then its tokenizer (``/tokenize`` with the special tokens a completion adds and
+        parses). None for media, for a prompt that is not one text, and for other paths."""
+        text = await prompt_text(path, body, self.request)
+        if text is None:
+            return None
+        status, answer = await self.request("POST", "/tokenize",
+                                            {"content": text, "add_special": True, "parse_special": True},
+                                            op="tokenize")
+        tokens = answer.get("tokens") if status == 200 and isinstance(answer, dict) else None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise EngineError(op="tokenize", message=answers.error_message(answer), status=status, body=answer)
+        return tokens
 
     def read_timings(self, numbers: Any) -> Timings | None:
         """llama-server's ``timings`` (see :func:`answers.read_llama_timings`)."""

@@ -349,6 +349,23 @@ class BlockStore:
                              names=names, tail=tail, tokens=total, source=source)
         return best
 
+    def matched(self, key: str, tokens: Sequence[int]) -> int:
+        """How many of ``tokens``, from the first, ``key``'s stored state holds (its blocks
+        along the prompt's names, then its tail); 0 when the store has no manifest for it."""
+        m = self.manifest(key)
+        if m is None:
+            return 0
+        whole = 0
+        for mine, theirs in zip(m.chain, chain_names(m.root, tokens, m.block_tokens)):
+            if mine != theirs:
+                break
+            whole += 1
+        matched = whole * m.block_tokens
+        if whole == len(m.chain) and m.tail_tokens \
+                and list(tokens[matched:matched + len(m.tail_tokens)]) == m.tail_tokens:
+            matched += len(m.tail_tokens)
+        return matched
+
     def chain_of(self, key: str) -> Chain | None:
         """The whole of ``key``'s stored state, as a chain; None when the store has no manifest for it."""
         m = self.manifest(key)

@@ -1,0 +1,128 @@
+"""With blocks, what comes back is decided by tokens, not by names: the engine tokenizes
+the incoming prompt, and the longest stored chain of blocks that prefixes it is restored,
+whichever conversation stored it (docs/sessions.md, "Restoring by tokens"). Each test runs
+the same requests without blocks as its control, where the key alone decides."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import strata_auto_sessions
+import strata_session_header
+from strata_serve.api import SERVICE
+from strata_serve.testing import ask
+
+from .conftest import MIN_TOKENS
+from .test_auto_sessions import log_lines, parking
+from .test_block_parking import OPENING, agent, words
+
+BLOCK = 64
+
+
+@pytest.fixture(autouse=True)
+def plugin_logs(caplog):
+    caplog.set_level(logging.INFO, logger="strata_auto_sessions")
+
+
+def other_opening() -> list[dict[str, str]]:
+    """A conversation that shares nothing with ``OPENING``'s (not even a system prompt)."""
+    return [{"role": "user", "content": "Unrelated: " + words("zz", 80)}]
+
+
+async def shared_tokens(client, one: list[dict[str, str]], other: list[dict[str, str]]) -> int:
+    """How many tokens two prompts share from their first, as the engine tokenizes them."""
+    engine = client.app[SERVICE].engine
+    a, b = [await engine.prompt_tokens("/v1/chat/completions", {"messages": m}) for m in (one, other)]
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+async def test_a_new_session_reads_the_opening_another_session_parked_from_its_blocks(auto_client, tmp_path,
+                                                                                    caplog):
+    """A second agent session (another key) arriving after an unrelated chat took the slot:
+    the opening the first session parked is restored by its tokens, not read again."""
+    reused = {}
+    for blocks in (True, False):
+        client = await auto_client(engine={"slot_save_path": str(tmp_path / f"slots-{blocks}")}, blocks=blocks,
+                                   idle_save_s=0)
+        await ask(client, agent("a"), max_tokens=1)
+        await ask(client, other_opening(), max_tokens=1)  # "a" is parked; the slot holds an unrelated chat
+        caplog.clear()
+        answer = await ask(client, agent("b"), max_tokens=1)
+        reused[blocks] = answer["timings"]["cache_n"]
+        stats = parking(client).stats
+        if blocks:
+            assert stats.restores_by_tokens == 1, stats
+            assert any("the longest stored prefix of its prompt" in line for line in log_lines(caplog))
+            # every whole block of what "a" and "b" share, as the engine tokenizes them
+            shared = await shared_tokens(client, agent("a"), agent("b"))
+            assert reused[blocks] >= shared // BLOCK * BLOCK, (reused, shared)
+        else:
+            assert stats.restores_by_tokens == 0
+        await client.close()
+    assert reused[True] >= 1000, reused
+    assert reused[False] < 100, reused
+
+
+async def test_where_tokens_and_the_key_disagree_tokens_win(auto_client, tmp_path):
+    """A client resumes its session "one" with the history its fork "two" grew: the fork's
+    blocks hold more of the prompt than "one"'s own state, and they are what comes back."""
+    ids = {name: {"X-Session-Id": name} for name in ("one", "two", "three")}
+    reused, own = {}, {}
+    for blocks in (True, False):
+        client = await auto_client(strata_session_header, engine={"slot_save_path": str(tmp_path / f"s-{blocks}"),
+                                                                         "ctx_size": 8192},
+                                   blocks=blocks, idle_save_s=0)
+        start = agent("fork", size=10)
+        a1 = await ask(client, start, max_tokens=4, headers=ids["one"])
+        grown = start + [{"role": "assistant", "content": a1["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": "Go on: " + words("more", 30)}]
+        a2 = await ask(client, grown, max_tokens=4, headers=ids["two"])  # "one" is parked
+        await ask(client, other_opening(), max_tokens=1, headers=ids["three"])  # "two" is parked
+        resumed = grown + [{"role": "assistant", "content": a2["choices"][0]["message"]["content"]},
+                           {"role": "user", "content": "And now?"}]
+        answer = await ask(client, resumed, max_tokens=1, headers=ids["one"])
+        reused[blocks], own[blocks] = answer["timings"]["cache_n"], a1["timings"]["prompt_n"]
+        assert parking(client).stats.restores_by_tokens == (1 if blocks else 0)
+        await client.close()
+    # with blocks: "two"'s state, past all of "one"'s; without: "one"'s own file, no further
+    assert reused[True] >= a2["timings"]["prompt_n"] - BLOCK, (reused, a2["timings"])
+    assert reused[False] <= own[False] + 8, (reused, own)
+
+
+async def test_a_conversation_whose_own_state_holds_the_most_comes_back_as_named(auto_client, tmp_path):
+    """The usual switch back: its own manifest holds the most of the prompt, so nothing is
+    restored by tokens and its own state comes back (kept whole in memory, where staged)."""
+    client = await auto_client(engine={"slot_save_path": str(tmp_path / "slots")}, blocks=True, idle_save_s=0)
+    a = agent("a")
+    first = await ask(client, a, max_tokens=2)
+    await ask(client, other_opening(), max_tokens=1)
+    back = a + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                {"role": "user", "content": "Next."}]
+    answer = await ask(client, back, max_tokens=1)
+    stats = parking(client).stats
+    assert stats.restores == 1 and stats.restores_by_tokens == 0, stats
+    assert answer["timings"]["cache_n"] >= first["timings"]["prompt_n"], answer["timings"]
+    await client.close()
+
+
+async def test_a_tenant_never_restores_another_tenants_blocks(strata_client_factory, strata_settings_factory,
+                                                             tmp_path):
+    """Two tenants with the same opening: the second's first turn finds nothing by tokens
+    (a block's name is salted by its tenant), and is read in full."""
+    settings = strata_settings_factory(
+        server={"api_keys": {"alice": "alice-key", "bob": "bob-key"}},
+        engine={"slot_save_path": str(tmp_path / "slots")},
+        plugins={"auto_sessions": {"min_tokens": MIN_TOKENS, "blocks": True, "idle_save_s": 0}})
+    client = await strata_client_factory(strata_auto_sessions, settings=settings)
+    await ask(client, agent("a"), max_tokens=1, key="alice-key")
+    await ask(client, other_opening(), max_tokens=1, key="alice-key")
+    answer = await ask(client, agent("b"), max_tokens=1, key="bob-key")
+    assert parking(client).stats.restores_by_tokens == 0
+    assert answer["timings"]["cache_n"] < 100, answer["timings"]
+    # alice's own next session does find it
+    answer = await ask(client, agent("c"), max_tokens=1, key="alice-key")
+    assert parking(client).stats.restores_by_tokens == 1
+    assert answer["timings"]["cache_n"] >= 1000, answer["timings"]
+    await client.close()
