@@ -37,7 +37,7 @@ _ = (
     # docs/examples/uptime_route.py (started_at), tests (corrections).
     Service.when_idle, Service.verdict, Service.started_at, SlotRegistry.file_written, SlotRegistry.holds_sibling,
     SlotRegistry.nothing_durable, SlotRegistry.file_gone, SlotRegistry.corrections, EngineMeasures.prefill_seconds,
-    EngineMeasures.bytes_per_token, PhaseTotals.snapshot,
+    EngineMeasures.restore_seconds, EngineMeasures.bytes_per_token, PhaseTotals.snapshot,
     # Read by the plugins acting around a request sent ahead of its turn (auto-sessions' pre_request).
     StrataRequest.sent_ahead,
     # strata_serve.testing, the pytest plugin: its fixtures and helpers are for plugins' tests.

@@ -59,6 +59,9 @@ class EngineMeasures:
     #: Tokens and bytes of the slot files the engine wrote (saves) and read (restores).
     state_tokens: int = 0
     state_bytes: int = 0
+    #: Bytes the engine read in restores and the milliseconds they took.
+    restore_bytes: int = 0
+    restore_ms: float = 0.0
 
     # -- what the service records ------------------------------------------------------
 
@@ -74,6 +77,12 @@ class EngineMeasures:
             self.state_tokens += tokens
             self.state_bytes += nbytes
 
+    def restored(self, nbytes: int, ms: float) -> None:
+        """The engine restored a slot file of ``nbytes`` in ``ms``."""
+        if nbytes > 0 and ms > 0:
+            self.restore_bytes += nbytes
+            self.restore_ms += ms
+
     # -- what everyone reads -----------------------------------------------------------
 
     @property
@@ -85,6 +94,12 @@ class EngineMeasures:
         """How long the engine takes to read ``tokens`` prompt tokens (None: not measured yet)."""
         speed = self.prefill_tokens_per_second
         return None if speed is None else tokens / speed
+
+    def restore_seconds(self, nbytes: float) -> float | None:
+        """How long the engine takes to restore a file of ``nbytes`` (None: not measured yet)."""
+        if not self.restore_ms:
+            return None
+        return nbytes / (self.restore_bytes / self.restore_ms * 1000)
 
     @property
     def bytes_per_token(self) -> float | None:

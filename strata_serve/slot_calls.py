@@ -11,6 +11,7 @@ recorded in ``service.slots``, whose one writer is the service (this module and
 from __future__ import annotations
 
 import logging
+import time
 
 from strata_serve.config import Settings
 from strata_serve.engine.base import Engine, EngineUnavailable, SlotErased, SlotRestored, SlotSaved
@@ -79,6 +80,7 @@ class SlotCalls:
 
         ``request``, when given, is the request the restore is made for.
         """
+        began = time.monotonic()
         try:
             with self.slots.acting(slot), span("engine_restore"):
                 try:
@@ -93,6 +95,7 @@ class SlotCalls:
             raise
         self.slots.restored(slot, key, tenant, answer.tokens, from_own_file=key is not None, sibling=sibling)
         self.measures.state_file(answer.tokens, answer.bytes)
+        self.measures.restored(answer.bytes, (time.monotonic() - began) * 1000)
         if request is not None:
             request.restored_tokens = answer.tokens
         return answer

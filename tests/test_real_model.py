@@ -224,6 +224,11 @@ async def test_the_default_threshold_parks_what_takes_seconds_to_reread_and_noth
     stats = parking(client).stats
     assert stats.saves == 1 + short_worth and stats.restores == 1, (stats, short_tokens, service.measures)
     assert back["timings"]["cache_n"] >= first["usage"]["prompt_tokens"] - 2
+    # The restore was timed by the core, once: the speed every cost decision takes.
+    assert service.measures.restore_ms > 0 and service.measures.restore_bytes > 0
+    state_bytes = back["timings"]["cache_n"] * service.measures.bytes_per_token
+    assert 0 < parking(client).costs.restore_seconds(state_bytes) < service.measures.prefill_seconds(
+        back["timings"]["cache_n"]), "restoring its state is measured faster than re-reading it"
     slots = service.engine.info.slot_save_path
     assert len(list(slots.glob("auto-*.bin"))) == 1 + short_worth
     assert short_worth or any("less than min_prefill_s (2 s) more than a restore" in record.getMessage()

@@ -27,6 +27,7 @@ from strata_auto_sessions import hookspecs
 from strata_auto_sessions.config import NAME, AutoSessionsConfig
 from strata_auto_sessions.mode import ParkingMode
 from strata_auto_sessions.parking import AutoSessions
+from strata_auto_sessions.policy import Costs
 from strata_auto_sessions.prefix import ParkedConversation, message_chain
 from strata_auto_sessions.saving import Parked
 from strata_auto_sessions.stats import AutoSessionsStats
@@ -35,8 +36,8 @@ from strata_auto_sessions.store import ParkingStore, SessionStore
 if TYPE_CHECKING:
     from strata_serve import Service
 
-__all__ = ["AutoSessions", "AutoSessionsConfig", "AutoSessionsStats", "Parked", "ParkedConversation", "ParkingMode",
-           "ParkingStore", "SessionStore", "message_chain"]
+__all__ = ["AutoSessions", "AutoSessionsConfig", "AutoSessionsStats", "Costs", "Parked", "ParkedConversation",
+           "ParkingMode", "ParkingStore", "SessionStore", "message_chain"]
 
 #: How long a stop waits for the uploads to the shared tier under way.
 SHARED_STOP_WAIT_S = 30.0

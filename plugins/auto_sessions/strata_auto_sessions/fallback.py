@@ -34,7 +34,7 @@ def choose(parking: AutoSessions, request: StrataRequest, service: Service) -> t
     if not parked:
         return None
     chosen = first_result(service.pm, "auto_sessions_fallback", request=request, chain=chain,
-                          parked=parked, parking=parking, service=service)
+                          parked=parked, costs=parking.costs, service=service)
     if chosen is None:
         return None
     offered = [candidate for candidate in parked if candidate.key == chosen]

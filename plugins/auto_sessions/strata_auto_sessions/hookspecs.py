@@ -12,7 +12,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from strata_serve import Service, Verdict
-    from strata_auto_sessions.parking import AutoSessions
+    from strata_auto_sessions.policy import Costs
     from strata_auto_sessions.config import SharedConfig
     from strata_auto_sessions.prefix import ParkedConversation
     from strata_auto_sessions.shared import SharedTier
@@ -58,7 +58,7 @@ def auto_sessions_shared_tier(config: SharedConfig, service: Service) -> SharedT
 
 @hookspec(firstresult=True)
 def auto_sessions_fallback(
-    request: Any, chain: dict[str, list], parked: list[ParkedConversation], parking: AutoSessions, service: Service
+    request: Any, chain: dict[str, list], parked: list[ParkedConversation], costs: Costs, service: Service
 ) -> str | None:
     """Choose a parked conversation to restore when the incoming one has no file of its own.
 
@@ -79,9 +79,9 @@ def auto_sessions_fallback(
         ``shared_links(chain["chain"])`` counts the messages it shares), newest first; a
         key with several files (siblings) once per file, and choosing the key restores
         the one of them that shares the most with the incoming prompt.
-    :param parking: auto-sessions itself, for its estimates
-        (:meth:`~strata_auto_sessions.AutoSessions.prefill_seconds`,
-        :meth:`~strata_auto_sessions.AutoSessions.restore_seconds`).
+    :param costs: What re-reading and restoring cost on this engine, as measured
+        (:class:`strata_auto_sessions.Costs`: ``prefill_seconds(tokens)``,
+        ``restore_seconds(size)``, ``worth(tokens, size)``), the rule auto-sessions decides by.
     :param service: The running service.
     :returns: The key of one of ``parked``, or None.
     """

@@ -33,7 +33,7 @@ from strata_auto_sessions.engine_ram import MAX_SHARED, EngineRam, Left, cache_b
 from strata_auto_sessions.idle import IdleSaves
 from strata_auto_sessions.mode import ParkingMode, ParkingStatus
 from strata_auto_sessions.parked_blocks import ParkedBlocks
-from strata_auto_sessions.policy import RestoreSpeed, describe
+from strata_auto_sessions.policy import Costs, describe
 from strata_auto_sessions.prompts import continues, prompt_signature
 from strata_auto_sessions.pruning import in_use, refresh_usage
 from strata_auto_sessions.saving import Parked, park_slot, save_from_engine_ram
@@ -66,10 +66,10 @@ class AutoSessions:
         self.stats = AutoSessionsStats()
         #: Whether parking acts now, and why not: read :attr:`mode`.
         self.status = ParkingStatus(stopped=(off or "no store") if store is None else None)
-        #: Bytes per token of the engine's state and its prefill speed: the core's measurements.
+        #: Bytes per token of the engine's state, its prefill and restore speeds: the core's measurements.
         self.speeds = measures
-        #: Restore speed, measured from earlier restores.
-        self.restore_speed = RestoreSpeed()
+        #: The one cost rule, on those measurements (:class:`~strata_auto_sessions.policy.Costs`).
+        self.costs = Costs.of(config, measures)
         #: The prompt signature of what the slot holding each conversation key holds: of
         #: the last request that ran, or of the file restored since.
         self.prompts: dict[str, dict[str, Any]] = {}
@@ -527,15 +527,6 @@ class AutoSessions:
         if getattr(self.store, "sync_later", False) and self.store.unsynced:  # type: ignore[union-attr]
             await self._sync()
 
-    # -- estimates for a fallback plugin ---------------------------------------
-
-    def prefill_seconds(self, tokens: int) -> float | None:
-        """How long the engine takes to read ``tokens`` prompt tokens, as the core measured it (None: not yet)."""
-        return self.speeds.prefill_seconds(tokens)
-
-    def restore_seconds(self, size: int) -> float | None:
-        """How long restoring a file of ``size`` bytes takes, as measured here (None: not yet)."""
-        return self.restore_speed.seconds(size)
 
 
 def _use_blocks(store: ParkingStore, directory: Path, config: AutoSessionsConfig, service: Service) -> None:

@@ -1,49 +1,58 @@
-"""Whether a conversation is worth a file: ``min_tokens``, then ``min_prefill_s`` against
-the speeds the core measured (``service.measures``) and the restore speed measured here."""
+"""The one cost rule of parking: whether a conversation's state is worth keeping and
+bringing back (a file, a restore by tokens, a fetch from the shared tier, a fallback
+plugin's choice), from ``min_tokens``, then ``min_prefill_s`` against what the core
+measured (``service.measures``: the engine's prefill and restore speeds)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from strata_auto_sessions.config import AutoSessionsConfig
 from strata_serve import EngineMeasures
 
 
-class RestoreSpeed:
-    """How fast restores read their files on this engine, measured from earlier restores."""
+@dataclass(frozen=True)
+class Costs:
+    """What re-reading a conversation and bringing its state back cost on this engine, as
+    measured; the value a fallback plugin gets (``auto_sessions_fallback(costs=...)``)."""
 
-    def __init__(self) -> None:
-        #: Bytes read and the milliseconds it took.
-        self._read = [0, 0.0]
+    speeds: EngineMeasures
+    min_tokens: int = 0
+    min_prefill_s: float = 0.0
 
-    def restored(self, n_read: int, ms: float) -> None:
-        """A restore read ``n_read`` bytes in ``ms``."""
-        if n_read and ms > 0:
-            self._read[0] += n_read
-            self._read[1] += ms
+    @classmethod
+    def of(cls, config: AutoSessionsConfig, speeds: EngineMeasures) -> Costs:
+        return cls(speeds, config.min_tokens, config.min_prefill_s)
 
-    def seconds(self, size: float) -> float | None:
-        """How long restoring a file of ``size`` bytes takes, as measured here (None: not yet)."""
-        if not self._read[1]:
-            return None
-        return size / (self._read[0] / self._read[1] * 1000)
+    def prefill_seconds(self, tokens: int) -> float | None:
+        """How long the engine takes to read ``tokens`` prompt tokens (None: not measured yet)."""
+        return self.speeds.prefill_seconds(tokens)
 
+    def restore_seconds(self, size: float) -> float | None:
+        """How long the engine takes to restore ``size`` bytes of state (None: not measured yet)."""
+        return self.speeds.restore_seconds(size)
 
-def worth_a_file(tokens: int | None, config: AutoSessionsConfig, speeds: EngineMeasures,
-                 restores: RestoreSpeed) -> tuple[bool, str]:
-    """Whether a conversation of ``tokens`` is worth a file, and why not."""
-    if tokens is None:
-        return True, ""  # not known even after asking the engine: when in doubt, save
-    if tokens < config.min_tokens:
-        return False, f"{tokens:,} tokens is below min_tokens ({config.min_tokens:,})"
-    prefill_s = speeds.prefill_seconds(tokens)
-    if config.min_prefill_s <= 0 or prefill_s is None:
+    def worth(self, tokens: int | None, size: float | None = None, *, more_s: float = 0.0,
+              more: str = "") -> tuple[bool, str]:
+        """Whether ``tokens`` of state (``size`` bytes; by default as measured per token) are
+        worth keeping and bringing back, at ``more_s`` besides the restore (a fetch,
+        ``more`` saying what); and why not. Not measured yet: worth it (when in doubt, keep)."""
+        if tokens is None:
+            return True, ""  # not known even after asking the engine: when in doubt, save
+        if tokens < self.min_tokens:
+            return False, f"{tokens:,} tokens is below min_tokens ({self.min_tokens:,})"
+        prefill_s = self.prefill_seconds(tokens)
+        if self.min_prefill_s <= 0 or prefill_s is None:
+            return True, ""
+        if size is None and self.speeds.bytes_per_token:
+            size = tokens * self.speeds.bytes_per_token
+        restore_s = (self.restore_seconds(size) or 0.0) if size else 0.0
+        if prefill_s - restore_s - more_s < self.min_prefill_s:
+            return False, (f"re-reading its {tokens:,} tokens takes about {prefill_s:.1f} s here, less than "
+                           f"min_prefill_s ({self.min_prefill_s:g} s) more than "
+                           + (f"{more} ({more_s:.1f} s) and restoring it ({restore_s:.1f} s)" if more
+                              else "a restore"))
         return True, ""
-    restore_s = 0.0
-    if speeds.bytes_per_token:
-        restore_s = restores.seconds(tokens * speeds.bytes_per_token) or 0.0
-    if prefill_s - restore_s < config.min_prefill_s:
-        return False, (f"re-reading its {tokens:,} tokens takes about {prefill_s:.1f} s here, less than "
-                       f"min_prefill_s ({config.min_prefill_s:g} s) more than a restore")
-    return True, ""
 
 
 def describe(config: AutoSessionsConfig) -> str:

@@ -22,7 +22,6 @@ from strata_auto_sessions import fallback
 from strata_auto_sessions.config import NAME, from_slot
 from strata_auto_sessions.blocks import Chain
 from strata_auto_sessions.parked_blocks import CorruptBlock
-from strata_auto_sessions.policy import worth_a_file
 from strata_auto_sessions.prompts import continues
 from strata_auto_sessions.store import LockTimeout, Refusal, Sidecar, incompatibility, of_sibling
 
@@ -86,7 +85,6 @@ async def _restore_locked(parking: AutoSessions, key: str, request: StrataReques
     parking.stats.restored_tokens += n_restored
     parking.stats.restored_bytes += n_read
     parking.stats.restore_ms += ms
-    parking.restore_speed.restored(n_read, ms)
     if source != key:
         fallback.restored_from(parking, key, source, request, n_restored, ms, sibling)
         return True
@@ -113,7 +111,7 @@ async def _chain_by_tokens(parking: AutoSessions, key: str, request: StrataReque
                            choice: Choice | None) -> Chain | None:
     """With blocks: the stored chain that holds the most of the request's prompt, when it
     holds more than the conversation's own state (``choice.source``) and more than the slot
-    holds already, and is worth a restore (:func:`~strata_auto_sessions.policy.worth_a_file`); None: restore as named.
+    holds already, and is worth a restore (:meth:`~strata_auto_sessions.policy.Costs.worth`); None: restore as named.
 
     A conversation kept as a whole file, a prompt the engine cannot tokenize alone (media,
     an API it does not render), and a failed tokenizing all leave the choice to the key.
@@ -148,7 +146,7 @@ async def _chain_by_tokens(parking: AutoSessions, key: str, request: StrataReque
             kept = await asyncio.to_thread(blocks.matched, in_slot.key, in_slot.sibling, tokens)
     if chain is None or chain.tokens <= max(own, kept):
         return None
-    worth, _why = worth_a_file(chain.tokens, parking.config, parking.speeds, parking.restore_speed)
+    worth, _why = parking.costs.worth(chain.tokens)
     return chain if worth else None
 
 
@@ -185,7 +183,6 @@ async def _restore_chain(parking: AutoSessions, key: str, request: StrataRequest
     parking.stats.restored_tokens += answer.tokens
     parking.stats.restored_bytes += answer.bytes
     parking.stats.restore_ms += ms
-    parking.restore_speed.restored(answer.bytes, ms)
     # The chain prefixes the prompt, by construction: the request continues what was restored.
     request.state.setdefault(NAME, {}).update(restore_ms=ms, continues=True)
     source = chain.source.rpartition("#")[0] if chain.source else "?"

@@ -13,7 +13,6 @@ from strata_serve import EngineError, EngineUnavailable, SlotState, Verdict, spa
 from strata_auto_sessions.config import from_slot, size_text
 from strata_auto_sessions.engine_ram import Ident, Left
 from strata_auto_sessions.mode import ParkingMode
-from strata_auto_sessions.policy import worth_a_file
 from strata_auto_sessions.pruning import in_use, prune, prune_siblings, refresh_usage
 from strata_auto_sessions.restoring import failure_verdict
 from strata_auto_sessions.store import SIDECAR_VERSION, LockTimeout, Sidecar, of_sibling
@@ -134,7 +133,7 @@ def _not_to_save(parking: AutoSessions, service: Service, key: str, in_slot: Slo
     if parking.mode is ParkingMode.NOT_SAVING:
         parking.stats.save_skips_swa += 1  # said once, at start: no file would be of use
         return Parked.NOTHING_TO_KEEP
-    worth, why_not = worth_a_file(in_slot.tokens, parking.config, parking.speeds, parking.restore_speed)
+    worth, why_not = parking.costs.worth(in_slot.tokens)
     if not worth:
         parking.stats.save_skips_below_min += 1
         log.info("[strata] auto sessions: not saving %s: %s", key, why_not)
@@ -157,7 +156,7 @@ async def save_from_engine_ram(parking: AutoSessions, service: Service, slot: in
     sent again for one token (the engine loads it from RAM), then saved. False when not saved."""
     tenant, key, sibling = ident
     body = left.replay()
-    worth, _ = worth_a_file(left.tokens, parking.config, parking.speeds, parking.restore_speed)
+    worth, _ = parking.costs.worth(left.tokens)
     if body is None or left.path is None or not worth:
         return False
     try:

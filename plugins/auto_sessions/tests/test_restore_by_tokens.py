@@ -16,7 +16,7 @@ from strata_serve.testing import ask
 
 from .conftest import MIN_TOKENS
 from .test_auto_sessions import log_lines, parking
-from .test_block_parking import OPENING, agent, words
+from .test_block_parking import agent, words
 
 BLOCK = 64
 
@@ -27,7 +27,7 @@ def plugin_logs(caplog):
 
 
 def other_opening() -> list[dict[str, str]]:
-    """A conversation that shares nothing with ``OPENING``'s (not even a system prompt)."""
+    """A conversation that shares nothing with an agent's opening (not even a system prompt)."""
     return [{"role": "user", "content": "Unrelated: " + words("zz", 80)}]
 
 

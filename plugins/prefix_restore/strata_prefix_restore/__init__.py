@@ -46,7 +46,7 @@ def on_config(settings):
 
 
 @strata_serve.hookimpl(optionalhook=True)
-def auto_sessions_fallback(request, chain, parked, parking, service) -> str | None:
+def auto_sessions_fallback(request, chain, parked, costs, service) -> str | None:
     config = service.plugin_config(NAME, PrefixRestoreConfig)
     # The longest shared opening wins (a longer one holds every shorter one), among those
     # worth their restore; between equal openings, the cheaper restore.
@@ -58,11 +58,11 @@ def auto_sessions_fallback(request, chain, parked, parking, service) -> str | No
         tokens = candidate.shared_tokens(links)
         if tokens < config.min_shared_tokens:
             continue
-        prefill_s = parking.prefill_seconds(tokens)
+        prefill_s = costs.prefill_seconds(tokens)
         if prefill_s is None:
             gain = -float(candidate.bytes)  # speeds not measured yet: any opening this long is worth it
         else:
-            restore_s = parking.restore_seconds(candidate.bytes) or 0.0
+            restore_s = costs.restore_seconds(candidate.bytes) or 0.0
             gain = prefill_s - restore_s
             if gain < config.min_gain_s:
                 log.info("[strata] prefix restore: %s shares its opening (about %s tokens) with %s, not worth "

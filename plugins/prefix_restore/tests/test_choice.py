@@ -32,7 +32,7 @@ def choose(incoming, candidates, speeds=None, **config):
     service = SimpleNamespace(plugin_config=lambda name, model: PrefixRestoreConfig(**config))
     request = SimpleNamespace(conversation_key="new")
     return auto_sessions_fallback(request=request, chain=message_chain({}, incoming), parked=candidates,
-                                  parking=speeds or Speeds(), service=service)
+                                  costs=speeds or Speeds(), service=service)
 
 
 def test_the_longest_shared_opening_wins():

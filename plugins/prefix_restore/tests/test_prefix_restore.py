@@ -129,7 +129,7 @@ async def new_conversation_after_a_restart(strata_client_factory, strata_setting
     again = await strata_client_factory(strata_auto_sessions, strata_prefix_restore, settings=settings())
     if measure_first:
         await ask(again, [{"role": "user", "content": "Something else entirely: " + "tell me more " * 12}])
-        assert parking(again).prefill_seconds(1000) is not None, "the prefill speed is measured"
+        assert parking(again).costs.prefill_seconds(1000) is not None, "the prefill speed is measured"
     reply = await ask(again, messages("And what is rule93?"))
     reply["stats"] = parking(again).stats
     await again.close()

@@ -806,19 +806,10 @@ class SharedParking:
     def _not_worth(self, head: Head) -> str | None:
         """Why fetching a file of ``head`` does not pay, or None when it does (or cannot be
         judged yet: when in doubt, fetch)."""
-        config = self.parking.config
-        if head.tokens < config.min_tokens:
-            return f"{head.tokens:,} tokens is below min_tokens ({config.min_tokens:,})"
-        prefill_s = self.parking.prefill_seconds(head.tokens)
-        if config.min_prefill_s <= 0 or prefill_s is None:
-            return None
-        fetch_s = self.fetch_speed.seconds(head.bytes) or 0.0
-        restore_s = self.parking.restore_seconds(head.bytes) or 0.0
-        if prefill_s - fetch_s - restore_s < config.min_prefill_s:
-            return (f"re-reading its {head.tokens:,} tokens takes about {prefill_s:.1f} s here, less than "
-                    f"min_prefill_s ({config.min_prefill_s:g} s) more than fetching ({fetch_s:.1f} s) and "
-                    f"restoring it ({restore_s:.1f} s)")
-        return None
+        worth, why_not = self.parking.costs.worth(head.tokens, head.bytes,
+                                                  more_s=self.fetch_speed.seconds(head.bytes) or 0.0,
+                                                  more="fetching")
+        return None if worth else why_not
 
     async def _fetch(self, name: str, shared: str, head: Head) -> None:
         """Head ``shared``'s state, as local file ``name`` (its sidecar naming that file's sibling)."""
