@@ -205,3 +205,65 @@ async def test_an_http_1_0_client_gets_the_stream_s_bare_bytes(strata_client_fac
     assert len(lines) > 5  # the role, the tokens, the end
     assert all(line.startswith(b"data: ") for line in lines), [line for line in lines if not line.startswith(b"data: ")][:3]
     assert lines[-1] == b"data: [DONE]"
+
+
+class LingeringEngine:
+    """Test double: llama-server's few calls answered, and a chat stream whose last event
+    (``[DONE]``) is followed by nothing: neither the chunked end nor the connection's close,
+    until ``release`` is set (llama-server closes a stream's connection a little after its
+    last event; this one holds it, so that waiting for it would show)."""
+
+    def __init__(self, stream: bytes = STREAM) -> None:
+        self.stream = stream
+        self.release = asyncio.Event()
+        self.streams = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                if not head.startswith(b"POST /v1/chat/completions"):
+                    body = b"[]" if head.startswith(b"GET /slots") else b'{"status":"ok"}'
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                    await writer.drain()
+                    continue
+                self.streams += 1
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                             b"Transfer-Encoding: chunked\r\n\r\n" + http_chunk(self.stream))
+                await writer.drain()
+                await asyncio.wait_for(self.release.wait(), 30)
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+                return
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
+            pass
+        finally:
+            writer.close()
+
+
+async def test_a_stream_ends_for_its_client_at_its_last_event_not_at_the_engines_close(strata_client_factory):
+    """The client's stream ends once ``[DONE]`` passed whole, while the engine still holds its
+    connection: llama-server closes it a little after its last event, and waiting for that
+    was most of what a streamed 1-token request added. Nothing is lost: every event, the
+    engine's numbers read."""
+    double = LingeringEngine()
+    engine, server = await engine_on(double)
+    try:
+        client = await strata_client_factory(engine=engine)
+        resp = await client.post("/v1/chat/completions", json=chat_body(stream=True))
+        assert resp.status == 200
+        # Bounded below the double's own 30 s: a relay that waits for the engine's end fails here.
+        async with asyncio.timeout(15):
+            body = await resp.read()
+        assert not double.release.is_set() and double.streams == 1, "ended while the engine held its connection"
+        assert body == STREAM, body
+        double.release.set()
+        await client.close()
+    finally:
+        double.release.set()
+        server.close()
+        await server.wait_closed()

@@ -96,7 +96,7 @@ class AnthropicFormat(ApiFormat):
         if isinstance(usage, dict):
             seen.usage = {**(seen.usage or {}), **usage}  # message_delta adds output_tokens
         if kind == "message_stop":
-            seen.finished = True
+            seen.finished = seen.ended = True  # its last event: no [DONE] follows
         elif kind == "error":
             seen.error = str(event.get("error"))
 

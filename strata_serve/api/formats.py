@@ -105,6 +105,9 @@ class StreamSeen:
         self.timings: dict[str, Any] | None = None
         self.usage: dict[str, Any] | None = None
         self.finished = False
+        #: The stream's last event was seen (OpenAI's ``[DONE]``, Anthropic's ``message_stop``):
+        #: nothing the client needs comes after it.
+        self.ended = False
         self.error: str | None = None
 
     def feed(self, chunk: bytes) -> None:
@@ -120,7 +123,7 @@ class StreamSeen:
                 continue  # ``event:`` lines name what the data says again in its ``type``
             data = line[5:].strip()
             if self.api.done(data, self):
-                self.finished = True
+                self.finished = self.ended = True
                 continue
             if not any(marker in data for marker in self.markers):
                 continue  # a plain token: nothing to learn, and parsing each one costs speed

@@ -387,6 +387,14 @@ class _Passing:
 
     def __init__(self, request: web.Request, response: web.StreamResponse, seen: StreamSeen) -> None:
         self.request, self.response, self.seen, self.tail = request, response, seen, b""
+        #: The stream's last event passed whole: the client's stream ends now, without
+        #: waiting for the engine to close its connection (llama-server closes it after a
+        #: stream, a little later: that wait was most of what a streamed 1-token request added).
+        self.complete = False
+
+    def _ends_here(self) -> bool:
+        self.complete = self.seen.ended and self.tail.endswith(b"\n\n")
+        return self.complete
 
     async def run(self, upstream: Any) -> None:
         """Until the engine's answer ends (the stream's end is then the caller's to write)."""
@@ -405,7 +413,8 @@ class _Passing:
             feed(first)
             if seen.finished:  # the end came at once: the few bytes left go the plain way
                 self.tail = first
-                await self._one_by_one(b"", upstream)
+                if not self._ends_here():
+                    await self._one_by_one(b"", upstream)
                 return
             await self.response.write(first)
             put, buffered, closing = transport.write, transport.get_write_buffer_size, transport.is_closing
@@ -421,11 +430,11 @@ class _Passing:
                     self.tail = b""
                 if seen.finished:
                     self.tail = chunk
-                else:
-                    put(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+                    return self._ends_here()
+                put(b"%x\r\n%b\r\n" % (len(chunk), chunk))
                 return False
 
-            if await forward(take):
+            if await forward(take) or self.complete:
                 return
         await self._one_by_one(left, upstream)
 
@@ -439,6 +448,8 @@ class _Passing:
                 self.tail = b""
             if self.seen.finished:
                 self.tail = chunk
+                if self._ends_here():
+                    return
             else:
                 await write(chunk)
             chunk = await anext(chunks, None)

@@ -43,6 +43,8 @@ class EngineClient:
         self.managed = managed
         self.restart_on_crash = restart_on_crash
         self.session: aiohttp.ClientSession | None = None
+        #: The connection being opened for the next call (:meth:`_warm_soon`).
+        self._warming: asyncio.Task[bool] | None = None
 
     def open(self, api_key: SecretStr | None, request_timeout_s: float) -> None:
         headers = {}
@@ -57,6 +59,10 @@ class EngineClient:
         )
 
     async def close(self) -> None:
+        if self._warming is not None and not self._warming.done():
+            self._warming.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._warming
         if self.session is not None:
             await self.session.close()
 
@@ -101,6 +107,13 @@ class EngineClient:
             yield reply
         finally:
             reply.close()
+            self._warm_soon()
+
+    def _warm_soon(self) -> None:
+        """After a stream, whose connection the engine closes: a new one opened (by a
+        ``/health`` call, kept alive) off the request's path, for the next call to take."""
+        if self._warming is None or self._warming.done():
+            self._warming = asyncio.get_running_loop().create_task(self.health())
 
     async def _send(self, send: Callable[[], Awaitable[aiohttp.ClientResponse]],
                     resend: bool) -> tuple[aiohttp.ClientResponse, Process | None]:
