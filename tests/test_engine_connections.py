@@ -132,3 +132,29 @@ async def test_a_json_answer_reaches_the_client_as_the_engine_wrote_it(strata_cl
     assert answer["choices"][0]["message"]["role"] == "assistant" and "timings" in answer
     # One generated token is a character or a byte: it cannot hold either separator.
     assert b'": ' not in body and b'", "' not in body, body[:200]
+
+
+def open_connections_to(port: int) -> int:
+    """Established connections whose far end is ``port`` (the client's side of each)."""
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "01" and int(fields[2].rsplit(":", 1)[1], 16) == port:
+            count += 1
+    return count
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="counts connections in /proc/net/tcp")
+async def test_after_a_stream_a_connection_is_ready_for_the_next_call_and_none_pile_up(llama_server_factory):
+    """llama-server closes a stream's connection: the next call would open one on its own
+    path (a connect and the engine's accept, about half a millisecond of a 1-token
+    request). After each stream one is opened beside, and the next call takes it."""
+    engine = await llama_server_factory()
+    port = int(engine.info.url.rsplit(":", 1)[1])
+    for n in range(12):
+        async with engine.stream("/v1/chat/completions", chat_body(max_tokens=2, stream=True)) as reply:
+            assert b"[DONE]" in b"".join([chunk async for chunk in reply.chunks()])
+        async with asyncio.timeout(10):
+            while open_connections_to(port) < 1:
+                await asyncio.sleep(0.01)
+        assert open_connections_to(port) <= 2, f"after stream {n}: connections pile up"
