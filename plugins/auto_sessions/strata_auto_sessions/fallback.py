@@ -11,7 +11,7 @@ from strata_serve import StrataRequest, first_result, in_tenant, prompt_units
 
 from strata_auto_sessions.config import NAME
 from strata_auto_sessions.prefix import ParkedConversation, message_chain
-from strata_auto_sessions.store import incompatibility, last_use, of_sibling
+from strata_auto_sessions.store import incompatibility, last_use
 
 if TYPE_CHECKING:
     from strata_serve import Service
@@ -48,7 +48,7 @@ def choose(parking: AutoSessions, request: StrataRequest, service: Service) -> t
         log.info("[strata] auto sessions: %s starts from %s, which the slot holds: nothing to restore",
                  request.conversation_key, chosen)
         return None
-    if not of_sibling(parking.store.stage, chosen, sibling):
+    if not parking.store.stage(chosen, sibling):
         return None
     return chosen, sibling
 
@@ -88,7 +88,7 @@ def restored_from(parking: AutoSessions, key: str, source: str, request: StrataR
     parking.stats.prefix_restored_tokens += n_restored
     request.state.setdefault(NAME, {}).update(restore_ms=ms, continues=False, prefix_of=source)
     log.info("[strata] auto sessions: %s has no file; restored %s tokens from %s, whose opening it "
-             "shares, in %.0f ms", key, f"{n_restored:,}", of_sibling(parking.store.bin_name, source, sibling),  # type: ignore[union-attr]
+             "shares, in %.0f ms", key, f"{n_restored:,}", parking.store.bin_name(source, sibling),  # type: ignore[union-attr]
              ms)
 
 

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import inspect
 import logging
 import time
 from collections.abc import Iterator
@@ -42,7 +40,7 @@ from strata_auto_sessions.siblings import Sibling, SiblingIndex
 from strata_auto_sessions.staging import Staging, default_keep_bytes
 from strata_auto_sessions.stats import AutoSessionsStats
 from strata_auto_sessions.store import DirectoryInUse, LockTimeout, ParkingStore, SessionStore, engine_fingerprint
-from strata_auto_sessions.store import of_sibling, swa_unusable
+from strata_auto_sessions.store import swa_unusable
 
 if TYPE_CHECKING:
     from strata_serve import Service, SlotState
@@ -152,9 +150,8 @@ class AutoSessions:
         staging = getattr(self.store, "staging", None)
         if staging is not None:
             staging.close()
-        release = getattr(self.store, "release", None)  # a store of the protocol's first version has none
-        if release is not None:
-            release()
+        if self.store is not None:
+            self.store.release()
 
     @property
     def mode(self) -> ParkingMode:
@@ -242,7 +239,7 @@ class AutoSessions:
                 self.stats.siblings_started += 1
                 log.info("[strata] auto sessions: %s: this request continues none of the conversations under "
                          "its key; it gets a file of its own, %s", key,
-                         of_sibling(self.store.bin_name, key, choice.sibling))  # type: ignore[union-attr]
+                         self.store.bin_name(key, choice.sibling))  # type: ignore[union-attr]
         parked = await self.park_slot(service, request.slot, reason="switch" if not same_key else "another "
                                       "conversation under its key", incoming=key,
                                       incoming_sibling=None if choice is None else choice.source)
@@ -359,24 +356,8 @@ class AutoSessions:
 
     @property
     def one_file_a_key(self) -> bool:
-        """Whether every key keeps one file, as before there were siblings: ``siblings =
-        1``, or a store written before them (it cannot list a key's files, or its methods
-        take no ``sibling``)."""
-        return self.config.siblings == 1 or not self._store_takes_siblings
-
-    @functools.cached_property
-    def _store_takes_siblings(self) -> bool:
-        if not callable(getattr(self.store, "siblings", None)):
-            return False
-        for name in ("bin_name", "bin_path", "stage", "sidecar", "sidecar_problem", "touch"):
-            try:
-                parameters = inspect.signature(getattr(self.store, name)).parameters
-            except (AttributeError, TypeError, ValueError):
-                return False
-            if "sibling" not in parameters:
-                log.info("[strata] auto sessions: the store's %s takes no sibling: one file a key", name)
-                return False
-        return True
+        """Whether every key keeps one file (``siblings = 1``)."""
+        return self.config.siblings == 1
 
     async def before_slot_action(self, service: Service, slot: int, action: str) -> None:
         self.idle_saves.cancel(slot)
@@ -468,14 +449,13 @@ class AutoSessions:
             self._record_in_use(keys)
 
     def _record_in_use(self, keys: list[str]) -> None:
-        record = getattr(self.store, "record_held", None)  # a store of the protocol's first version has none
-        if record is None:
+        if self.store is None:
             return
         try:
-            record(keys)
+            self.store.record_held(keys)
         except OSError as exc:
             log.warning("[strata] auto sessions: cannot record the held conversations in %s: %s",
-                        self.store.directory, exc)  # type: ignore[union-attr]
+                        self.store.directory, exc)
             return
         self._recorded_in_use = keys
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from strata_auto_sessions.config import GB, AutoSessionsConfig, size_text
 from strata_auto_sessions.stats import AutoSessionsStats
-from strata_auto_sessions.store import ParkingStore, of_sibling
+from strata_auto_sessions.store import ParkingStore
 
 if TYPE_CHECKING:
     from strata_serve import Service
@@ -57,12 +57,9 @@ async def prune_siblings(parking: AutoSessions, key: str, spare: frozenset[int])
     store = parking.store
     if store is None or len(parking.siblings.of(key)) <= parking.config.siblings:
         return
-    pruning = getattr(store, "prune_siblings", None)  # a store of the protocol's first versions has none
-    if pruning is None:
-        return
     try:
         async with store.lock_without_blocking(parking.config.lock_wait_s):
-            removed = pruning(key, parking.config.siblings, spare)
+            removed = store.prune_siblings(key, parking.config.siblings, spare)
     except OSError as exc:  # a lock held elsewhere too long (LockTimeout) among them
         log.warning("[strata] auto sessions: pruning %s's siblings failed: %s", key, exc)
         return
@@ -72,7 +69,7 @@ async def prune_siblings(parking: AutoSessions, key: str, spare: frozenset[int])
         parking.stats.prunes += 1
         parking.stats.pruned_bytes += size
         log.info("[strata] auto sessions: pruned %s (%s): %s keeps %d conversation(s)",
-                 of_sibling(store.bin_name, key, sibling), size_text(size), key, parking.config.siblings)
+                 store.bin_name(key, sibling), size_text(size), key, parking.config.siblings)
 
 
 async def prune(store: ParkingStore, config: AutoSessionsConfig, stats: AutoSessionsStats,

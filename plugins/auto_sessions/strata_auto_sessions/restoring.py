@@ -23,7 +23,7 @@ from strata_auto_sessions.config import NAME, from_slot
 from strata_auto_sessions.blocks import Chain
 from strata_auto_sessions.parked_blocks import CorruptBlock
 from strata_auto_sessions.prompts import continues
-from strata_auto_sessions.store import LockTimeout, Refusal, Sidecar, incompatibility, of_sibling
+from strata_auto_sessions.store import LockTimeout, Refusal, Sidecar, incompatibility
 
 if TYPE_CHECKING:
     from strata_serve import Service
@@ -100,7 +100,7 @@ async def _restore_locked(parking: AutoSessions, key: str, request: StrataReques
         log.info("[strata] auto sessions: restored %s tokens from %s in %.0f ms%s, whose first %d message(s) "
                  "this conversation shares: its own file will be %s", f"{n_restored:,}", path.name, ms,
                  from_slot(service, request.slot, "into"), choice.shared,
-                 of_sibling(parking.store.bin_name, key, choice.sibling))  # type: ignore[union-attr]
+                 parking.store.bin_name(key, choice.sibling))  # type: ignore[union-attr]
         return True
     log.info("[strata] auto sessions: restored %s tokens from %s in %.0f ms%s",
              f"{n_restored:,}", path.name, ms, from_slot(service, request.slot, "into"))
@@ -199,7 +199,7 @@ def _file_to_restore(parking: AutoSessions, key: str, request: StrataRequest, se
     when there is none, or the slot holds the chosen one already."""
     assert parking.store is not None
     sibling = 0 if choice is None else choice.source
-    if sibling is None and choice is not None and of_sibling(parking.store.stage, key, choice.sibling):
+    if sibling is None and choice is not None and parking.store.stage(key, choice.sibling):
         # A file under the request's own name that no sibling knows: one whose sidecar is
         # refused (damaged). It goes through the checks, which refuse it, counted.
         sibling = choice.sibling
@@ -207,8 +207,8 @@ def _file_to_restore(parking: AutoSessions, key: str, request: StrataRequest, se
         in_slot = service.slots[request.slot]
         if in_slot.key == key and in_slot.sibling == sibling and not in_slot.empty:
             return None  # the slot holds it: the engine reuses it from there
-        path = of_sibling(parking.store.bin_path, key, sibling)
-        if of_sibling(parking.store.stage, key, sibling):
+        path = parking.store.bin_path(key, sibling)
+        if parking.store.stage(key, sibling):
             return key, sibling, path
         if path.is_symlink():
             log.warning("[strata] auto sessions: not restoring %s: it is a symlink, never followed", path.name)
@@ -218,15 +218,15 @@ def _file_to_restore(parking: AutoSessions, key: str, request: StrataRequest, se
     if chosen is None:
         return None
     source, source_sibling = chosen
-    return source, source_sibling, of_sibling(parking.store.bin_path, source, source_sibling)
+    return source, source_sibling, parking.store.bin_path(source, source_sibling)
 
 
 def _restorable(parking: AutoSessions, source: str, sibling: int, path: Path) -> Sidecar | None:
     """The sidecar of ``source``'s file when the file may go to this engine; None when it
     is refused (damaged, or for this engine), counted by reason and logged."""
     assert parking.store is not None
-    sidecar = of_sibling(parking.store.sidecar, source, sibling)
-    problem = of_sibling(parking.store.sidecar_problem, source, sibling) if sidecar is None else None
+    sidecar = parking.store.sidecar(source, sibling)
+    problem = parking.store.sidecar_problem(source, sibling) if sidecar is None else None
     if problem is not None:
         parking.stats.restores_refused_damaged += 1
         log.warning("[strata] auto sessions: not restoring %s: its sidecar is damaged (%s)", path.name, problem)

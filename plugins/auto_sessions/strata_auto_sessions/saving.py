@@ -15,7 +15,7 @@ from strata_auto_sessions.engine_ram import Ident, Left
 from strata_auto_sessions.mode import ParkingMode
 from strata_auto_sessions.pruning import in_use, prune, prune_siblings, refresh_usage
 from strata_auto_sessions.restoring import failure_verdict
-from strata_auto_sessions.store import SIDECAR_VERSION, LockTimeout, Sidecar, of_sibling
+from strata_auto_sessions.store import SIDECAR_VERSION, LockTimeout, Sidecar
 
 if TYPE_CHECKING:
     from strata_serve import Service
@@ -80,10 +80,10 @@ async def park_slot(parking: AutoSessions, service: Service, slot: int = 0, *, r
     service.slots.file_written(slot, key)
     parking.saved_states[slot] = state_of(service.slots[slot])
     if parking.shared is not None:
-        parking.shared.saved(of_sibling(parking.store.bin_name, key, sibling))  # uploaded in the background
+        parking.shared.saved(parking.store.bin_name(key, sibling))  # uploaded in the background
     in_blocks = _counted(parking, saved)
     log.info("[strata] auto sessions: saved %s tokens (%s) to %s%s in %.0f ms%s%s",
-             f"{saved.tokens:,}", size_text(saved.bytes), of_sibling(parking.store.bin_name, key, sibling),
+             f"{saved.tokens:,}", size_text(saved.bytes), parking.store.bin_name(key, sibling),
              in_blocks, saved.ms, "" if reason == "switch" else f" ({reason})", from_slot(service, slot))
     spare = {sibling} | ({incoming_sibling} if incoming == key and incoming_sibling is not None else set())
     with span("auto_sessions.prune"):
@@ -180,7 +180,7 @@ async def save_from_engine_ram(parking: AutoSessions, service: Service, slot: in
     in_blocks = _counted(parking, saved)
     log.info("[strata] auto sessions: saved %s tokens (%s) to %s%s in %.0f ms (brought back from the engine's RAM "
              "cache at the stop)", f"{saved.tokens:,}", size_text(saved.bytes),
-             of_sibling(parking.store.bin_name, key, sibling), in_blocks, saved.ms)  # type: ignore[union-attr]
+             parking.store.bin_name(key, sibling), in_blocks, saved.ms)  # type: ignore[union-attr]
     return True
 
 
@@ -199,7 +199,7 @@ async def _save(parking: AutoSessions, service: Service, slot: int, key: str, in
     """Have the engine save the slot to a temporary file (once more after a failure its
     quirks call passing), then commit it as ``key``'s file with its sidecar."""
     assert parking.store is not None
-    sidecar, prompt = of_sibling(parking.store.sidecar, key, in_slot.sibling), parking.prompts.get(key)
+    sidecar, prompt = parking.store.sidecar(key, in_slot.sibling), parking.prompts.get(key)
     for attempt in range(2):
         temp = parking.store.temp_name(key)
         began = time.monotonic()
@@ -269,7 +269,7 @@ def _touch_if_used(parking: AutoSessions, key: str, sibling: int) -> None:
     parking.used_since_written.discard((key, sibling))
     try:
         with span("auto_sessions.touch"):
-            of_sibling(parking.store.touch, key, sibling)  # type: ignore[union-attr]
+            parking.store.touch(key, sibling)  # type: ignore[union-attr]
     except OSError as exc:
         log.warning("[strata] auto sessions: could not update %s's sidecar: %s", key, exc)
 
@@ -277,7 +277,7 @@ def _touch_if_used(parking: AutoSessions, key: str, sibling: int) -> None:
 def _file_kept(parking: AutoSessions, key: str, sibling: int) -> bool:
     """Whether the store still has the conversation's file (its sidecar describes it)."""
     try:
-        return of_sibling(parking.store.sidecar, key, sibling) is not None  # type: ignore[union-attr]
+        return parking.store.sidecar(key, sibling) is not None  # type: ignore[union-attr]
     except OSError:
         return False
 

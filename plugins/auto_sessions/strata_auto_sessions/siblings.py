@@ -91,12 +91,7 @@ class SiblingIndex:
     def _read(self, key: str) -> dict[int, Sibling]:
         self.reads += 1
         try:
-            listing = getattr(self.store, "siblings", None)
-            if listing is not None:
-                sidecars = listing(key)
-            else:  # a store of the protocol's first versions: one file a key
-                sidecar = self.store.sidecar(key)
-                sidecars = [] if sidecar is None else [sidecar]
+            sidecars = self.store.siblings(key)
         except OSError as exc:
             log.warning("[strata] auto sessions: cannot list %s's files: %s", key, exc)
             return {}

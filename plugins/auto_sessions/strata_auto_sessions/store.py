@@ -48,16 +48,9 @@ __all__ = [
     "SIDECAR_VERSION", "TEMP_NAME", "TEMP_PREFIX", "WEIGHT_BLOCK_BYTES", "WEIGHT_SPREAD_BLOCKS",
     "WEIGHT_WHOLE_BYTES", "DamagedSidecar", "DirectoryInUse", "LockTimeout", "ParkingStore", "Refusal",
     "SessionStore", "Sidecar", "as_of", "engine_fingerprint", "file_key", "fingerprint", "incompatibility",
-    "key_of_file", "last_use", "of_sibling", "same_model", "sample_digest", "sliding_window", "swa_unusable",
+    "key_of_file", "last_use", "same_model", "sample_digest", "sliding_window", "swa_unusable",
     "weights_digest",
 ]
-
-
-def of_sibling(method: Any, key: str, sibling: int) -> Any:
-    """``method(key, sibling)`` of a store, as ``method(key)`` for the first sibling: a
-    store written before there were siblings (its methods take no ``sibling``) keeps
-    working for keys with one file."""
-    return method(key) if sibling == 0 else method(key, sibling)
 
 
 class ParkingStore(Protocol):
@@ -128,8 +121,11 @@ class ParkingStore(Protocol):
 
     def record_held(self, keys: list[str]) -> None:
         """Record the conversations the server holds in its slots or is running, saved or
-        not, for ``strata-serve sessions rm`` (another process). A store without it still
-        works; ``rm`` then sees only the parked files."""
+        not, for ``strata-serve sessions rm`` (another process)."""
+        ...
+
+    def release(self) -> None:
+        """The server stops: let go of the directory (a store that claims none does nothing)."""
         ...
 
     def describe_engine(self, fingerprint: dict[str, Any]) -> None:

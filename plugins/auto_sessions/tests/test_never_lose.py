@@ -74,10 +74,10 @@ async def test_a_failure_after_the_save_never_writes_one_conversation_into_anoth
     store = parking(client).store
     real_sidecar = store.sidecar
 
-    def broken_sidecar(key):
+    def broken_sidecar(key, sibling=0):
         if key == key_of(client, a):
             raise RuntimeError("the restore step broke after the save")
-        return real_sidecar(key)
+        return real_sidecar(key, sibling)
 
     monkeypatch.setattr(store, "sidecar", broken_sidecar)
     await ask(client, a)  # saves B, then the restore of A raises: A runs on a full prefill

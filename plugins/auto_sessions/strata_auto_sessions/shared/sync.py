@@ -721,8 +721,7 @@ class SharedParking:
             match = SESSION_NAME.fullmatch(name)
             if match is not None and key_of_file(match["key"]) == key:
                 taken.add(sibling_of(match))
-        listing = getattr(store, "siblings", None)  # a store of the protocol's first versions has none
-        sidecars = listing(key) if listing is not None else [s for s in [store.sidecar(key)] if s is not None]
+        sidecars = store.siblings(key)
         return {session_name(key, "bin", s.sibling): s for s in sidecars if s.key == key}, taken
 
     def _local_of(self, shared: str, here: dict[str, Sidecar]) -> str | None:
