@@ -345,211 +345,215 @@ class _Found:
         return getattr(self._found, name)
 
 
-def register(cli: click.Group) -> None:
-    @cli.group()
-    @click.option("--config", type=click.Path(path_type=Path, dir_okay=False),
-                  help="The server's settings file (for its slot directory).")
-    @click.option("--slot-dir", type=click.Path(path_type=Path, file_okay=False),
-                  help="The slot directory (default: the settings' engine.slot_save_path).")
-    @click.pass_context
-    def sessions(ctx: click.Context, config: Path | None, slot_dir: Path | None) -> None:
-        """The parked conversations: list, inspect, remove, prune.
+@click.group()
+@click.option("--config", type=click.Path(path_type=Path, dir_okay=False),
+              help="The server's settings file (for its slot directory).")
+@click.option("--slot-dir", type=click.Path(path_type=Path, file_okay=False),
+              help="The slot directory (default: the settings' engine.slot_save_path).")
+@click.pass_context
+def sessions(ctx: click.Context, config: Path | None, slot_dir: Path | None) -> None:
+    """The parked conversations: list, inspect, remove, prune.
 
-        A session file holds a conversation as plainly as a transcript: remove the ones
-        you would not keep a transcript of.
-        """
-        ctx.obj = _Found(config, slot_dir)
+    A session file holds a conversation as plainly as a transcript: remove the ones
+    you would not keep a transcript of.
+    """
+    ctx.obj = _Found(config, slot_dir)
 
-    @sessions.command("ls")
-    @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
-    @click.option("--blocks", "blocks", is_flag=True, help="The block store's detail instead.")
-    @click.pass_obj
-    def ls(found: Sessions, as_json: bool, blocks: bool) -> None:
-        """List them: key, sibling, tenant, tokens, size, age, last used, and whether the engine
-        can use them. A key's siblings (conversations that share it, a file each) have a row each.
+@sessions.command("ls")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option("--blocks", "blocks", is_flag=True, help="The block store's detail instead.")
+@click.pass_obj
+def ls(found: Sessions, as_json: bool, blocks: bool) -> None:
+    """List them: key, sibling, tenant, tokens, size, age, last used, and whether the engine
+    can use them. A key's siblings (conversations that share it, a file each) have a row each.
 
-        With a shared tier (``plugins.auto_sessions.shared``), what it holds follows: each
-        conversation file's generation, tokens, size, and which server saved it when, or
-        when it was removed by hand (``--json``: those rows have ``"shared": true``). A head
-        that cannot be read or shown is a row saying it is damaged (``"damaged"`` in
-        ``--json``). A tier that cannot be read (down, or stopped answering part way) leaves
-        the slot directory's rows and what was read of the tier, says so on stderr, and
-        exits 1.
+    With a shared tier (``plugins.auto_sessions.shared``), what it holds follows: each
+    conversation file's generation, tokens, size, and which server saved it when, or
+    when it was removed by hand (``--json``: those rows have ``"shared": true``). A head
+    that cannot be read or shown is a row saying it is damaged (``"damaged"`` in
+    ``--json``). A tier that cannot be read (down, or stopped answering part way) leaves
+    the slot directory's rows and what was read of the tier, says so on stderr, and
+    exits 1.
 
-        A conversation parked in blocks of tokens (``blocks = true``) shows the bytes it
-        holds alone (SIZE) and those it shares with others of its tenant (SHARED); the
-        total counts each block once. ``--blocks``: the block store itself."""
-        if blocks:
-            _echo_blocks(found, as_json)
-            return
-        with found.store.lock():
-            rows = found.rows()
-            total = found.store.usage()[1]
-        listing = _read_shared(found) if found.shared is not None else SharedListing([])
-        if as_json:
-            for row in rows + listing.rows:
-                click.echo(json.dumps(row))
+    A conversation parked in blocks of tokens (``blocks = true``) shows the bytes it
+    holds alone (SIZE) and those it shares with others of its tenant (SHARED); the
+    total counts each block once. ``--blocks``: the block store itself."""
+    if blocks:
+        _echo_blocks(found, as_json)
+        return
+    with found.store.lock():
+        rows = found.rows()
+        total = found.store.usage()[1]
+    listing = _read_shared(found) if found.shared is not None else SharedListing([])
+    if as_json:
+        for row in rows + listing.rows:
+            click.echo(json.dumps(row))
+    else:
+        in_blocks = found.store.blocks is not None
+        table = [("KEY", "SIBLING", "TENANT", "TOKENS", "SIZE", *(("SHARED",) if in_blocks else ()), "AGE",
+                  "LAST USED", "COMPATIBLE")]
+        table += [(row["key"], "-" if row["sibling"] is None else str(row["sibling"]), row["tenant"] or "-",
+                   "-" if row["tokens"] is None else f"{row['tokens']:,}",
+                   _size(row.get("own_bytes", row["bytes"])),
+                   *((_size(row.get("shared_bytes", 0)),) if in_blocks else ()),
+                   _ago(row["age_s"], ahead=row.get("stamped_ahead", False)),
+                   _ago(row["last_used_s"], " ago", ahead=row.get("stamped_ahead", False)), row["compatible"])
+                  for row in rows]
+        last = len(table[0]) - 1
+        widths = [max(len(line[c]) for line in table) for c in range(last)]
+        for line in table:
+            click.echo("  ".join(cell.ljust(widths[c]) for c, cell in enumerate(line[:last])) + "  "
+                       + line[last])
+        damaged = sum(row["bytes"] for row in rows if row.get("damaged") is not None)
+        click.echo(f"{len(rows)} session(s), {_size(total + damaged)} in {found.store.directory}"
+                   + (" (a block several hold counted once)" if in_blocks else ""))
+        if found.shared is not None and (listing.rows or listing.error is None):
+            _echo_shared(found.shared.url, listing)
+    if listing.error is not None:
+        assert found.shared is not None
+        # A partial listing: what could be read is shown, and the exit code says it is
+        # not all (1, as ``ls`` of a directory it cannot wholly read exits).
+        read = "the rows above are the slot directory's" + (" and what was read of the tier before"
+                                                             if listing.rows else "")
+        click.echo(f"the shared tier {found.shared.url} could not be read ({read}): {listing.error}", err=True)
+        click.get_current_context().exit(1)
+
+@sessions.command()
+@click.argument("key")
+@click.pass_obj
+def inspect(found: Sessions, key: str) -> None:
+    """Show one: its file, whether it is intact and usable, and its sidecar (each of its
+    siblings', when several conversations share the key)."""
+    with found.store.lock():
+        try:
+            sidecars = [s for s in found.store.siblings(key) if found.store.stage(key, s.sibling)]
+        except ValueError:  # not a key strata-serve makes: there is no such session
+            sidecars = []
+        if not sidecars:
+            raise click.ClickException(f"no session {key!r} in {found.store.directory}")
+        engine = found.store.engine_description()
+        shown = []
+        for sidecar in sorted(sidecars, key=lambda s: s.sibling):
+            path = found.store.bin_path(key, sidecar.sibling)
+            if found.store.restorable(key, sidecar.sibling):
+                intact = path.stat().st_size == sidecar.bytes and digest_matches(path, sidecar.digest)
+            else:  # in blocks: its manifest and every block it names (each checked when joined)
+                intact = found.store.intact(key, sidecar)
+            shown.append((sidecar, path, intact, found.compatible(sidecar, engine)))
+    for n, (sidecar, path, intact, compatible) in enumerate(shown):
+        record = json.loads(json.dumps(sidecar.__dict__))
+        prompt = record.get("prompt") or {}
+        if "chain" in prompt:  # digests, not text: their number says enough
+            prompt["chain"] = f"{len(prompt['chain'])} message boundaries"
+            prompt.pop("sizes", None)
+        if n:
+            click.echo("")
+        if path.is_file():
+            click.echo(f"file: {path} ({_size(path.stat().st_size)})")
         else:
-            in_blocks = found.store.blocks is not None
-            table = [("KEY", "SIBLING", "TENANT", "TOKENS", "SIZE", *(("SHARED",) if in_blocks else ()), "AGE",
-                      "LAST USED", "COMPATIBLE")]
-            table += [(row["key"], "-" if row["sibling"] is None else str(row["sibling"]), row["tenant"] or "-",
-                       "-" if row["tokens"] is None else f"{row['tokens']:,}",
-                       _size(row.get("own_bytes", row["bytes"])),
-                       *((_size(row.get("shared_bytes", 0)),) if in_blocks else ()),
-                       _ago(row["age_s"], ahead=row.get("stamped_ahead", False)),
-                       _ago(row["last_used_s"], " ago", ahead=row.get("stamped_ahead", False)), row["compatible"])
-                      for row in rows]
-            last = len(table[0]) - 1
-            widths = [max(len(line[c]) for line in table) for c in range(last)]
-            for line in table:
-                click.echo("  ".join(cell.ljust(widths[c]) for c, cell in enumerate(line[:last])) + "  "
-                           + line[last])
-            damaged = sum(row["bytes"] for row in rows if row.get("damaged") is not None)
-            click.echo(f"{len(rows)} session(s), {_size(total + damaged)} in {found.store.directory}"
-                       + (" (a block several hold counted once)" if in_blocks else ""))
-            if found.shared is not None and (listing.rows or listing.error is None):
-                _echo_shared(found.shared.url, listing)
+            click.echo(f"file: in blocks under {found.store.directory / 'blocks'} "
+                       f"({_size(found.store._size(key, sidecar.sibling))} of blocks)")
+        if len(shown) > 1:
+            click.echo(f"sibling: {sidecar.sibling} of {len(shown)} conversations under this key")
+        click.echo(f"tenant: {tenant_of(key, sidecar) or '-'}")
+        differs = "no: its size or sampled digest differs from when it was saved"
+        click.echo(f"intact: {'yes' if intact else differs}")
+        click.echo(f"compatible: {compatible}")
+        click.echo(json.dumps(record, indent=2))
+
+@sessions.command()
+@click.argument("keys", nargs=-1)
+@click.option("--all", "everything", is_flag=True, help="Remove every session.")
+@click.option("--tenant", help="Remove every session of this tenant.")
+@click.pass_obj
+def rm(found: Sessions, keys: tuple[str, ...], everything: bool, tenant: str | None) -> None:
+    """Remove sessions: KEY..., --all, or --tenant T.
+
+    A key's every file goes (its siblings: conversations that share the key). A
+    running server that holds one of them in its slot, saved or not yet, drops
+    its saves of it and erases the slot.
+
+    With a shared tier, each key chosen is removed there too (a tombstone), and
+    --all and --tenant T take the conversations the tier holds with no file here as
+    well. A tier that cannot be read removes nothing.
+    """
+    if sum((bool(keys), everything, tenant is not None)) != 1:
+        raise click.UsageError("give KEY..., --all or --tenant T (one of them)")
+    not_keys = [key for key in keys if not _is_key(key)]
+    if not_keys:
+        raise click.ClickException(f"no session {', '.join(map(repr, not_keys))}: not a conversation key "
+                                   "(letters, digits, _ and - make one); nothing removed")
+    # The shared tier is read before the store's lock is taken (the running server takes
+    # it around each save): a slow tier never holds up the server's saves.
+    live: dict[str, list[dict[str, Any]]] = {}
+    damaged: dict[str, str] = {}
+    if found.shared is not None:
+        listing = _read_shared(found)
         if listing.error is not None:
-            assert found.shared is not None
-            # A partial listing: what could be read is shown, and the exit code says it is
-            # not all (1, as ``ls`` of a directory it cannot wholly read exits).
-            read = "the rows above are the slot directory's" + (" and what was read of the tier before"
-                                                                 if listing.rows else "")
-            click.echo(f"the shared tier {found.shared.url} could not be read ({read}): {listing.error}", err=True)
-            click.get_current_context().exit(1)
-
-    @sessions.command()
-    @click.argument("key")
-    @click.pass_obj
-    def inspect(found: Sessions, key: str) -> None:
-        """Show one: its file, whether it is intact and usable, and its sidecar (each of its
-        siblings', when several conversations share the key)."""
-        with found.store.lock():
-            try:
-                sidecars = [s for s in found.store.siblings(key) if found.store.stage(key, s.sibling)]
-            except ValueError:  # not a key strata-serve makes: there is no such session
-                sidecars = []
-            if not sidecars:
-                raise click.ClickException(f"no session {key!r} in {found.store.directory}")
-            engine = found.store.engine_description()
-            shown = []
-            for sidecar in sorted(sidecars, key=lambda s: s.sibling):
-                path = found.store.bin_path(key, sidecar.sibling)
-                if found.store.restorable(key, sidecar.sibling):
-                    intact = path.stat().st_size == sidecar.bytes and digest_matches(path, sidecar.digest)
-                else:  # in blocks: its manifest and every block it names (each checked when joined)
-                    intact = found.store.intact(key, sidecar)
-                shown.append((sidecar, path, intact, found.compatible(sidecar, engine)))
-        for n, (sidecar, path, intact, compatible) in enumerate(shown):
-            record = json.loads(json.dumps(sidecar.__dict__))
-            prompt = record.get("prompt") or {}
-            if "chain" in prompt:  # digests, not text: their number says enough
-                prompt["chain"] = f"{len(prompt['chain'])} message boundaries"
-                prompt.pop("sizes", None)
-            if n:
-                click.echo("")
-            if path.is_file():
-                click.echo(f"file: {path} ({_size(path.stat().st_size)})")
-            else:
-                click.echo(f"file: in blocks under {found.store.directory / 'blocks'} "
-                           f"({_size(found.store._size(key, sidecar.sibling))} of blocks)")
-            if len(shown) > 1:
-                click.echo(f"sibling: {sidecar.sibling} of {len(shown)} conversations under this key")
-            click.echo(f"tenant: {tenant_of(key, sidecar) or '-'}")
-            differs = "no: its size or sampled digest differs from when it was saved"
-            click.echo(f"intact: {'yes' if intact else differs}")
-            click.echo(f"compatible: {compatible}")
-            click.echo(json.dumps(record, indent=2))
-
-    @sessions.command()
-    @click.argument("keys", nargs=-1)
-    @click.option("--all", "everything", is_flag=True, help="Remove every session.")
-    @click.option("--tenant", help="Remove every session of this tenant.")
-    @click.pass_obj
-    def rm(found: Sessions, keys: tuple[str, ...], everything: bool, tenant: str | None) -> None:
-        """Remove sessions: KEY..., --all, or --tenant T.
-
-        A key's every file goes (its siblings: conversations that share the key). A
-        running server that holds one of them in its slot, saved or not yet, drops
-        its saves of it and erases the slot.
-
-        With a shared tier, each key chosen is removed there too (a tombstone), and
-        --all and --tenant T take the conversations the tier holds with no file here as
-        well. A tier that cannot be read removes nothing.
-        """
-        if sum((bool(keys), everything, tenant is not None)) != 1:
-            raise click.UsageError("give KEY..., --all or --tenant T (one of them)")
-        not_keys = [key for key in keys if not _is_key(key)]
-        if not_keys:
-            raise click.ClickException(f"no session {', '.join(map(repr, not_keys))}: not a conversation key "
-                                       "(letters, digits, _ and - make one); nothing removed")
-        # The shared tier is read before the store's lock is taken (the running server takes
-        # it around each save): a slow tier never holds up the server's saves.
-        live: dict[str, list[dict[str, Any]]] = {}
-        damaged: dict[str, str] = {}
-        if found.shared is not None:
-            listing = _read_shared(found)
-            if listing.error is not None:
-                raise click.ClickException(f"the shared tier {found.shared.url} could not be read: "
-                                           f"{listing.error}; nothing removed")
-            live, damaged = listing.live(), listing.damaged()
-        with found.store.lock():
-            parked = dict(found.store.sessions())  # a key once, whatever its siblings
-            # Held by a running server and not saved yet: no file, yet theirs to remove.
-            held = [key for key in found.store.held_by_server() if key not in parked]
-            # Held by the shared tier alone: no file here, none in a slot of this server (a key
-            # whose head there is damaged is chosen too: its removal fails, and says why).
-            shared_only = [key for key in [*live, *damaged] if key not in parked and key not in held]
-            shared_only = list(dict.fromkeys(shared_only))
-            if everything:
-                chosen = list(parked) + held + shared_only
-            elif tenant is not None:
-                chosen = [key for key, sidecar in parked.items() if tenant_of(key, sidecar) == tenant]
-                chosen += [key for key in held + shared_only if strata_serve.tenant_of(key) == tenant]
-            else:
-                unknown = [key for key in keys if key not in parked and key not in held and key not in live
-                           and key not in damaged]
-                if unknown:
-                    where = f"{found.store.directory}" + (" or the shared tier" if found.shared is not None else "")
-                    raise click.ClickException(f"no session {', '.join(map(repr, unknown))} in {where}; "
-                                               "nothing removed")
-                chosen = list(dict.fromkeys(keys))
-            removed = dict(found.store.remove_by_hand(chosen))
+            raise click.ClickException(f"the shared tier {found.shared.url} could not be read: "
+                                       f"{listing.error}; nothing removed")
+        live, damaged = listing.live(), listing.damaged()
+    with found.store.lock():
+        parked = dict(found.store.sessions())  # a key once, whatever its siblings
+        # Held by a running server and not saved yet: no file, yet theirs to remove.
+        held = [key for key in found.store.held_by_server() if key not in parked]
+        # Held by the shared tier alone: no file here, none in a slot of this server (a key
+        # whose head there is damaged is chosen too: its removal fails, and says why).
+        shared_only = [key for key in [*live, *damaged] if key not in parked and key not in held]
+        shared_only = list(dict.fromkeys(shared_only))
+        if everything:
+            chosen = list(parked) + held + shared_only
+        elif tenant is not None:
+            chosen = [key for key, sidecar in parked.items() if tenant_of(key, sidecar) == tenant]
+            chosen += [key for key in held + shared_only if strata_serve.tenant_of(key) == tenant]
+        else:
+            unknown = [key for key in keys if key not in parked and key not in held and key not in live
+                       and key not in damaged]
+            if unknown:
+                where = f"{found.store.directory}" + (" or the shared tier" if found.shared is not None else "")
+                raise click.ClickException(f"no session {', '.join(map(repr, unknown))} in {where}; "
+                                           "nothing removed")
+            chosen = list(dict.fromkeys(keys))
+        removed = dict(found.store.remove_by_hand(chosen))
+    for key in chosen:
+        if key in removed:
+            click.echo(f"removed {key} ({_size(removed[key])})")
+        elif key in held:
+            click.echo(f"removed {key}: held by the running server, not saved yet; it is never written, "
+                       "and the server erases it from its slot when it would save it")
+    failed: dict[str, str] = {}
+    if found.shared is not None and chosen:
+        names, failed = _remove_shared(found, chosen)
+        failed = {key: damaged.get(key, why) for key, why in failed.items()}
         for key in chosen:
-            if key in removed:
-                click.echo(f"removed {key} ({_size(removed[key])})")
-            elif key in held:
-                click.echo(f"removed {key}: held by the running server, not saved yet; it is never written, "
-                           "and the server erases it from its slot when it would save it")
-        failed: dict[str, str] = {}
-        if found.shared is not None and chosen:
-            names, failed = _remove_shared(found, chosen)
-            failed = {key: damaged.get(key, why) for key, why in failed.items()}
-            for key in chosen:
-                if key not in removed and key not in held and key not in failed:
-                    click.echo(f"removed {key}: the shared tier held it alone")
-            for name in names:
-                click.echo(f"removed {name} from the shared tier")
-        click.echo(f"{sum(key in removed or key in held or key not in failed for key in chosen)} session(s) removed")
-        if failed:
-            raise click.ClickException(
-                "not removed from the shared tier: " + "; ".join(f"{key} ({why})" for key, why in failed.items())
-                + "; run rm again once the tier answers (a damaged head is for its store's own tools to remove)")
+            if key not in removed and key not in held and key not in failed:
+                click.echo(f"removed {key}: the shared tier held it alone")
+        for name in names:
+            click.echo(f"removed {name} from the shared tier")
+    click.echo(f"{sum(key in removed or key in held or key not in failed for key in chosen)} session(s) removed")
+    if failed:
+        raise click.ClickException(
+            "not removed from the shared tier: " + "; ".join(f"{key} ({why})" for key, why in failed.items())
+            + "; run rm again once the tier answers (a damaged head is for its store's own tools to remove)")
 
-    @sessions.command()
-    @click.option("--max-gb", type=float, required=True, help="Keep at most this many GB, newest first.")
-    @click.pass_obj
-    def prune(found: Sessions, max_gb: float) -> None:
-        """Remove the least recently used sessions until they fit in --max-gb.
+@sessions.command()
+@click.option("--max-gb", type=float, required=True, help="Keep at most this many GB, newest first.")
+@click.pass_obj
+def prune(found: Sessions, max_gb: float) -> None:
+    """Remove the least recently used sessions until they fit in --max-gb.
 
-        A running server saves the conversation its slot holds again when it leaves the
-        slot, if its file was pruned (use rm to delete a conversation for good).
-        """
-        if max_gb < 0:
-            raise click.UsageError("--max-gb must be 0 or more")
-        removed = found.store.prune(keep=1 << 30, max_bytes=int(max_gb * GB))
-        for key, size in removed:
-            click.echo(f"pruned {key} ({_size(size)})")
-        files, total = found.store.usage()
-        click.echo(f"{len(removed)} session(s) pruned; {files} left, {_size(total)}")
+    A running server saves the conversation its slot holds again when it leaves the
+    slot, if its file was pruned (use rm to delete a conversation for good).
+    """
+    if max_gb < 0:
+        raise click.UsageError("--max-gb must be 0 or more")
+    removed = found.store.prune(keep=1 << 30, max_bytes=int(max_gb * GB))
+    for key, size in removed:
+        click.echo(f"pruned {key} ({_size(size)})")
+    files, total = found.store.usage()
+    click.echo(f"{len(removed)} session(s) pruned; {files} left, {_size(total)}")
+
+
+def register(cli: click.Group) -> None:
+    """Add ``strata-serve sessions`` to the command line."""
+    cli.add_command(sessions)
