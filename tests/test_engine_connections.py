@@ -11,6 +11,7 @@ from strata_serve.api import SERVICE
 from strata_serve.config import EngineSettings
 from strata_serve.engine import EngineUnavailable, LlamaServer
 from strata_serve.testing import chat_body
+from tests.engine_doubles import read_request
 
 TIME_WAIT = "06"
 
@@ -62,10 +63,7 @@ class DroppingEngine:
         answered = 0
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)
-                await reader.readexactly(length)
+                await read_request(reader)
                 if answered:
                     self.dropped += 1
                     return

@@ -18,6 +18,7 @@ from strata_serve.api.formats import OPENAI, StreamSeen
 from strata_serve.config import EngineSettings
 from strata_serve.engine import EngineUnavailable, LlamaServer
 from strata_serve.testing import chat_body
+from tests.engine_doubles import read_request
 
 #: The engine's read timeout in these tests: short, but far above a loaded machine's hiccups.
 READ_TIMEOUT_S = 1.5
@@ -43,10 +44,7 @@ class SilentEngine:
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                           if line.lower().startswith(b"content-length:")), 0)
-            await reader.readexactly(length)
+            await read_request(reader)
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                          b"Transfer-Encoding: chunked\r\n\r\n")
             for n in range(self.tokens):
@@ -105,10 +103,7 @@ class SplitEngine:
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                           if line.lower().startswith(b"content-length:")), 0)
-            await reader.readexactly(length)
+            await read_request(reader)
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                          b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
             for piece in self.pieces:
@@ -221,10 +216,7 @@ class LingeringEngine:
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)
-                await reader.readexactly(length)
+                head = await read_request(reader)
                 if not head.startswith(b"POST /v1/chat/completions"):
                     body = b"[]" if head.startswith(b"GET /slots") else b'{"status":"ok"}'
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
