@@ -183,8 +183,9 @@ async def _restore_chain(parking: AutoSessions, key: str, request: StrataRequest
     parking.stats.restored_tokens += answer.tokens
     parking.stats.restored_bytes += answer.bytes
     parking.stats.restore_ms += ms
-    # The chain prefixes the prompt, by construction: the request continues what was restored.
-    request.state.setdefault(NAME, {}).update(restore_ms=ms, continues=True)
+    # The chain prefixes the prompt as the engine tokenized it: the request continues what
+    # was restored (a low reuse then says the tokenizing differed, not that the engine failed).
+    request.state.setdefault(NAME, {}).update(restore_ms=ms, continues=True, by_tokens=True)
     source = chain.source.rpartition("#")[0] if chain.source else "?"
     log.info("[strata] auto sessions: restored %s tokens for %s in %.0f ms%s: the longest stored prefix of its "
              "prompt, %d block(s) of %s's", f"{answer.tokens:,}", key, ms,
@@ -326,6 +327,15 @@ def check_reuse(parking: AutoSessions, request: StrataRequest, restored: int, ou
         return
     expected = min(restored, outcome.prompt_tokens or restored)
     if reused >= parking.config.reuse_warn_ratio * expected:
+        return
+    if request.state.get(NAME, {}).get("by_tokens"):
+        # Restored by the prompt's tokens as /tokenize gave them: the request's own reading
+        # of its prompt differed (a template parameter the rendering did not see). Counted
+        # and said; no sign the engine cannot reuse a restore, so parking goes on.
+        parking.stats.restores_diverged += 1
+        log.info("[strata] auto sessions: %s reused %s of the %s tokens restored by its prompt's tokens: the "
+                 "engine read the prompt otherwise than it tokenized it", request.conversation_key,
+                 f"{reused:,}", f"{restored:,}")
         return
     if not request.state.get(NAME, {}).get("continues", False):
         # The request does not continue what was saved: its low reuse says nothing

@@ -10,6 +10,7 @@ import logging
 import pytest
 
 import strata_auto_sessions
+import strata_serve
 import strata_session_header
 from strata_serve.api import SERVICE
 from strata_serve.testing import ask
@@ -125,4 +126,34 @@ async def test_a_tenant_never_restores_another_tenants_blocks(strata_client_fact
     answer = await ask(client, agent("c"), max_tokens=1, key="alice-key")
     assert parking(client).stats.restores_by_tokens == 1
     assert answer["timings"]["cache_n"] >= 1000, answer["timings"]
+    await client.close()
+
+
+class EditsTheOpening:
+    """A plugin acting after auto-sessions that changes what "b" sends: the prompt the engine
+    reads then differs from the one auto-sessions had tokenized."""
+
+    strata_name = "edits_the_opening"
+
+    @strata_serve.hookimpl(trylast=True)
+    def pre_request(self, request):
+        messages = request.body.get("messages") or []
+        if len(messages) > 1 and str(messages[1].get("content", "")).startswith("Task b"):
+            messages[0] = {**messages[0], "content": "Edited. " + messages[0]["content"]}
+
+
+async def test_a_restore_by_tokens_the_engine_did_not_reuse_never_pauses_parking(auto_client, tmp_path, caplog):
+    """Its tokens were the prompt as auto-sessions saw it; a plugin after it changed the
+    prompt, so the engine reused little. That says nothing of the engine's restores: counted
+    as diverged, said, and parking goes on (a restore "not reused" could pause it)."""
+    client = await auto_client(EditsTheOpening(), engine={"slot_save_path": str(tmp_path / "slots")}, blocks=True,
+                               idle_save_s=0)
+    await ask(client, agent("a"), max_tokens=1)
+    await ask(client, other_opening(), max_tokens=1)
+    answer = await ask(client, agent("b"), max_tokens=1)
+    stats = parking(client).stats
+    assert stats.restores_by_tokens == 1 and answer["timings"]["cache_n"] < 100, (stats, answer["timings"])
+    assert stats.restores_diverged == 1 and stats.restores_not_reused == 0, stats
+    assert any("the engine read the prompt otherwise than it tokenized it" in line for line in log_lines(caplog))
+    assert parking(client).mode.parks
     await client.close()
