@@ -112,6 +112,8 @@ class EngineClient:
     def _warm_soon(self) -> None:
         """After a stream, whose connection the engine closes: a new one opened (by a
         ``/health`` call, kept alive) off the request's path, for the next call to take."""
+        if self.session is None or self.session.closed:
+            return  # stopping: nothing more goes to the engine
         if self._warming is None or self._warming.done():
             self._warming = asyncio.get_running_loop().create_task(self.health())
 
