@@ -508,7 +508,6 @@ class AutoSessions:
             await self._sync()
 
 
-
 def _use_blocks(store: ParkingStore, directory: Path, config: AutoSessionsConfig, service: Service) -> None:
     """Park in blocks (``blocks = true``) where the store is the slot directory's and the
     engine's backend can cut its state; whole files otherwise."""
