@@ -133,11 +133,7 @@ class ParkedBlocks:
         chain = self.store.chain_of(manifest_key(key, sibling))
         if chain is None:
             raise ValueError(f"{key} (sibling {sibling}) has no manifest")
-        try:
-            return self.store.materialize(chain, dest)
-        except BaseException:
-            dest.unlink(missing_ok=True)
-            raise
+        return self.join_chain(chain, dest)
 
     def longest_prefix(self, tenant: str | None, tokens: Sequence[int]) -> Chain | None:
         """The longest chain of stored blocks of ``tenant`` that prefixes ``tokens``, from any

@@ -72,19 +72,13 @@ async def _restore_locked(parking: AutoSessions, key: str, request: StrataReques
         sidecar = _restorable(parking, source, sibling, path)
     if sidecar is None:
         return False
-    verdict = service.verdict("restore", None, service.slots[request.slot].tokens)
-    if verdict in (Verdict.SKIP, Verdict.UNSUPPORTED):
-        if verdict == Verdict.UNSUPPORTED:
-            parking.status.stop("the engine cannot restore slots")
+    if not _engine_restores(parking, request, service):
         return False
     loaded = await _load(parking, key, source, sibling, path, request, service)
     if loaded is None:
         return False
     n_restored, n_read, ms = loaded
-    parking.stats.restores += 1
-    parking.stats.restored_tokens += n_restored
-    parking.stats.restored_bytes += n_read
-    parking.stats.restore_ms += ms
+    _count_restore(parking, n_restored, n_read, ms)
     if source != key:
         fallback.restored_from(parking, key, source, request, n_restored, ms, sibling)
         return True
@@ -105,6 +99,22 @@ async def _restore_locked(parking: AutoSessions, key: str, request: StrataReques
     log.info("[strata] auto sessions: restored %s tokens from %s in %.0f ms%s",
              f"{n_restored:,}", path.name, ms, from_slot(service, request.slot, "into"))
     return True
+
+
+def _engine_restores(parking: AutoSessions, request: StrataRequest, service: Service) -> bool:
+    """Whether the engine's quirk plugins let a restore into the request's slot go ahead
+    (one saying the engine cannot restore stops parking)."""
+    verdict = service.verdict("restore", None, service.slots[request.slot].tokens)
+    if verdict == Verdict.UNSUPPORTED:
+        parking.status.stop("the engine cannot restore slots")
+    return verdict not in (Verdict.SKIP, Verdict.UNSUPPORTED)
+
+
+def _count_restore(parking: AutoSessions, tokens: int, n_read: int, ms: float) -> None:
+    parking.stats.restores += 1
+    parking.stats.restored_tokens += tokens
+    parking.stats.restored_bytes += n_read
+    parking.stats.restore_ms += ms
 
 
 async def _chain_by_tokens(parking: AutoSessions, key: str, request: StrataRequest, service: Service,
@@ -155,10 +165,7 @@ async def _restore_chain(parking: AutoSessions, key: str, request: StrataRequest
     """Restore ``chain`` (found by the prompt's tokens) into the request's slot, which then
     holds a prefix of this request's conversation under its key."""
     assert parking.store is not None
-    verdict = service.verdict("restore", None, service.slots[request.slot].tokens)
-    if verdict in (Verdict.SKIP, Verdict.UNSUPPORTED):
-        if verdict == Verdict.UNSUPPORTED:
-            parking.status.stop("the engine cannot restore slots")
+    if not _engine_restores(parking, request, service):
         return False
     sibling = 0 if choice is None else choice.sibling
     began = time.monotonic()
@@ -178,11 +185,8 @@ async def _restore_chain(parking: AutoSessions, key: str, request: StrataRequest
     finally:
         parking.store.discard(name)
     ms = (time.monotonic() - began) * 1000
-    parking.stats.restores += 1
+    _count_restore(parking, answer.tokens, answer.bytes, ms)
     parking.stats.restores_by_tokens += 1
-    parking.stats.restored_tokens += answer.tokens
-    parking.stats.restored_bytes += answer.bytes
-    parking.stats.restore_ms += ms
     # The chain prefixes the prompt as the engine tokenized it: the request continues what
     # was restored (a low reuse then says the tokenizing differed, not that the engine failed).
     request.state.setdefault(NAME, {}).update(restore_ms=ms, continues=True, by_tokens=True)
