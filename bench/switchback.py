@@ -34,14 +34,16 @@ BARE_OFF = "llama-server, RAM cache off"
 #: The control: A's next turn right after its previous one, nothing in between. The engine
 #: reads the new tokens over the KV it holds; no layer can return faster than this.
 HELD = "llama-server, no switch (A still in the slot)"
+#: Parking whole files (``blocks = false``, set here so that it stays the whole files'
+#: measure whatever the default), beside BLOCKS_OFF.
 PARKED_OFF = "strata + auto-sessions, RAM cache off"
 #: The returns of PARKED_OFF made after an idle save: the outgoing file was current.
 FILE_CURRENT = "strata + auto-sessions, RAM cache off, file current"
-#: PARKED_OFF parking in blocks (the engine's saves staged in memory, the newest states
-#: kept whole there): returning at once, the outgoing save writes only its new blocks.
+#: Parking in blocks (the engine's saves staged in memory, the newest states kept whole
+#: there): returning at once, the outgoing save writes only its new blocks.
 BLOCKS_OFF = "strata + auto-sessions in blocks, RAM cache off"
 #: auto-sessions' settings per setup, beyond those every strata setup has.
-PLUGIN_SETTINGS = {BLOCKS_OFF: {"blocks": True}}
+PLUGIN_SETTINGS = {PARKED_OFF: {"blocks": False}, BLOCKS_OFF: {"blocks": True}}
 #: How long strata-serve waits idle before saving the held conversation, here.
 IDLE_SAVE_S = 0.5
 #: The second conversation of the bare engine with its RAM cache off: its size changes

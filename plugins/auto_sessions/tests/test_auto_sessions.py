@@ -31,6 +31,8 @@ from tests.parked_state import (
 )
 from tests.parked_state import ask as ask_for_logprobs
 
+from .on_disk import is_parked
+
 MIN_TOKENS = 100
 #: Tokens generated where an answer's top logprobs are compared.
 LOGPROB_TOKENS = 8
@@ -169,7 +171,7 @@ async def test_shutdown_saves_and_next_start_restores(auto_client, caplog, cache
     directory = slot_dir(client)
     await client.close()  # a normal stop: drain, on_shutdown, engine stopped
     key = key_of(client, a)
-    assert (directory / f"auto-{key}.bin").exists()
+    assert is_parked(directory, key)
     assert any("(shutdown)" in l for l in log_lines(caplog))
 
     again = await auto_client(engine={"cache_ram_mib": cache_ram_mib})
@@ -194,7 +196,7 @@ async def test_failed_save_does_not_restore_over_the_held_state(auto_client, cap
     assert stats.save_failures == 1
     assert stats.restores == 0 and stats.restores_withheld == 1
     assert reply["choices"], "the request itself is answered"
-    assert not (store.directory / f"auto-{key_a}.bin").exists()
+    assert not is_parked(store.directory, key_a)
     assert any("saving" in l and "failed" in l for l in log_lines(caplog))
     assert held(client).key == key_of(client, b), "the incoming request took the slot all the same"
 
@@ -264,7 +266,7 @@ async def test_file_from_another_model_is_refused(auto_client, auto_settings, st
     await ask(first, a)
     await first.close()  # saves A's state, made by the other model
     key = key_of(first, a)
-    assert (slot_dir(first) / f"auto-{key}.bin").exists()
+    assert is_parked(slot_dir(first), key)
 
     client = await auto_client()
     reply = await ask(client, a)
@@ -436,7 +438,7 @@ async def test_retry_verdict_tries_the_save_once_more(auto_client, monkeypatch):
     stats = parking(client).stats
     assert stats.saves == 2 and stats.save_failures == 0, "the second try saved A"
     assert stats.restores == 1, "and B was restored as usual"
-    assert (store.directory / f"auto-{key_of(client, a)}.bin").exists()
+    assert is_parked(store.directory, key_of(client, a))
 
 
 async def test_an_idle_server_saves_the_held_conversation_so_the_switch_does_not(auto_client, caplog):
@@ -445,7 +447,7 @@ async def test_an_idle_server_saves_the_held_conversation_so_the_switch_does_not
     await ask(client, a)
     key_a = key_of(client, a)
     await until(lambda: parking(client).stats.idle_saves == 1, what="the idle save")
-    assert (slot_dir(client) / f"auto-{key_a}.bin").exists()
+    assert is_parked(slot_dir(client), key_a)
     assert any(f"auto-{key_a}.bin" in line and "(idle)" in line for line in log_lines(caplog))
     await ask(client, b)  # the switch: A is on disk already
     stats = parking(client).stats
@@ -538,10 +540,10 @@ async def test_a_failed_idle_save_still_leaves_the_shutdown_save(auto_client, ca
     assert stats.idle_saves == 0 and stats.saves == 0
     assert any("saving" in l and "failed" in l for l in log_lines(caplog))
     key = key_of(client, a)
-    assert not (directory / f"auto-{key}.bin").exists()
+    assert not is_parked(directory, key)
 
     await client.close()  # a normal stop, the directory back in place
-    assert (directory / f"auto-{key}.bin").exists(), "the shutdown saved the conversation the idle save missed"
+    assert is_parked(directory, key), "the shutdown saved the conversation the idle save missed"
     assert any(f"auto-{key}.bin" in l and "(shutdown)" in l for l in log_lines(caplog))
 
     again = await auto_client()

@@ -13,6 +13,7 @@ import pytest
 from strata_serve.api import SERVICE
 from strata_serve.testing import chat, conversation, until
 
+from .on_disk import is_parked
 from .test_auto_sessions import key_of, log_lines, parking, slot_dir
 
 #: A return found its own state when it reused at least this much of its ~750-token opening.
@@ -69,7 +70,7 @@ async def test_a_stop_saves_the_conversations_left_in_ram_and_they_restore(auto_
     keys = [key_of(client, messages) for messages in chats]
     await client.close()
     for key in keys:
-        assert (directory / f"auto-{key}.bin").exists(), key
+        assert is_parked(directory, key), key
     again = await auto_client(engine={"cache_ram_mib": ROOMY_MIB, "slot_save_path": str(directory)})
     back, state = await send(again, chats[0] + [{"role": "assistant", "content": "x"},
                                                  {"role": "user", "content": "a?"}])

@@ -23,6 +23,7 @@ from strata_serve.hook_types import StrataRequest, Verdict
 from strata_serve.testing import ask, conversation, until
 
 from .conftest import MIN_TOKENS
+from .on_disk import is_parked
 from .test_auto_sessions import key_of, log_lines, parking, slot_dir
 
 #: A return found its own state when it reused at least this much of its ~750-token opening.
@@ -163,7 +164,7 @@ async def test_a_normal_stop_under_steady_traffic_leaves_every_conversation_on_d
     directory = slot_dir(client)
     await client.close()
     for messages in chats:
-        assert (directory / f"auto-{key_of(client, messages)}.bin").exists()
+        assert is_parked(directory, key_of(client, messages))
 
 
 class SkipEverySave:
@@ -341,7 +342,7 @@ async def test_a_client_leaving_at_any_await_of_the_plugin_steps_leaves_a_true_p
 
     assert outcomes[-1] == (key_b, "cancelled", "the client went away before the engine was asked")
     assert not list(directory.glob("tmp-*")), "a temporary file was left behind"
-    assert (directory / parking(client).store.bin_name(key_a)).exists()
+    assert is_parked(directory, key_a)
     pictured = {state.key: state for state in service.slots}
     assert set(pictured) == ({key_a, key_b} if two_slots else {key_b}), list(service.slots)
     if two_slots:

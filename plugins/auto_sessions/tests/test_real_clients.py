@@ -24,6 +24,8 @@ from strata_serve.testing import conversation
 from tests.parked_state import settle
 from tests.slot_reads import ENGINE_ARGS, SlotReads
 
+from .on_disk import is_parked
+
 #: How each request's client behaves.
 PATTERNS = (
     "after_last_event",   # read up to the event with the timings, then close (before [DONE])
@@ -182,7 +184,7 @@ async def test_a_client_that_leaves_during_the_switch_save_leaves_no_temporary(a
     directory = Path(service.engine.info.slot_save_path)
     assert not list(directory.glob("tmp-*")), "the save ran to its end, nothing half-written"
     key_a = service.conversation_key(_request(a))
-    assert (directory / f"auto-{key_a}.bin").exists(), "A was saved all the same"
+    assert is_parked(directory, key_a), "A was saved all the same"
     assert service.slots[0].key == key_a, "B never reached the engine: the slot still holds A"
     monkeypatch.setattr(service.engine, "save", real_save)
     back = await read_all(url, a)

@@ -26,6 +26,7 @@ from strata_serve.testing import ask, conversation
 
 from tests.parked_state import settle
 
+from .on_disk import is_parked
 from .test_auto_sessions import key_of, log_lines, parking, slot_dir
 
 KEYS = {"api_keys": {"alice": "alice-key", "bob": "bob-key"}}
@@ -118,7 +119,7 @@ async def test_rm_a_key_a_tenant_or_all(parked):
 
     assert sessions(parked, "rm", alice[0])[0] == 0
     assert sorted(listed(parked)) == sorted([alice[1], bob])
-    assert not (parked / f"auto-{alice[0]}.bin").exists() and not (parked / f"auto-{alice[0]}.json").exists()
+    assert not is_parked(parked, alice[0]) and not (parked / f"auto-{alice[0]}.json").exists()
     code, output = sessions(parked, "rm", "--tenant", "bob")
     assert code == 0 and f"removed {bob}" in output and sorted(listed(parked)) == [alice[1]]
     code, output = sessions(parked, "rm", "--all")
@@ -158,9 +159,9 @@ async def test_rm_waits_for_a_save_in_progress(parked):
             assert time.monotonic() < deadline, "rm never waited for the lock"
             time.sleep(0.01)
         assert not done.is_set(), "rm ran while the lock was held"
-        assert (parked / f"auto-{key}.bin").exists()
+        assert is_parked(parked, key)
     worker.join(timeout=10)
-    assert done.is_set() and not (parked / f"auto-{key}.bin").exists()
+    assert done.is_set() and not is_parked(parked, key)
 
 
 async def test_rm_while_the_server_runs_is_never_undone_by_its_saves(auto_client, caplog):
@@ -178,7 +179,7 @@ async def test_rm_while_the_server_runs_is_never_undone_by_its_saves(auto_client
     assert code == 0 and f"removed {key}" in output
     await ask(client, a + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "more"}])
     await ask(client, b)       # the switch would save a again: dropped, the slot erased
-    assert not (directory / f"auto-{key}.bin").exists() and not (directory / f"auto-{key}.json").exists()
+    assert not is_parked(directory, key) and not (directory / f"auto-{key}.json").exists()
     assert any(f"{key} was removed by hand" in line for line in log_lines(caplog))
     assert key not in listed(directory)
     again = await ask(client, a)
@@ -202,10 +203,10 @@ async def test_prune_while_the_server_holds_a_conversation_does_not_lose_it(auto
 
     code, output = await asyncio.to_thread(sessions, directory, "prune", "--max-gb", "0")
     assert code == 0 and f"pruned {key}" in output, output
-    assert not (directory / f"auto-{key}.bin").exists()
+    assert not is_parked(directory, key)
 
     await ask(client, b)  # a leaves the slot: its file is gone, so it is saved again
-    assert (directory / f"auto-{key}.bin").exists()
+    assert is_parked(directory, key)
     assert stats.saves == 2 and stats.save_skips_unchanged == 0
     assert any(f"{key}'s file is gone since it was saved: saving it again" in line for line in log_lines(caplog))
     back = await ask(client, a)
@@ -227,7 +228,7 @@ async def test_rm_of_a_held_conversation_whose_file_is_current_erases_it_from_th
     code, output = await asyncio.to_thread(sessions, directory, "rm", key)
     assert code == 0 and f"removed {key}" in output, output
     await ask(client, b)  # a leaves the slot: its save is dropped and the slot erased
-    assert not (directory / f"auto-{key}.bin").exists()
+    assert not is_parked(directory, key)
     assert any(f"{key} was removed by hand" in line for line in log_lines(caplog))
     again = await ask(client, a)
     assert again["timings"]["cache_n"] < 40, "nothing of it was kept"
@@ -318,13 +319,13 @@ async def test_a_lock_held_by_another_process_never_stops_the_server(auto_client
         holder.stdout.close()
     key_a = key_of(client, a)
     if saved:
-        assert stats.saves == 1 and (directory / f"auto-{key_a}.bin").exists()
+        assert stats.saves == 1 and is_parked(directory, key_a)
     else:
-        assert stats.saves == 0 and stats.save_failures == 1 and not (directory / f"auto-{key_a}.bin").exists()
+        assert stats.saves == 0 and stats.save_failures == 1 and not is_parked(directory, key_a)
         assert any(f"saving {key_a} given up" in line and "lock" in line for line in log_lines(caplog))
         assert not list(directory.glob("tmp-auto-*")), "no temporary left"
     again = await ask(client, a)  # the lock is free: the switch back parks b as ever
-    assert stats.saves == (2 if saved else 1) and (directory / f"auto-{key_of(client, b)}.bin").exists()
+    assert stats.saves == (2 if saved else 1) and is_parked(directory, key_of(client, b))
     if saved:
         assert stats.restores == 1 and again["timings"]["cache_n"] > 600, "a came back from its file"
 
@@ -336,13 +337,13 @@ async def test_rm_of_a_held_conversation_not_yet_saved_by_key(auto_client, caplo
     a, b = conversation("unsaved"), conversation("next")
     await ask(client, a)
     key, directory = key_of(client, a), slot_dir(client)
-    assert client.app[SERVICE].slots[0].key == key and not (directory / f"auto-{key}.bin").exists()
+    assert client.app[SERVICE].slots[0].key == key and not is_parked(directory, key)
 
     code, output = await asyncio.to_thread(sessions, directory, "rm", key)
     assert code == 0, output
     assert f"removed {key}: held by the running server, not saved yet" in output and "1 session(s) removed" in output
     await ask(client, b)  # the switch would save a: dropped, the slot erased
-    assert not (directory / f"auto-{key}.bin").exists() and not (directory / f"auto-{key}.json").exists()
+    assert not is_parked(directory, key) and not (directory / f"auto-{key}.json").exists()
     assert any(f"{key} was removed by hand" in line for line in log_lines(caplog))
     again = await ask(client, a)
     assert again["timings"]["cache_n"] < 40, "nothing of it was kept"
@@ -362,7 +363,7 @@ async def test_rm_of_a_tenant_takes_its_held_conversation_not_yet_saved(strata_c
     directory = slot_dir(client)
     held = client.app[SERVICE].slots[0]
     alice = held.key
-    assert held.tenant == "alice" and not (directory / f"auto-{alice}.bin").exists()
+    assert held.tenant == "alice" and not is_parked(directory, alice)
 
     code, output = await asyncio.to_thread(sessions, directory, "rm", "--tenant", "alice")
     assert code == 0, output
@@ -370,7 +371,7 @@ async def test_rm_of_a_tenant_takes_its_held_conversation_not_yet_saved(strata_c
     assert [row["tenant"] for row in listed(directory).values()] == ["bob"], "bob's file stays"
     back = await ask(client, b, key="bob-key")  # alice's leaves the slot: dropped
     assert back["timings"]["cache_n"] > 600, "bob's came back from its file"
-    assert not (directory / f"auto-{alice}.bin").exists()
+    assert not is_parked(directory, alice)
     again = await ask(client, a, key="alice-key")
     assert again["timings"]["cache_n"] < 40, "nothing of alice's was kept"
 
@@ -392,7 +393,7 @@ async def test_a_conversation_started_anew_after_its_rm_parks_normally(auto_clie
     assert anew["timings"]["cache_n"] < 40
     assert client.app[SERVICE].slots[0].since > SessionStore(directory).removed_by_hand()[key]
     await ask(client, b)  # a leaves the slot: saved, not dropped
-    assert (directory / f"auto-{key}.bin").exists(), "the new state was saved"
+    assert is_parked(directory, key), "the new state was saved"
     assert not any(f"{key} was removed by hand" in line for line in log_lines(caplog))
     assert key not in SessionStore(directory).removed_by_hand(), "the removal is done with"
     restores = stats.restores
@@ -501,7 +502,7 @@ async def test_rm_racing_the_running_servers_saves_never_brings_a_conversation_b
             a = more(a, "on")
             await ask(client, a)  # A restored and continued: its newest turn is in the slot only
             key = key_of(client, a)
-            assert (directory / f"auto-{key}.bin").exists()
+            assert is_parked(directory, key)
             # The switch saves A; rm starts as the engine writes it, and its work (tens of
             # milliseconds) falls across the commit's.
             process.stdin.write(json.dumps({"key": key, "delay_s": rng.uniform(0, 0.01),
@@ -514,7 +515,7 @@ async def test_rm_racing_the_running_servers_saves_never_brings_a_conversation_b
             await settle(client)
             # rm began once the save's temporary was there, before the switch was answered.
             during += result["seen"] is not None and result["began"] < answered
-            assert not (directory / f"auto-{key}.bin").exists(), f"round {n}: the removed {key} came back"
+            assert not is_parked(directory, key), f"round {n}: the removed {key} came back"
             assert not (directory / f"auto-{key}.json").exists(), f"round {n}: {key}'s sidecar came back"
             assert key not in listed(directory)
             removed.append(a)

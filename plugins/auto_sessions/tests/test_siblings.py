@@ -23,6 +23,7 @@ from strata_serve.hook_types import StrataRequest
 from strata_serve.models import packaged_model_path
 from strata_serve.testing import ask
 
+from .on_disk import parked_names
 from .test_auto_sessions import parking, slot_dir
 
 #: A return reused its own state when it reused at least this share of its prompt (the
@@ -84,10 +85,8 @@ def key_of(client, messages: list[dict], headers: dict | None = None) -> str:
 
 
 def files_of(client, key: str) -> list[str]:
-    """The names of the key's state files, siblings included."""
-    name = file_key(key)
-    return sorted(path.name for path in slot_dir(client).glob(f"auto-{name}*.bin")
-                  if path.name == f"auto-{name}.bin" or path.name.startswith(f"auto-{name}."))
+    """The names of the key's parked conversations, siblings included."""
+    return parked_names(slot_dir(client), key)
 
 
 @pytest.fixture(scope="module")
