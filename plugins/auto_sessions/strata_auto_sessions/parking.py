@@ -235,6 +235,11 @@ class AutoSessions:
             with span("auto_sessions.siblings"):
                 choice = self.siblings.choose(key, request, held, one=self.one_file_a_key)
             request.state.setdefault(NAME, {})["sibling"] = choice.sibling
+            if self.engine_ram is not None and not choice.new and choice.sibling == 0:
+                # The conversation takes the slot: the engine brings it back from its RAM
+                # cache if it is there (and drops it from the cache), or it is restored or
+                # read anew. Either way it is in RAM no more: a later return restores its file.
+                self.engine_ram.take_back((request.tenant, key, 0))
             if choice.new:
                 self.stats.siblings_started += 1
                 log.info("[strata] auto sessions: %s: this request continues none of the conversations under "

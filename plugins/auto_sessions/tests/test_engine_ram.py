@@ -115,6 +115,35 @@ async def test_a_conversation_believed_in_ram_that_was_not_turns_the_belief_off(
     assert stats.saves == saves + 1 and stats.ram_switches == switches, "the next switch parked A to disk"
 
 
+async def test_a_conversation_taken_back_from_ram_by_a_switch_not_left_to_it_is_believed_there_no_more(auto_client,
+                                                                                                        caplog):
+    """B, left in the engine's RAM, comes back with a prompt that does not continue its last
+    one (its last answer replaced, as a client that cut it sends it): that switch is not
+    left to the engine, which brings B back from its RAM all the same. B then leaves to
+    disk and C is restored over it; B's next return must restore its file, not be left to
+    a RAM that no longer holds it."""
+    client = await auto_client(engine={"cache_ram_mib": ROOMY_MIB})
+    a, b, c = conversation("back-a"), conversation("back-b"), conversation("back-c")
+    for messages in (a, b, c):
+        await send(client, messages)
+    b2 = b + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "b?"}]
+    c2 = c + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "c?"}]
+    await send(client, b2)
+    await send(client, c2)  # B left to the engine's RAM, its prompt three messages long
+    stats = parking(client).stats
+    assert parking(client).engine_ram.holds((None, key_of(client, b), 0)) and stats.ram_misses == 0
+    cut = b + [{"role": "assistant", "content": "x, cut short"}, {"role": "user", "content": "b?"}]
+    answer, _state = await send(client, cut)  # not a continuation: C parked to disk, B from the engine's RAM
+    assert answer["timings"]["cache_n"] >= OWN_STATE, "the engine brought B back from its RAM"
+    await send(client, c2 + [{"role": "assistant", "content": "y"}, {"role": "user", "content": "c!"}])  # C restored
+    more = cut + [{"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
+                  {"role": "user", "content": "and b?"}]
+    back, state = await send(client, more)
+    assert state == "disk" and back["timings"]["cache_n"] >= OWN_STATE, (state, back["timings"])
+    assert stats.ram_misses == 0 and parking(client).engine_ram.trusted
+    assert not any("it was not there" in line for line in log_lines(caplog))
+
+
 async def test_a_request_of_the_held_conversation_goes_to_the_engine_ahead_of_its_turn(auto_client):
     """auto-sessions agrees to ``may_go_ahead`` for the conversation the slot holds: the
     engine gets the second request while the first one is still answered."""
