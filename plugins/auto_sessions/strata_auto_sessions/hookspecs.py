@@ -33,7 +33,10 @@ def auto_sessions_store(directory: Path, service: Service) -> ParkingStore | Non
     ``sibling`` the store's methods take (0, the plain name, by default) and each sidecar
     names; a store whose methods take no ``sibling``, or that has no ``siblings(key)``,
     keeps one file a key. The default
-    is :class:`~strata_auto_sessions.store.SessionStore`, the slot directory alone.
+    is :class:`~strata_auto_sessions.store.SessionStore`, the slot directory alone. A
+    subclass of it parks whole files (its ``bin_name`` files are there to copy) unless it
+    sets ``parks_blocks = True``: then, with ``blocks = true``, a conversation may be a
+    sidecar and a manifest in the block store, and no file.
     Stops at the first non-None result; return None to defer.
 
     :param directory: The engine's slot directory.

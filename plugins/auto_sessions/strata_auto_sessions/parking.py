@@ -514,10 +514,16 @@ class AutoSessions:
 
 
 def _use_blocks(store: ParkingStore, directory: Path, config: AutoSessionsConfig, service: Service) -> None:
-    """Park in blocks (``blocks = true``) where the store is the slot directory's and the
-    engine's backend can cut its state; whole files otherwise."""
+    """Park in blocks (``blocks = true``) where the store is the slot directory's (or a
+    store plugin's that says it parks blocks) and the engine's backend can cut its state;
+    whole files otherwise."""
     state_format = getattr(service.engine, "state_format", None)
     if not config.blocks or not isinstance(store, SessionStore):
+        return
+    if type(store) is not SessionStore and not getattr(store, "parks_blocks", False):
+        # A store plugin built on whole files (it copies ``bin_name`` out and back in).
+        log.info("[strata] auto sessions: the store %s parks whole files (it does not say parks_blocks = True)",
+                 type(store).__name__)
         return
     if state_format is None:
         log.info("[strata] auto sessions: blocks = true, but this engine's state cannot be cut into blocks: "

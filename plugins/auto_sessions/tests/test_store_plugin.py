@@ -43,15 +43,22 @@ class MirrorStore(SessionStore):
         return super().stage(key, sibling)
 
 
+class BlocksAwareStore(SessionStore):
+    """A store plugin that says it parks blocks (it keeps nothing of its own here)."""
+
+    parks_blocks = True
+
+
 class MirrorPlugin:
     strata_name = "mirror_store"
 
-    def __init__(self, mirror: Path):
+    def __init__(self, mirror: Path, store: type[SessionStore] | None = None):
         self.mirror = mirror
+        self.store = store
 
     @strata_serve.hookimpl
     def auto_sessions_store(self, directory):
-        return MirrorStore(directory, self.mirror)
+        return MirrorStore(directory, self.mirror) if self.store is None else self.store(directory)
 
 
 def body(messages):
@@ -102,3 +109,26 @@ def _request(messages):
     from strata_serve.hook_types import StrataRequest
 
     return StrataRequest(route="chat", body={"messages": messages})
+
+
+@pytest.mark.parametrize("store", [None, BlocksAwareStore], ids=["on-whole-files", "parks-blocks"])
+async def test_a_store_plugin_parks_blocks_only_when_it_says_so(strata_client_factory, strata_settings_factory,
+                                                                tmp_path, store):
+    """With ``blocks = true``, a store plugin built on whole files (the mirror: it copies each
+    ``bin_name`` file out) is still given whole files; one that sets ``parks_blocks`` parks
+    in blocks. The latter is the control: the setting reaches a plugin's store."""
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    settings = strata_settings_factory(plugins={"auto_sessions": {"min_tokens": 100, "blocks": True}})
+    client = await strata_client_factory(strata_auto_sessions, MirrorPlugin(mirror, store), settings=settings)
+    parking = client.app[SERVICE].state["auto_sessions"]
+    a, b = conversation("aware-a"), conversation("aware-b")
+    for messages in (a, b):
+        assert (await client.post("/v1/chat/completions", json=body(messages))).status == 200
+    key = client.app[SERVICE].conversation_key(_request(a))
+    if store is None:
+        assert parking.store.blocks is None and (mirror / parking.store.bin_name(key)).is_file()
+        assert parking.store.restorable(key), "A parked as a whole file"
+    else:
+        assert parking.store.blocks is not None and parking.store.blocks.manifest(key, 0) is not None
+        assert not parking.store.restorable(key), "A parked in blocks, no whole file"
