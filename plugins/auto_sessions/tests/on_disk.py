@@ -20,3 +20,9 @@ def parked_names(directory: Path, key: str) -> list[str]:
     ``auto-<key>.1.bin``...), whether each is parked whole or in blocks."""
     store = SessionStore(directory, ParkedBlocks.existing(directory))
     return sorted(store.bin_name(key, sidecar.sibling) for sidecar in store.siblings(key))
+
+
+def all_parked_names(directory: Path) -> set[str]:
+    """The names of every conversation parked in ``directory``, whole or in blocks."""
+    store = SessionStore(directory, ParkedBlocks.existing(directory))
+    return {store.bin_name(key, sidecar.sibling) for key, sidecar in store.sessions()}

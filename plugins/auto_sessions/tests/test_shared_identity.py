@@ -24,6 +24,7 @@ from strata_auto_sessions.shared.sync import LEDGER_NAME
 from strata_serve.testing import ask, conversation
 from tests.replicas import RESTORE_SLACK, Answer, Replicas, Reuse
 
+from .on_disk import all_parked_names
 from .shared_fixtures import S3_ENV, new_bucket
 from .test_auto_sessions import parking
 from .test_shared_parking import settled
@@ -227,21 +228,25 @@ async def test_uploads_pending_at_a_restart_land_once_the_store_is_back(tmp_path
 # -- the ledger beside the files ----------------------------------------------------------------
 
 
+@pytest.mark.parametrize("blocks", [False, True], ids=["whole", "blocks"])
 async def test_the_shared_bookkeeping_holds_the_files_kept_and_is_written_only_on_change(
-        auto_client, tmp_path, shared):
+        auto_client, tmp_path, shared, blocks):
     """Ten conversations with ``keep = 2``: what the server keeps beside the files of what
     the shared tier has of them names the two files kept, no more; and a switch that
     changes nothing there (a lookup, a restore) leaves it unwritten. Before, it named every
     conversation ever uploaded (59 for 60) and was written again at every keyed switch."""
-    client = await auto_client(idle_save_s=0, keep=2, shared={"url": shared.url, "retry_s": 0.5})
+    client = await auto_client(idle_save_s=0, keep=2, blocks=blocks, shared={"url": shared.url, "retry_s": 0.5})
     chats = [conversation(f"many{n}") for n in range(10)]
     for chat in chats:
         await ask(client, chat)
     await ask(client, [{"role": "user", "content": "hi"}])  # the last one parked; this one is not worth a file
     await settled(client)
+    # An upload whose conversation was pruned meanwhile (its file, or its blocks, gone) is
+    # dropped, not failed and tried again.
+    assert parking(client).stats.shared_upload_failures == 0
     directory = parking(client).store.directory
     ledger = directory / LEDGER_NAME
-    kept = {path.name for path in directory.glob("auto-*.bin")}
+    kept = all_parked_names(directory)
     recorded = json.loads(ledger.read_text())
     print(f"\n{len(recorded)} entries recorded, {len(kept)} files kept, {ledger.stat().st_size} bytes")
     assert set(recorded) <= kept and len(kept) == 2, (sorted(recorded), sorted(kept))

@@ -445,6 +445,11 @@ class SharedParking:
         bin_temp, json_temp, sidecar, manifest = snapshot
         try:
             await self._send(name, bin_temp, json_temp, sidecar, manifest)
+        except FileNotFoundError:
+            if manifest is None or Sidecar.read(self.directory / sidecar_name(name)) is not None:
+                raise  # saved anew meanwhile (its blocks changed): tried again
+            # Its blocks were freed while they were sent: pruned or removed here since.
+            self.ledger.entries.pop(name, None)
         finally:
             if bin_temp is not None:
                 bin_temp.unlink(missing_ok=True)
