@@ -462,7 +462,7 @@ class SessionStore:
             with span("auto_sessions.blocks"):
                 report = self.blocks.save(key, sidecar.sibling, temp)
             if report.refused is None:
-                self._commit_blocks(temp, target, key, sidecar)
+                self._commit_blocks(temp, target, key, sidecar, report.paths)
                 return
             # Kept whole (the format refused the state): an earlier manifest goes.
             self.blocks.remove(key, sidecar.sibling)
@@ -474,11 +474,13 @@ class SessionStore:
         with span("auto_sessions.sidecar"):
             self._put_in_place(temp, target, key, sidecar)
 
-    def _commit_blocks(self, temp: Path, target: Path, key: str, sidecar: Sidecar) -> None:
+    def _commit_blocks(self, temp: Path, target: Path, key: str, sidecar: Sidecar, written: tuple[Path, ...]) -> None:
         """The state is in the block store (its manifest written): the whole file of an
         earlier version goes, the sidecar is written, the engine's temporary removed.
         A crash before the sidecar leaves the old sidecar beside the new manifest, whose
-        tokens differ: refused at its restore, never a wrong state."""
+        tokens differ: refused at its restore, never a wrong state. With ``sync_later``
+        the new blocks and the manifest (``written``) are fsynced with the sidecar, by
+        :meth:`sync_written`."""
         target.unlink(missing_ok=True)
         sidecar.write(self.sidecar_path(key, sidecar.sibling), sync=not self.sync_later)
         if self.staging is not None and self.blocks is not None:
@@ -488,7 +490,7 @@ class SessionStore:
         temp.unlink(missing_ok=True)
         if self.sync_later:
             with self._unsynced_lock:
-                self._unsynced.append(self.sidecar_path(key, sidecar.sibling))
+                self._unsynced += [*written, self.sidecar_path(key, sidecar.sibling)]
 
     def _put_in_place(self, temp: Path, target: Path, key: str, sidecar: Sidecar) -> None:
         if self.sync_later:
@@ -530,6 +532,11 @@ class SessionStore:
                 synced += 1
             except FileNotFoundError:
                 continue
+        # The directories their names were made in: the slot directory's, and the block
+        # store's (a block's fan-out directory, the manifests').
+        for directory in dict.fromkeys(path.parent for path in paths if path.parent != self.directory):
+            with contextlib.suppress(FileNotFoundError):
+                _fsync(directory)
         if paths or retired:
             _fsync(self.directory)
         return synced

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+import strata_auto_sessions.store as store_module
 from strata_auto_sessions.parked_blocks import BLOCKS_DIR, ParkedBlocks
 from strata_serve import CutState
 from strata_serve.cli import cli
@@ -307,3 +308,29 @@ async def test_in_blocks_a_conversation_moves_between_servers_through_the_shared
     third = await ask(one, then(a2, second, "And after that?"), max_tokens=1)  # one's copy is older: fetched
     assert parking(one).stats.shared_fetches == 1 and parking(one).stats.restores == 1
     assert third["timings"]["cache_n"] >= newer.tokens - 3, (third["timings"], newer.tokens)
+
+
+@pytest.mark.parametrize("fsync", ["background", "at_save"])
+async def test_a_save_in_blocks_reaches_the_disk_with_its_new_blocks_and_manifest(auto_client, monkeypatch, fsync):
+    """``fsync = "background"``: the new blocks and the manifest a save wrote are fsynced
+    with its sidecar off the request's path, and their directories too, so a power cut
+    after the sync leaves the conversation whole. ``at_save`` (the control of the paths):
+    the block store fsyncs them itself as it writes them."""
+    synced: list[Path] = []
+    real = store_module._fsync
+    monkeypatch.setattr(store_module, "_fsync", lambda path: (synced.append(Path(path)), real(path))[1])
+    client = await auto_client(blocks=True, idle_save_s=0, ram_first=False, fsync=fsync)
+    a = agent("durable-a")
+    await ask(client, a)
+    await ask(client, agent("durable-b"))  # A parked in blocks
+    await parking(client).synced()
+    blocks = parking(client).store.blocks
+    key = key_of(client, a)
+    manifest = blocks.store._manifest_path(f"{key}#0")
+    objects = [blocks.store._object_path(name) for name in blocks.manifest(key, 0).objects()]
+    assert objects and manifest.is_file()
+    if fsync == "background":
+        assert manifest in synced and all(path in synced for path in objects), synced
+        assert manifest.parent in synced and all(path.parent in synced for path in objects)
+    else:
+        assert manifest not in synced and not any(path in synced for path in objects)

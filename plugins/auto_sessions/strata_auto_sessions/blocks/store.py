@@ -109,6 +109,9 @@ class SaveReport:
     #: The engine's bytes of the state (what a whole file holds, without its header).
     state_bytes: int = 0
     refused: StateRefusal | None = None
+    #: The files this save wrote (new objects, the manifest): not yet fsynced when the
+    #: store does not fsync (the caller syncs them off the request's path).
+    paths: tuple[Path, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -261,8 +264,9 @@ class BlockStore:
                 tail_tokens=list(cut.tail.tokens), tokens=len(cut.tokens), saved_at=time.time(),
             )
             written += self._write_manifest(manifest)
+        paths = (*(self._object_path(name) for name in added), self._manifest_path(manifest_key))
         return SaveReport(key=manifest_key, tokens=len(cut.tokens), blocks=len(names), blocks_written=new_blocks,
-                          bytes_written=written, state_bytes=cut.state_bytes)
+                          bytes_written=written, state_bytes=cut.state_bytes, paths=paths)
 
     def _publish(self, name: str, block: StateBlock) -> int:
         return self._publish_raw(name, objects.encode_parts(block, self.compression))
