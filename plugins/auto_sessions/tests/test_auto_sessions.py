@@ -74,7 +74,8 @@ def plugin_logs(caplog):
 
 async def test_switch_saves_and_switching_back_restores_exactly(auto_client, llama_server_factory, caplog,
                                                                sharp_model):
-    client = await auto_client(engine={"model": str(sharp_model)})
+    # Whole files (this test reads the file); in blocks: test_block_parking.py.
+    client = await auto_client(engine={"model": str(sharp_model)}, blocks=False)
     a, b = conversation("alpha"), conversation("beta")
     # A, B (A saved), A's next turn (A restored and reused): checked inside.
     a2, after_switch = await switch_and_back(client, a, b, LOGPROB_TOKENS)
@@ -228,7 +229,7 @@ async def test_provisional_verdict_lets_the_restore_happen(auto_client, monkeypa
 
 
 async def test_pruning_by_count_leaves_manual_files(auto_client):
-    client = await auto_client(keep=2)
+    client = await auto_client(keep=2, blocks=False)  # whole files: in blocks, test_block_parking.py
     await ask(client, conversation("p0"))
     saved = await client.post("/slots/0?action=save", json={"filename": "manual.bin"})
     assert saved.status == 200
@@ -241,7 +242,8 @@ async def test_pruning_by_count_leaves_manual_files(auto_client):
 
 
 async def test_pruning_by_size_spares_the_newest_and_the_incoming_file(auto_client, caplog):
-    client = await auto_client(max_gb=1e-9)  # about one byte: every file is over
+    # About one byte: every file is over. Whole files: in blocks, test_block_parking.py.
+    client = await auto_client(max_gb=1e-9, blocks=False)
     s0, s1, s2 = conversation("s0"), conversation("s1"), conversation("s2")
     await ask(client, s0)
     await ask(client, s1)
@@ -279,7 +281,8 @@ async def test_file_from_another_model_is_refused(auto_client, auto_settings, st
 @pytest.mark.parametrize("damage", ["truncated", "overwritten"])
 async def test_damaged_file_is_never_handed_to_the_engine(auto_client, llama_server_factory, caplog, damage,
                                                           sharp_model):
-    client = await auto_client(engine={"model": str(sharp_model)})
+    # A whole file damaged; a damaged block: test_block_parking.py.
+    client = await auto_client(engine={"model": str(sharp_model)}, blocks=False)
     a, b = conversation("trunc-a"), conversation("trunc-b")
     await ask(client, a)
     await ask(client, b)
@@ -501,8 +504,7 @@ async def test_a_slot_action_by_hand_parks_the_held_conversation_first(auto_clie
     assert saved.status == 200, await saved.text()
     await ask(client, a)  # B parked at the switch; A held, worth a file, not saved
     key_a = key_of(client, a)
-    bin_a = slot_dir(client) / f"auto-{key_a}.bin"
-    assert not bin_a.exists() and not held(client).file_current
+    assert not is_parked(slot_dir(client), key_a) and not held(client).file_current
     saves = parking(client).stats.saves
 
     if action == "erase":
@@ -514,7 +516,7 @@ async def test_a_slot_action_by_hand_parks_the_held_conversation_first(auto_clie
     # a restore puts B there), so a save then could not have held A's tokens.
     assert parking(client).stats.saves == saves + 1
     sidecar = parking(client).store.sidecar(key_a)
-    assert bin_a.exists() and sidecar is not None and sidecar.tokens > 600, sidecar
+    assert is_parked(slot_dir(client), key_a) and sidecar is not None and sidecar.tokens > 600, sidecar
     assert any(f"auto-{key_a}.bin" in line and "(slot action)" in line for line in log_lines(caplog))
 
     back = await ask(client, a + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "Go on."}])
@@ -557,7 +559,7 @@ async def test_a_save_is_on_disk_before_its_name_appears(auto_client, monkeypatc
     """With ``fsync = "at_save"``: the file's data is fsynced before the rename gives it its
     name, and the directory after it (so the rename itself survives a power cut) before the
     save is reported."""
-    client = await auto_client(fsync="at_save")
+    client = await auto_client(fsync="at_save", blocks=False)  # a whole file's fsyncs and rename
     a, b = conversation("sync-a"), conversation("sync-b")
     await ask(client, a)
     directory = slot_dir(client).resolve()
@@ -631,7 +633,7 @@ async def test_a_switch_does_not_wait_for_the_disk_and_a_stop_waits_for_every_fs
     request: on a disk slow to sync (every fsync takes 2 s here) the switch is answered
     without waiting for them, and a normal stop waits until the file, its sidecar and the
     directory are synced. The control, ``at_save``, answers only after its three fsyncs."""
-    client = await auto_client(fsync=fsync)
+    client = await auto_client(fsync=fsync, blocks=False)  # a whole file's fsyncs
     a, b = conversation("disk-a"), conversation("disk-b")
     await ask(client, a)
     store = parking(client).store

@@ -47,10 +47,8 @@ def listed(directory) -> dict[str, dict]:
     return {row["key"]: row for row in map(json.loads, output.splitlines())}
 
 
-@pytest.fixture
-async def parked(strata_client_factory, strata_settings_factory):
-    """A slot directory where a stopped server parked alice's two conversations and bob's one."""
-    settings = strata_settings_factory(plugins={"auto_sessions": {"min_tokens": 100}},
+async def park_three(strata_client_factory, strata_settings_factory, **plugin_config) -> Path:
+    settings = strata_settings_factory(plugins={"auto_sessions": {"min_tokens": 100, **plugin_config}},
                                        server={"port": 0, "shutdown_grace_s": 10, **KEYS})
     client = await strata_client_factory(strata_auto_sessions, settings=settings)
     for name, key in (("one", "alice-key"), ("two", "alice-key"), ("three", "bob-key")):
@@ -58,6 +56,18 @@ async def parked(strata_client_factory, strata_settings_factory):
     directory = slot_dir(client)
     await client.close()
     return directory
+
+
+@pytest.fixture
+async def parked(strata_client_factory, strata_settings_factory):
+    """A slot directory where a stopped server parked alice's two conversations and bob's one."""
+    return await park_three(strata_client_factory, strata_settings_factory)
+
+
+@pytest.fixture
+async def parked_whole(strata_client_factory, strata_settings_factory):
+    """:func:`parked`, as whole files (the listing of blocks: test_block_parking.py)."""
+    return await park_three(strata_client_factory, strata_settings_factory, blocks=False)
 
 
 def test_the_sessions_command_is_offered_by_auto_sessions():
@@ -77,7 +87,8 @@ def test_each_commands_help_needs_no_settings(command, monkeypatch, tmp_path):
     assert result.exit_code == 1 and "no slot directory" in result.output, result.output
 
 
-async def test_ls_shows_every_session_with_its_tenant_size_and_whether_the_engine_can_use_it(parked):
+async def test_ls_shows_every_session_with_its_tenant_size_and_whether_the_engine_can_use_it(parked_whole):
+    parked = parked_whole
     rows = listed(parked)
     assert sorted(row["tenant"] for row in rows.values()) == ["alice", "alice", "bob"]
     for key, row in rows.items():
@@ -93,7 +104,8 @@ async def test_ls_shows_every_session_with_its_tenant_size_and_whether_the_engin
     assert listed(parked)[key]["compatible"].startswith("no (cache_type): cache_type_k differs: saved with q8_0")
 
 
-async def test_inspect_shows_one_session(parked):
+async def test_inspect_shows_one_session(parked_whole):
+    parked = parked_whole
     key = next(iter(listed(parked)))
     code, output = sessions(parked, "inspect", key)
     assert code == 0, output
@@ -239,7 +251,7 @@ async def test_a_wrong_typed_sidecar_is_refused_and_parking_goes_on(auto_client,
     """One sidecar with a field of another type: that file is refused (logged, counted,
     listed as damaged); the server starts with auto-sessions on, parks and restores the others."""
     caplog.set_level(logging.INFO, logger="strata_auto_sessions")
-    first = await auto_client(idle_save_s=0)
+    first = await auto_client(idle_save_s=0, blocks=False)  # a whole file's sidecar
     a, b, c = conversation("typed-a"), conversation("typed-b"), conversation("typed-c")
     await ask(first, a)
     await ask(first, b)  # a is parked
@@ -251,7 +263,7 @@ async def test_a_wrong_typed_sidecar_is_refused_and_parking_goes_on(auto_client,
 
     code, output = sessions(directory, "ls")
     assert code == 0 and "Traceback" not in output, output
-    client = await auto_client(idle_save_s=0)
+    client = await auto_client(idle_save_s=0, blocks=False)
     stats = parking(client).stats  # auto-sessions started
     assert stats.damaged_files == 1 and stats.files_on_disk == 1
     assert any(f"auto-{key_a}.bin is left alone" in line and repr(field) in line for line in log_lines(caplog))

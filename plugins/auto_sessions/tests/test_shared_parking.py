@@ -19,6 +19,7 @@ from strata_auto_sessions.shared.sync import sweep
 from strata_serve.cli import cli
 from strata_serve.testing import ask, conversation
 
+from .on_disk import is_parked
 from .shared_fixtures import new_bucket
 from .test_auto_sessions import key_of, log_lines, parking
 from .test_shared_tier import ConditionBlindS3
@@ -110,7 +111,7 @@ async def test_sessions_rm_removes_from_the_shared_tier_and_another_server_forge
     await settled(two)
     key = key_of(one, a)
     name = parking(two).store.bin_name(key)
-    assert (parking(two).store.directory / name).is_file()
+    assert is_parked(parking(two).store.directory, key)
 
     config = tmp_path / "strata.toml"
     config.write_text(f'[engine]\nslot_save_path = "{tmp_path / "one"}"\n'
@@ -123,7 +124,7 @@ async def test_sessions_rm_removes_from_the_shared_tier_and_another_server_forge
     restores = parking(two).stats.restores
     reply = await ask(two, then(a, first, "More."))  # two's copy goes, never restored
     assert parking(two).stats.shared_removed_here == 1 and parking(two).stats.restores == restores
-    assert not (parking(two).store.directory / name).exists()
+    assert not is_parked(parking(two).store.directory, key)
     assert reply["timings"]["cache_n"] < 40
     await ask(two, conversation("other-two"))  # a new state of A, begun after the removal, is shared again
     await settled(two)
@@ -289,4 +290,4 @@ async def test_a_server_holding_a_removed_conversation_never_uploads_it_back(aut
     await settled(two)
     assert parking(two).stats.shared_uploads_removed == 1
     assert (await shared_head(two, name)).tombstone
-    assert not (parking(two).store.directory / name).exists()
+    assert not is_parked(parking(two).store.directory, key)

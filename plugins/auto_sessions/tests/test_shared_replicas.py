@@ -271,7 +271,9 @@ async def test_the_same_turn_on_both_replicas_at_once_one_save_wins(tmp_path, st
     assert shared.handle is not None
     headers = {HEADER: "duel"}
     # One slot per engine (no side slot): another conversation takes the slot's place.
+    # Whole files (their uploads' objects are read here); in blocks: test_shared_blocks_replicas.py.
     config = {**config_for(shared.url, timeout_s=head_gate_plugin.WAIT_S + 10), "engine": {"side_slot_tokens": 0}}
+    config["plugins"]["auto_sessions"]["blocks"] = False
     async with Replicas(tmp_path, strata_demo_model, count=2, config=config) as replicas:
         turn1 = conversation("duel")
         first = await served(replicas, turn1, headers)

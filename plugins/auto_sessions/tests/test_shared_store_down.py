@@ -110,7 +110,8 @@ async def until(check, seconds: float, what: str) -> None:
 
 async def test_a_frozen_store_leaves_parking_local_and_uploads_land_once_it_is_back(auto_client, store, caplog):
     bucket = await new_bucket(store.endpoint)
-    client = await auto_client(idle_save_s=0, shared={"url": f"s3://{bucket}/strata", **SHARED})
+    # Whole files (their uploads are counted here); in blocks: test_shared_blocks.py.
+    client = await auto_client(idle_save_s=0, blocks=False, shared={"url": f"s3://{bucket}/strata", **SHARED})
     auto, stats = parking(client), parking(client).stats
     a, b = conversation("frozen-a"), conversation("frozen-b")
     await ask(client, a)

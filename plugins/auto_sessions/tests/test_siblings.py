@@ -184,7 +184,7 @@ async def test_siblings_beyond_the_limit_are_pruned_least_recently_used_first(au
 
 
 async def test_sessions_ls_shows_each_sibling_and_rm_removes_them_all(auto_client):
-    client = await auto_client(idle_save_s=0)
+    client = await auto_client(idle_save_s=0, blocks=False)  # whole files: their bytes are listed
     for name in ("x", "y", "z"):
         await ask(client, shared_opening(name))
     key = key_of(client, shared_opening("x"))
