@@ -221,7 +221,9 @@ async def _save(parking: AutoSessions, service: Service, slot: int, key: str, in
             return Parked.ONLY_IN_SLOT
         except (EngineError, EngineUnavailable, OSError) as exc:
             staging = getattr(parking.store, "staging", None)
-            if staging is not None:  # staged in memory: the next try goes to the slot directory
+            if staging is not None and not isinstance(exc, OSError):
+                # The engine's save into memory failed: the next try goes to the slot
+                # directory. (An OSError is the commit's: the slot directory's disk.)
                 staging.failed(parking.store.directory / temp, exc)
             _discard(parking, temp)
             verdict = failure_verdict("save", exc, service, in_slot.tokens)

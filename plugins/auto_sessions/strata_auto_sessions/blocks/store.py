@@ -206,7 +206,9 @@ class BlockStore:
             path = self.root / GENERATION_NAME
             tmp = path.with_name(f"{GENERATION_NAME}.{mark}.tmp")
             try:
-                tmp.write_text(mark)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)  # whatever the umask
+                with os.fdopen(fd, "w") as f:
+                    f.write(mark)
                 os.replace(tmp, path)
             except BaseException:
                 tmp.unlink(missing_ok=True)  # a full disk must not leave the temporary behind
@@ -286,7 +288,11 @@ class BlockStore:
         raw = json.dumps({"version": MANIFEST_VERSION, **asdict(manifest)}, separators=(",", ":")).encode()
         path = self._manifest_path(manifest.key)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
+        except FileNotFoundError:  # the directory was removed under the running server
+            make_private_dir(path.parent)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(raw)
