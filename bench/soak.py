@@ -66,6 +66,8 @@ import requests
 from bench.run import machine
 from bench.systems import StrataServe, System, children
 from strata_auto_sessions.naming import session_name
+from strata_auto_sessions.parked_blocks import ParkedBlocks
+from strata_auto_sessions.store import SessionStore
 from strata_serve.demo_model import write_demo_model
 from tests.test_reliability import tmpfs
 
@@ -531,18 +533,27 @@ def open_files(pid: int) -> int:
 BALLAST = "ballast"
 
 
+def is_sidecar(name: str) -> bool:
+    """Whether ``name`` is a parked conversation's sidecar (``auto-<key>.json``: one for each,
+    whole or in blocks; ``auto-.engine.json`` and the like are the plugin's own)."""
+    return name.startswith("auto-") and not name.startswith("auto-.") and name.endswith(".json")
+
+
 def slot_files(directory: Path) -> tuple[int, list[str], int]:
-    """(session files, temporaries, bytes of every file but the ballast) in the slot directory."""
+    """(parked conversations, temporaries, bytes of every file but the ballast, the block
+    store's included) in the slot directory."""
     sessions = size = 0
     temporaries: list[str] = []
-    for path in directory.iterdir():
-        if path.name == BALLAST:
+    for path in directory.rglob("*"):
+        if path.name == BALLAST or not path.is_file():
             continue
         with contextlib.suppress(OSError):
             size += path.stat().st_size
+        if path.parent != directory:
+            continue
         if path.name.startswith("tmp-"):
             temporaries.append(path.name)
-        elif path.name.startswith("auto-") and path.name.endswith(".bin"):
+        elif is_sidecar(path.name):
             sessions += 1
     return sessions, temporaries, size
 
@@ -631,7 +642,7 @@ class Soak:
         body = request_body(conversation.api, conversation.turns, self.plan.max_tokens, stream)
         record = Record(conversation.api, stream, pattern, time.monotonic(), held_before=conversation.held,
                         phase=phase, role=role, had_file=conversation.key is not None
-                        and (self.slot_dir / f"auto-{conversation.key}.bin").exists())
+                        and (self.slot_dir / f"auto-{conversation.key}.json").exists())
         text = send(self.url, conversation.api, body, pattern, record)
         self.records.append(record)
         conversation.key = record.key or conversation.key
@@ -940,9 +951,9 @@ class Soak:
     # -- once the faults stop
 
     def parked(self) -> list[Conversation]:
-        """The conversations whose file is on disk now (parked, and not pruned)."""
-        names = {p.name for p in self.slot_dir.glob("auto-*.bin")}
-        return [c for c in self.conversations if c.key and f"auto-{c.key}.bin" in names]
+        """The conversations parked on disk now (whole or in blocks, and not pruned)."""
+        store = SessionStore(self.slot_dir, ParkedBlocks.existing(self.slot_dir))
+        return [c for c in self.conversations if c.key and store.sidecar(c.key) is not None and store.stage(c.key)]
 
     def settle(self) -> None:
         """Wait until the server has stopped working on its own: no request answered, no file
@@ -958,7 +969,7 @@ class Soak:
             stats = (self.server.stats() if self.server is not None else None) or {}
             auto = (stats.get("plugins") or {}).get("auto_sessions") or {}
             files = []
-            for path in self.slot_dir.glob("auto-*.bin"):
+            for path in self.slot_dir.glob("auto-*.json"):  # a save writes its sidecar, whole or in blocks
                 with contextlib.suppress(FileNotFoundError):  # pruned meanwhile
                     files.append((path.name, path.stat().st_mtime_ns))
             return stats.get("requests"), auto.get("saves"), auto.get("prunes"), sorted(files)
@@ -1331,7 +1342,7 @@ def report(found: dict[str, Any], failures: list[str], command: str) -> str:
         "## Over time",
         "",
         "Each row: strata-serve's resident memory and open files (`/proc/PID`) at that moment, the session files "
-        "(`auto-*.bin`) and bytes in the slot directory (the ballast not counted), and since the row before: "
+        "(parked conversations: their sidecars, `auto-*.json`) and bytes in the slot directory (the ballast not counted), and since the row before: "
         "requests answered, closed by their client on purpose, failed (502/503 or a stream's error event during a "
         "kill or the restart; refused while strata-serve was down), answered returns (a conversation's turn "
         "after an answered one), the tokens they re-read (what the engine held at the conversation's previous "

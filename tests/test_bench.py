@@ -71,7 +71,10 @@ async def test_quick_benchmark_writes_its_tables(tmp_path):
     for kind in ("directory", "s3"):
         (row,) = failover[kind]
         assert row["after"]["state"] == "disk" and row["after"]["cache_n"] > 10 * row["after"]["prompt_n"], row
-        assert row["fetched_bytes"] == row["uploaded_bytes"] == row["saved_bytes"] > 0, row
+        # Every byte of the state sent and fetched: in blocks, the manifest and each object's
+        # framing add a few KB to the engine's bytes.
+        saved = row["saved_bytes"]
+        assert saved > 0 and all(abs(row[k] - saved) <= 0.01 * saved for k in ("fetched_bytes", "uploaded_bytes")), row
     # Against the engine alone: each measure taken both ways, as ratios in the table.
     alone = results["alone"]
     assert "## Against its own engine alone, tiny model" in report and "| 8 clients, requests/s |" in report

@@ -58,10 +58,11 @@ def parking(client):
 
 @pytest.fixture
 def auto_client(strata_client_factory, strata_settings_factory):
-    async def make(slot_dir: Path | None = None, **engine):
+    async def make(slot_dir: Path | None = None, *, blocks: bool | None = None, **engine):
         if slot_dir is not None:
             engine["slot_save_path"] = str(slot_dir)
-        settings = strata_settings_factory(plugins={"auto_sessions": {"min_tokens": MIN_TOKENS}}, engine=engine)
+        plugin = {"min_tokens": MIN_TOKENS} if blocks is None else {"min_tokens": MIN_TOKENS, "blocks": blocks}
+        settings = strata_settings_factory(plugins={"auto_sessions": plugin}, engine=engine)
         return await strata_client_factory(strata_auto_sessions, settings=settings)
 
     return make
@@ -186,7 +187,7 @@ def tmpfs(path: Path, size: str):
 
 async def test_disk_full_during_a_save(auto_client, tmp_path, caplog):
     with tmpfs(tmp_path / "small", "900k") as slots:
-        client = await auto_client(slots)
+        client = await auto_client(slots, blocks=False)  # whole files: the space comes back by removing them
         a, b, c = conversation("full-a"), conversation("full-b"), conversation("full-c")
         await ask(client, a)
         status, _ = await ask(client, b)  # A saved (about 0.5 MB): fits
@@ -328,7 +329,7 @@ async def test_a_symlink_under_a_session_name_beside_its_sidecar_is_never_follow
     from strata_auto_sessions.store import sample_digest
 
     caplog.set_level(logging.INFO, logger="strata_auto_sessions")
-    client = await auto_client()
+    client = await auto_client(blocks=False)  # a whole file moved out, a link left under its name
     service = client.app[SERVICE]
     slots = service.engine.info.slot_save_path
     store = parking(client).store

@@ -17,6 +17,7 @@ from strata_serve.config import ConfigError, load_settings
 from strata_serve.engine.llama_server import build_command
 from strata_serve.hook_types import EngineError
 from strata_serve.testing import assert_openai_error, chat_body, conversation
+from tests.on_disk import parked_names
 
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = {"api_key": "k-plain", "api_keys": {"alice": "ka", "bob": "kb"}}
@@ -91,7 +92,9 @@ def test_the_store_lists_and_sweeps_only_files_with_its_sidecar(tmp_path):
 
 
 async def test_hand_saved_files_are_never_pruned_by_auto_sessions(strata_client_factory, strata_settings_factory):
-    settings = strata_settings_factory(plugins={"auto_sessions": {"min_tokens": 100, "keep": 3}}, server=KEYS)
+    # Whole files: alice's file is copied under auto-sessions' names below.
+    settings = strata_settings_factory(plugins={"auto_sessions": {"min_tokens": 100, "keep": 3, "blocks": False}},
+                                       server=KEYS)
     client = await strata_client_factory(strata_auto_sessions, settings=settings)
     slots = client.app[SERVICE].engine.info.slot_save_path
     body = {"messages": conversation("alice"), "max_tokens": 8, "temperature": 0}
@@ -157,7 +160,7 @@ async def test_strict_mode_erases_after_auto_sessions_parked_and_keeps_a_tenants
     first_alice = await ask(client, "ka", ALICE)
     bob = await ask(client, "kb", ALICE)  # the same words: bob still reuses nothing of hers
     assert bob["timings"]["cache_n"] == 0
-    assert len(list(slots.glob("auto-alice--*.bin"))) == 1, "parked before the erase"
+    assert len(parked_names(slots, "auto-alice--")) == 1, "parked before the erase"
     assert erases() == ["[strata] tenant isolation: slot erased before a request of bob"]
 
     alice = await ask(client, "ka", ALICE)  # back from her file: not erased, fully reused
