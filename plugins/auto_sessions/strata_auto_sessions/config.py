@@ -115,8 +115,9 @@ class AutoSessionsConfig(BaseModel):
     #: Park conversations as blocks of tokens (docs/sessions.md, "Blocks"): a block two
     #: conversations of a tenant share is stored once, and a save writes only the blocks
     #: the store lacks. Off: whole files, as earlier versions did (states the engine's
-    #: format does not cover are kept whole either way). Off by default this release.
-    blocks: bool = False
+    #: format does not cover are kept whole either way; earlier versions' files are
+    #: restored, and cut into blocks at their next save).
+    blocks: bool = True
     #: Tokens a block holds (64: measured best by bench/blocks.py, bench/results/blocks.md).
     block_tokens: int = Field(64, ge=1, le=1 << 20)
     #: With blocks: a directory in memory (tmpfs) the engine's saves are staged in while
