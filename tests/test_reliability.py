@@ -205,6 +205,38 @@ async def test_disk_full_during_a_save(auto_client, tmp_path, caplog):
         await client.close()
 
 
+async def test_disk_full_during_a_save_in_blocks(auto_client, tmp_path, caplog):
+    """Parking in blocks (the default): the engine's save goes to memory and fits; the new
+    blocks do not fit the slot directory. The save fails, logged, the request is answered,
+    no temporary is left in the block store, the conversation parked before keeps every
+    block it names; once space is back the next save works."""
+    with tmpfs(tmp_path / "small", "2m") as slots:
+        client = await auto_client(slots)
+        a, b, c = conversation("bfull-a"), conversation("bfull-b"), conversation("bfull-c")
+        await ask(client, a)
+        status, _ = await ask(client, b)  # A saved in blocks (about 0.5 MB): fits
+        assert status == 200 and parking(client).stats.saves == 1
+        store = parking(client).store
+        key_a = client.app[SERVICE].conversation_key(_req(a))
+        assert store.blocks is not None and store.blocks.manifest(key_a, 0) is not None
+        ballast = slots / "ballast"
+        with open(ballast, "wb", buffering=0) as f:  # the file system full to its last byte
+            for chunk in (b"\0" * (1 << 16), b"\0" * 512):
+                with contextlib.suppress(OSError):
+                    while True:
+                        f.write(chunk)
+        status, answer = await ask(client, c)  # B's blocks do not fit
+        assert status == 200 and answer["choices"]
+        assert parking(client).stats.save_failures == 1
+        assert not [p for p in slots.rglob("*") if p.name.endswith(".tmp") or p.name.startswith("tmp-")]
+        assert store.intact(key_a, store.sidecar(key_a)), "A's manifest and blocks untouched"
+        ballast.unlink()  # space comes back
+        await ask(client, a)  # C saved now
+        assert parking(client).stats.saves == 2
+        only_complete_files(slots)
+        await client.close()
+
+
 async def test_a_save_the_engine_reports_whole_but_left_short_is_never_kept(auto_client, monkeypatch, caplog):
     """The engine writes a state file through C stdio and does not check the close: the
     last buffered block, written at close, may fail and leave the file short while the
