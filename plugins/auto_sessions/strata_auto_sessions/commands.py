@@ -28,6 +28,7 @@ from strata_auto_sessions.config import SharedConfig
 from strata_auto_sessions.clock import as_of
 from strata_auto_sessions.compat import incompatibility
 from strata_auto_sessions.digests import digest_matches
+from strata_auto_sessions.naming import SESSION_NAME, sibling_of
 from strata_auto_sessions.parked_blocks import ParkedBlocks
 from strata_auto_sessions.sidecar import Sidecar
 from strata_auto_sessions.store import SessionStore
@@ -69,7 +70,11 @@ class Sessions:
                 "shared_bytes": 0 if held is None else held.shared,
             })
         for key, path, why in self.store.damaged():
-            rows.append({"key": key, "sibling": None, "tenant": None, "tokens": None, "bytes": path.stat().st_size,
+            # In blocks its name stands for a manifest: the bytes of the blocks it names.
+            match = SESSION_NAME.fullmatch(path.name)
+            size = (path.stat().st_size if path.is_file() or match is None
+                    else self.store.size_of(key, sibling_of(match)))
+            rows.append({"key": key, "sibling": None, "tenant": None, "tokens": None, "bytes": size,
                          "age_s": None,
                          "last_used_s": None, "compatible": f"no (damaged): its sidecar is refused: {why}",
                          "file": str(path), "damaged": why})
@@ -452,7 +457,7 @@ def inspect(found: Sessions, key: str) -> None:
             click.echo(f"file: {path} ({_size(path.stat().st_size)})")
         else:
             click.echo(f"file: in blocks under {found.store.directory / 'blocks'} "
-                       f"({_size(found.store._size(key, sidecar.sibling))} of blocks)")
+                       f"({_size(found.store.size_of(key, sidecar.sibling))} of blocks)")
         if len(shown) > 1:
             click.echo(f"sibling: {sidecar.sibling} of {len(shown)} conversations under this key")
         click.echo(f"tenant: {tenant_of(key, sidecar) or '-'}")

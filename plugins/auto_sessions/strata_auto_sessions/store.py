@@ -364,7 +364,7 @@ class SessionStore:
             pending = self.removed_by_hand()
             for key in keys:
                 sidecars = self.siblings(key)
-                size = sum(self._size(key, sidecar.sibling) for sidecar in sidecars)
+                size = sum(self.size_of(key, sidecar.sibling) for sidecar in sidecars)
                 if sidecars or size:
                     removed.append((key, size))
                 self.remove(key)
@@ -373,7 +373,8 @@ class SessionStore:
             self._free_blocks()
         return removed
 
-    def _size(self, key: str, sibling: int) -> int:
+    def size_of(self, key: str, sibling: int) -> int:
+        """Bytes of the conversation's state: its whole file, or the blocks its manifest names."""
         path = self.bin_path(key, sibling)
         if path.is_file() and not path.is_symlink():
             return path.stat().st_size
@@ -388,8 +389,11 @@ class SessionStore:
             self.blocks.free_unheld()
 
     def _with_sidecars(self) -> set[tuple[str, int]]:
-        """``(key, sibling)`` of every sidecar that reads and names its own file."""
-        return {(key, sidecar.sibling) for key, _path, sidecar in self._own("json")}
+        """``(key, sibling)`` of every conversation in blocks whose sidecar is there: one
+        that is refused keeps its manifest too (left alone, as a whole file beside one is;
+        listed as damaged). A manifest without one is a save a crash cut short."""
+        assert self.blocks is not None
+        return {found for found in self.blocks.parked() if self.sidecar_path(*found).exists()}
 
     def _own(self, ext: str, key: str | None = None) -> list[tuple[str, Path, Sidecar]]:
         """``(key, path, sidecar)`` of each ``auto-<name>[.<n>].<ext>`` whose sidecar names
@@ -572,7 +576,7 @@ class SessionStore:
         return None if sidecar.sibling == sibling else f"it names another sibling ({sidecar.sibling})"
 
     def damaged(self) -> list[tuple[str, Path, str]]:
-        """``(key, path, why)`` of each ``auto-<name>.bin`` beside a sidecar that is refused:
+        """``(key, path, why)`` of each ``auto-<name>.bin`` (or manifest) beside a sidecar that is refused:
         never restored, pruned or removed (without a sidecar that reads, nothing says the
         file is ours), listed as damaged by ``strata-serve sessions ls``."""
         found = []
@@ -584,6 +588,11 @@ class SessionStore:
             why = self.sidecar_problem(key, sibling_of(match))
             if why is not None:
                 found.append((key, path, why))
+        if self.blocks is not None:  # in blocks: a manifest, its name standing for the file
+            for key, sibling in self.blocks.parked():
+                path = self.bin_path(key, sibling)
+                if not path.exists() and (why := self.sidecar_problem(key, sibling)) is not None:
+                    found.append((key, path, why))
         return found
 
     def touch(self, key: str, sibling: int = 0) -> None:
@@ -694,7 +703,7 @@ class SessionStore:
                     continue
                 kept += 1
                 if kept > keep:
-                    size = self._size(key, sidecar.sibling)
+                    size = self.size_of(key, sidecar.sibling)
                     self.remove(key, sidecar.sibling)
                     removed.append((sidecar.sibling, size))
                     kept -= 1

@@ -19,6 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 import strata_auto_sessions
+from strata_auto_sessions.parked_blocks import ParkedBlocks
 from strata_auto_sessions.store import SessionStore, Sidecar, file_key
 from strata_serve.api import SERVICE
 from strata_serve.cli import cli
@@ -247,11 +248,12 @@ async def test_rm_of_a_held_conversation_whose_file_is_current_erases_it_from_th
 
 
 @pytest.mark.parametrize("field, value", [("last_used", "1"), ("tokens", "10")])
-async def test_a_wrong_typed_sidecar_is_refused_and_parking_goes_on(auto_client, caplog, field, value):
+@pytest.mark.parametrize("blocks", [False, True], ids=["whole", "blocks"])
+async def test_a_wrong_typed_sidecar_is_refused_and_parking_goes_on(auto_client, caplog, field, value, blocks):
     """One sidecar with a field of another type: that file is refused (logged, counted,
     listed as damaged); the server starts with auto-sessions on, parks and restores the others."""
     caplog.set_level(logging.INFO, logger="strata_auto_sessions")
-    first = await auto_client(idle_save_s=0, blocks=False)  # a whole file's sidecar
+    first = await auto_client(idle_save_s=0, blocks=blocks)
     a, b, c = conversation("typed-a"), conversation("typed-b"), conversation("typed-c")
     await ask(first, a)
     await ask(first, b)  # a is parked
@@ -263,7 +265,7 @@ async def test_a_wrong_typed_sidecar_is_refused_and_parking_goes_on(auto_client,
 
     code, output = sessions(directory, "ls")
     assert code == 0 and "Traceback" not in output, output
-    client = await auto_client(idle_save_s=0, blocks=False)
+    client = await auto_client(idle_save_s=0, blocks=blocks)
     stats = parking(client).stats  # auto-sessions started
     assert stats.damaged_files == 1 and stats.files_on_disk == 1
     assert any(f"auto-{key_a}.bin is left alone" in line and repr(field) in line for line in log_lines(caplog))
@@ -274,12 +276,19 @@ async def test_a_wrong_typed_sidecar_is_refused_and_parking_goes_on(auto_client,
     back = await ask(client, b)
     assert stats.restores == 1 and back["timings"]["cache_n"] > 600, "b came back from its file"
     await ask(client, c)  # b is saved again, c answered
+    by_tokens = stats.restores_by_tokens
     refused = await ask(client, a)
-    assert stats.restores_refused_damaged == 1 and stats.restore_failures == 0
-    assert refused["timings"]["cache_n"] < 40
-    assert any(f"not restoring auto-{key_a}.bin: its sidecar is damaged" in line for line in log_lines(caplog))
+    if not blocks:  # nothing says the whole file is this conversation's: never restored
+        assert stats.restores_refused_damaged == 1 and stats.restore_failures == 0
+        assert refused["timings"]["cache_n"] < 40
+        assert any(f"not restoring auto-{key_a}.bin: its sidecar is damaged" in line for line in log_lines(caplog))
+    else:
+        # Left alone as a whole file is (its manifest kept through the start and the saves'
+        # prunes); its blocks, named by the tokens they hold, come back by the prompt's tokens.
+        assert ParkedBlocks.existing(directory).manifest(key_a, 0) is not None
+        assert stats.restores_by_tokens == by_tokens + 1 and refused["timings"]["cache_n"] > 600, refused["timings"]
     await ask(client, b)  # a leaves the slot: saved with a sound sidecar
-    assert stats.restores == 2 and listed(directory)[key_a]["compatible"] == "yes"
+    assert stats.restores == (3 if blocks else 2) and listed(directory)[key_a]["compatible"] == "yes"
 
 
 HOLD_LOCK = """
