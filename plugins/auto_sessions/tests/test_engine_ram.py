@@ -155,7 +155,7 @@ async def test_a_request_of_the_held_conversation_goes_to_the_engine_ahead_of_it
     await send(client, a)
     long = client.post("/v1/chat/completions", json=chat(a + [{"role": "assistant", "content": "x"},
                                                               {"role": "user", "content": "long?"}],
-                                                         max_tokens=200, ignore_eos=True))
+                                                         max_tokens=2000, ignore_eos=True))  # seconds, even unloaded
     first = asyncio.ensure_future(long)
     await until(lambda: service._at_engine is not None, what="the first request at the engine")
     second = asyncio.ensure_future(client.post("/v1/chat/completions", json=chat(

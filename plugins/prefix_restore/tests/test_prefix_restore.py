@@ -1,5 +1,10 @@
 """prefix-restore against the real engine: after a restart, a new conversation that opens
-with the same long system prompt as a parked one reads it from disk, not again."""
+with the same long system prompt as a parked one reads it from disk, not again.
+
+The plugin's job is for conversations parked as whole files (``blocks = false``): parked in
+blocks, auto-sessions restores the longest stored chain of the prompt's tokens itself, the
+fallback this plugin answers is then not asked (auto-sessions' test_restore_by_tokens.py).
+"""
 
 from __future__ import annotations
 
@@ -37,7 +42,7 @@ def server(strata_client_factory, strata_settings_factory):
         # min_gain_s 0: the demo model reads a 3k-token opening in a fraction of a second
         # on a fast machine, which the default gain would find not worth a restore; the
         # tests here are about what is shared, not about the machine's speed.
-        settings = strata_settings_factory(plugins={"auto_sessions": {"min_tokens": 100},
+        settings = strata_settings_factory(plugins={"auto_sessions": {"min_tokens": 100, "blocks": False},
                                                     "prefix_restore": {"min_gain_s": 0}},
                                            server={"port": 0, "shutdown_grace_s": 10, **server_section})
         plugins = [strata_auto_sessions, *([strata_prefix_restore] if prefix else [])]
@@ -117,7 +122,8 @@ async def new_conversation_after_a_restart(strata_client_factory, strata_setting
     engine = {"slot_save_path": str(slots), **({"model": str(model)} if model else {})}
 
     def settings():
-        return strata_settings_factory(plugins={"auto_sessions": {"min_tokens": 10}, "prefix_restore": prefix_config},
+        return strata_settings_factory(plugins={"auto_sessions": {"min_tokens": 10, "blocks": False},
+                                                       "prefix_restore": prefix_config},
                                        engine=engine)
 
     first = await strata_client_factory(strata_auto_sessions, strata_prefix_restore, settings=settings())
