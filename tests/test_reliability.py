@@ -230,6 +230,7 @@ async def test_disk_full_during_a_save_in_blocks(auto_client, tmp_path, caplog):
         assert parking(client).stats.save_failures == 1
         assert not [p for p in slots.rglob("*") if p.name.endswith(".tmp") or p.name.startswith("tmp-")]
         assert store.intact(key_a, store.sidecar(key_a)), "A's manifest and blocks untouched"
+        assert store.staging is not None and store.staging.on, "the slot directory's disk, not staging's fault"
         ballast.unlink()  # space comes back
         await ask(client, a)  # C saved now
         assert parking(client).stats.saves == 2
