@@ -196,7 +196,8 @@ class BareEngine(Running):
 
 
 class StrataServe(Running):
-    file_patterns = ("auto-*.bin", "tmp-*.bin", "*.bin")
+    # Whole files, and a conversation parked in blocks: its blocks and its manifest.
+    file_patterns = ("auto-*.bin", "tmp-*.bin", "*.bin", "blocks/objects/*/*", "blocks/manifests/*.json")
 
     def __init__(self, system: System, model: Path, ctx: int, work: Path, extra_args: list[str]) -> None:
         self.slot_dir = work / "slots"

@@ -5,11 +5,14 @@ brings only the blocks it lacks, and the state restored is the conversation's.""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from strata_serve.testing import ask, conversation
 
 from . import test_shared_parking as shared_parking
+from .on_disk import is_parked
 from .test_auto_sessions import key_of, parking
 
 
@@ -157,3 +160,42 @@ async def test_two_writers_hold_in_blocks(servers_in_blocks, tmp_path, shared_ur
     await shared_parking.test_a_save_made_from_an_older_turn_never_overwrites_a_newer_one(
         servers_in_blocks, tmp_path, caplog, shared_url)
     await in_blocks_only(servers_in_blocks, shared_url)
+
+
+async def test_a_conversation_pruned_here_while_its_blocks_are_sent_is_shared_whole(auto_client, tmp_path,
+                                                                                     shared_url):
+    """``keep = 1``: A's upload is held at its first block while the next save prunes A
+    here (its manifest, its sidecar and, but for the upload, its blocks). The upload still
+    sends every block, as a whole file's hard link does, and another server restores A from
+    the tier. Before, the pruned blocks were gone from under the upload: A was shared by
+    neither server."""
+    one = await auto_client(engine={"slot_save_path": str(tmp_path / "one")}, idle_save_s=0, blocks=True, keep=1,
+                            shared={"url": shared_url, "retry_s": 0.5})
+    tier = parking(one).shared.tier_blocks.tier
+    reached, release = asyncio.Event(), asyncio.Event()
+    real_put_block = tier.put_block
+
+    async def held_put_block(name, data):
+        if not reached.is_set():
+            reached.set()
+            await release.wait()
+        return await real_put_block(name, data)
+
+    tier.put_block = held_put_block
+    a = long_opening("pruned")
+    first = await ask(one, a)
+    await ask(one, conversation("p-b"))  # A saved; its upload held at its first block
+    await asyncio.wait_for(reached.wait(), 30)
+    await ask(one, conversation("p-c"))  # B saved: A pruned here while its upload is held
+    key = key_of(one, a)
+    assert not is_parked(parking(one).store.directory, key) and parking(one).stats.prunes >= 1
+    release.set()
+    await settled(one)
+    assert parking(one).stats.shared_upload_failures == 0
+    saved = await head_of(one, parking(one).store.bin_name(key))
+    assert saved.manifest
+
+    two = await server(auto_client, tmp_path, "two", shared_url)
+    answer = await ask(two, then(a, first, "Go on."))
+    assert parking(two).stats.shared_fetches == 1 and parking(two).stats.restores == 1
+    assert answer["timings"]["cache_n"] >= saved.tokens - 3, (answer["timings"], saved.tokens)

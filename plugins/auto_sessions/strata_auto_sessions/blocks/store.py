@@ -25,6 +25,7 @@ import json
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -165,6 +166,9 @@ class BlockStore:
         #: file still says :attr:`_mark` (no other process added or removed objects since).
         self._sizes: dict[str, int] | None = None
         self._mark: str | None = None
+        #: Objects a reader of this process holds (an upload sending them): never removed
+        #: by :meth:`prune` while held, whether or not a manifest still names them.
+        self._pinned: Counter[str] = Counter()
 
     # -- paths ---------------------------------------------------------------------------
 
@@ -418,6 +422,20 @@ class BlockStore:
         except FileNotFoundError:
             pass
 
+    # -- holding objects for a reader --------------------------------------------------
+
+    def pin(self, names: Iterable[str]) -> None:
+        """Hold ``names`` (a manifest's objects) until :meth:`unpin`: :meth:`prune` spares
+        them even once no manifest names them (an upload still sends them)."""
+        with self._lock:
+            self._pinned.update(set(names))
+
+    def unpin(self, names: Iterable[str]) -> None:
+        """Let go of what :meth:`pin` held (objects no manifest names go at the next prune)."""
+        with self._lock:
+            self._pinned.subtract(set(names))
+            self._pinned = +self._pinned
+
     # -- removing ------------------------------------------------------------------------
 
     def remove(self, key: str) -> bool:
@@ -474,7 +492,7 @@ class BlockStore:
             n_removed = freed = 0
             freed_names: list[str] = []
             for name, st in files.items():
-                if name in held or now - st.st_mtime < self.grace_s:
+                if name in held or name in self._pinned or now - st.st_mtime < self.grace_s:
                     continue
                 # A temporary a killed save left (``.<name>...tmp``) sits beside its object.
                 path = self._objects / (name.lstrip(".")[:2]) / name

@@ -448,9 +448,11 @@ class SharedParking:
         except FileNotFoundError:
             if manifest is None or Sidecar.read(self.directory / sidecar_name(name)) is not None:
                 raise  # saved anew meanwhile (its blocks changed): tried again
-            # Its blocks were freed while they were sent: pruned or removed here since.
+            # Its blocks were removed by another process while they were sent (``sessions rm``).
             self.ledger.entries.pop(name, None)
         finally:
+            if manifest is not None:
+                self._parked_blocks().store.unpin(manifest.objects())
             if bin_temp is not None:
                 bin_temp.unlink(missing_ok=True)
             json_temp.unlink(missing_ok=True)
@@ -473,6 +475,9 @@ class SharedParking:
                     return None  # removed, or replaced by a save not committed yet: its own upload follows
                 json_temp = self.directory / temp_for(name, ".json")
                 os.link(side, json_temp)
+                # Its blocks stay until they are sent, as a whole file's hard link does: a
+                # prune here meanwhile (``keep``) leaves the shared copy whole.
+                blocks.store.pin(manifest.objects())
                 return None, json_temp, sidecar, manifest
             return self._snapshot_blocks(name, side, sidecar)
         if sidecar is None or not path.is_file() or path.is_symlink():
@@ -485,6 +490,12 @@ class SharedParking:
             bin_temp.unlink(missing_ok=True)
             raise
         return bin_temp, json_temp, sidecar, None
+
+    def _parked_blocks(self) -> ParkedBlocks:
+        """The slot directory's block store (there is one: a manifest was read from it)."""
+        blocks = getattr(self.parking.store, "blocks", None)
+        assert blocks is not None
+        return blocks
 
     def _blocks_of(self, sidecar: Sidecar) -> ParkedBlocks | None:
         """The slot directory's block store, when it holds ``sidecar``'s conversation."""
@@ -549,10 +560,7 @@ class SharedParking:
                 if manifest is not None:
                     # The blocks first, then the manifest, then the head: a head never names a
                     # manifest whose blocks are not all in the tier.
-                    blocks = self._blocks_of(sidecar)
-                    if blocks is None:
-                        return  # removed here since the snapshot
-                    sent = await self.tier_blocks.send(blocks.store, manifest)
+                    sent = await self.tier_blocks.send(self._parked_blocks().store, manifest)
                     data = encode_manifest(manifest)
                     await self._call(self.tier.put_bytes(objects[0], data))
                     sent += len(data)
