@@ -26,7 +26,9 @@ _FILE_KEY = r"(?:[a-z0-9_-]|\+[a-z])+"
 #: A sibling's number in a file name: none for the first (0), then ``.1``, ``.2``...
 _SIBLING = r"(?:\.(?P<sibling>[1-9][0-9]{0,5}))?"
 SESSION_NAME = re.compile(rf"{PREFIX}(?P<key>{_FILE_KEY}){_SIBLING}\.(?P<ext>bin|json)")
-TEMP_NAME = re.compile(rf"{TEMP_PREFIX}[a-z0-9_+-]+\.(?:bin|json)")
+#: A temporary: a file being written, an upload's hard link, or a block a fetch brought
+#: (``.<its name's first 8 hex digits>.blk``) before it is put in the block store.
+TEMP_NAME = re.compile(rf"{TEMP_PREFIX}[a-z0-9_+-]+\.(?:bin|json|[0-9a-f]{{8}}\.blk)")
 #: The store's own files, under names no key can take (a key has no ``.``): the sessions
 #: removed by hand while a server may hold them, what the running engine is (for
 #: ``strata-serve sessions ls``), the conversations the running server holds in its slots

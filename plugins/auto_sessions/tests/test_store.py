@@ -27,11 +27,14 @@ def test_prepare_removes_only_temporaries(tmp_path):
     store.prepare()
     (store.directory / "tmp-auto-a-1234.bin").write_bytes(b"half")
     (store.directory / "tmp-auto-a-1234.json").write_text("{")
+    (store.directory / "tmp-auto-a-1234.0a1b2c3d.blk").write_bytes(b"a block a killed fetch brought")
     (store.directory / "manual.bin").write_bytes(b"mine")
+    (store.directory / "manual.0a1b2c3d.blk").write_bytes(b"mine too")
     make_file(store, "kept", 10, 0)
-    assert store.prepare() == 2
+    assert store.prepare() == 3
     assert sorted(p.name for p in store.directory.iterdir()) == [
-        "auto-.held.json", "auto-.server.json", "auto-kept.bin", "auto-kept.json", "manual.bin"]
+        "auto-.held.json", "auto-.server.json", "auto-kept.bin", "auto-kept.json", "manual.0a1b2c3d.blk",
+        "manual.bin"]
 
 
 def test_prune_by_count_newest_first_and_manual_files_untouched(tmp_path):
