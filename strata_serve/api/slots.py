@@ -22,7 +22,8 @@ from aiohttp import web
 
 from strata_serve.api.errors import APIError
 from strata_serve.api.app_state import TENANT
-from strata_serve.api.relay import read_json, service_errors, service_of
+from strata_serve.api.bodies import read_json
+from strata_serve.api.relay import service_errors, service_of
 from strata_serve.api.schemas import SlotFile
 from strata_serve.engine.base import EngineUnavailable, SlotReport
 from strata_serve.hook_types import EngineError
