@@ -17,7 +17,7 @@ from strata_serve.api import SERVICE
 from strata_serve.config import Settings
 from strata_serve.plugins import ENTRY_POINT_GROUP
 from strata_serve.testing import assert_openai_error, chat_body, conversation
-from tests.on_disk import parked_names
+from strata_auto_sessions.testing import all_parked_names
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_DIR = ROOT / "examples" / "keying-plugin"
@@ -123,12 +123,12 @@ async def test_two_tenants_with_the_same_opening_never_touch_each_others_file(
 
     await ask("ka", 1)
     await ask("kb", 1)  # the same words: alice's conversation is parked, bob's is new
-    files = parked_names(slots)
+    files = all_parked_names(slots)
     assert len(files) == 1 and files[0].startswith("auto-alice--")
     assert parking.stats.restores == 0 and not restored(), "bob was never given alice's file"
 
     await ask("ka", 2)  # back to alice: bob's is parked, alice's comes back
-    alice_file, bob_file = parked_names(slots)
+    alice_file, bob_file = all_parked_names(slots)
     assert alice_file.startswith("auto-alice--") and bob_file.startswith("auto-bob--")
     assert alice_file.split("--", 1)[1] == bob_file.split("--", 1)[1], "one opening, two tenants"
     assert alice_file in restored()[-1]
@@ -181,7 +181,7 @@ async def test_a_session_id_never_reaches_another_tenants_namespace(
 
     assert (await ask("ka", "s1", "alice")).status == 200
     assert (await ask("ka", "s2", "other")).status == 200  # a switch: alice--s1 is parked
-    assert "auto-alice--s1.bin" in parked_names(slots)
+    assert "auto-alice--s1.bin" in all_parked_names(slots)
     for key in ("k-plain", "ka"):
         resp = await ask(key, "alice--s1", "alice")
         body = await resp.json()
@@ -229,7 +229,7 @@ async def test_two_keys_that_differ_only_by_case_get_two_files(strata_client_fac
         body = {"messages": conversation(name), "max_tokens": 8, "temperature": 0}
         resp = await client.post("/v1/chat/completions", json=body, headers={"X-Session-Id": session})
         assert resp.status == 200
-    files = parked_names(slots)
+    files = all_parked_names(slots)
     assert len(files) == 2, files
     assert len({name.casefold() for name in files}) == 2, "two files even where case is folded"
     stats = client.app[SERVICE].state["auto_sessions"].stats
@@ -267,4 +267,4 @@ async def test_two_tenants_sending_one_client_session_id_never_share_a_key_or_a_
     assert (await ask("kb", 2))[0] == bob
     lines = restored()
     assert len(lines) == 2 and "auto-alice--" in lines[0] and "auto-bob--" in lines[1], lines
-    assert {name.split("--", 1)[0] for name in parked_names(slots)} == {"auto-alice", "auto-bob"}
+    assert {name.split("--", 1)[0] for name in all_parked_names(slots)} == {"auto-alice", "auto-bob"}

@@ -28,7 +28,7 @@ import strata_auto_sessions
 from strata_serve.api import SERVICE
 from strata_serve.engine.llama_server import free_port
 from strata_serve.models import packaged_model_path
-from tests.on_disk import parked_names
+from strata_auto_sessions.testing import all_parked_names
 from tests.parked_state import (
     TOLERANCE,
     WRONG_STATE_DISTANCE,
@@ -175,7 +175,7 @@ async def test_a_restart_restores_the_parked_state(strata_client_factory, real_s
     before = await ask(client, logprob_body(a, MAX_TOKENS))
     directory = client.app[SERVICE].engine.info.slot_save_path
     await client.close()  # a normal stop: auto-sessions saves the held conversation
-    assert parked_names(directory)
+    assert all_parked_names(directory)
 
     again_client = await strata_client_factory(strata_auto_sessions, settings=real_settings())
     after = await ask(again_client, logprob_body(a, MAX_TOKENS))
@@ -231,6 +231,6 @@ async def test_the_default_threshold_parks_what_takes_seconds_to_reread_and_noth
     assert 0 < parking(client).costs.restore_seconds(state_bytes) < service.measures.prefill_seconds(
         back["timings"]["cache_n"]), "restoring its state is measured faster than re-reading it"
     slots = service.engine.info.slot_save_path
-    assert len(parked_names(slots)) == 1 + short_worth
+    assert len(all_parked_names(slots)) == 1 + short_worth
     assert short_worth or any("less than min_prefill_s (2 s) more than a restore" in record.getMessage()
                               for record in caplog.records), "the short one's reason is logged"

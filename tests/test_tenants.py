@@ -17,7 +17,7 @@ from strata_serve.config import ConfigError, load_settings
 from strata_serve.engine.llama_server import build_command
 from strata_serve.hook_types import EngineError
 from strata_serve.testing import assert_openai_error, chat_body, conversation
-from tests.on_disk import parked_names
+from strata_auto_sessions.testing import all_parked_names
 
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = {"api_key": "k-plain", "api_keys": {"alice": "ka", "bob": "kb"}}
@@ -160,7 +160,7 @@ async def test_strict_mode_erases_after_auto_sessions_parked_and_keeps_a_tenants
     first_alice = await ask(client, "ka", ALICE)
     bob = await ask(client, "kb", ALICE)  # the same words: bob still reuses nothing of hers
     assert bob["timings"]["cache_n"] == 0
-    assert len(parked_names(slots, "auto-alice--")) == 1, "parked before the erase"
+    assert len(all_parked_names(slots, "auto-alice--")) == 1, "parked before the erase"
     assert erases() == ["[strata] tenant isolation: slot erased before a request of bob"]
 
     alice = await ask(client, "ka", ALICE)  # back from her file: not erased, fully reused

@@ -245,7 +245,7 @@ def _remove_shared(found: Sessions, keys: list[str]) -> tuple[list[str], dict[st
     """A tombstone over each shared file of ``keys``: the names removed, and the keys whose
     removal failed with why (a damaged head, the tier gone meanwhile)."""
     from strata_auto_sessions.shared import SharedTierError
-    from strata_auto_sessions.shared.sync import remove_by_hand
+    from strata_auto_sessions.shared.sweep import remove_by_hand
 
     assert found.shared is not None
     config = found.shared

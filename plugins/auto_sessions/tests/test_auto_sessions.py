@@ -31,7 +31,7 @@ from tests.parked_state import (
 )
 from tests.parked_state import ask as ask_for_logprobs
 
-from .on_disk import is_parked
+from strata_auto_sessions.testing import is_parked
 
 MIN_TOKENS = 100
 #: Tokens generated where an answer's top logprobs are compared.

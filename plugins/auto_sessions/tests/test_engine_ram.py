@@ -13,7 +13,7 @@ import pytest
 from strata_serve.api import SERVICE
 from strata_serve.testing import chat, conversation, until
 
-from .on_disk import is_parked
+from strata_auto_sessions.testing import is_parked
 from .test_auto_sessions import key_of, log_lines, parking, slot_dir
 
 #: A return found its own state when it reused at least this much of its ~750-token opening.

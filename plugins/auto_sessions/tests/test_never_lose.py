@@ -23,7 +23,7 @@ from strata_serve.hook_types import StrataRequest, Verdict
 from strata_serve.testing import ask, conversation, until
 
 from .conftest import MIN_TOKENS
-from .on_disk import is_parked
+from strata_auto_sessions.testing import is_parked
 from .test_auto_sessions import key_of, log_lines, parking, slot_dir
 
 #: A return found its own state when it reused at least this much of its ~750-token opening.

@@ -24,7 +24,7 @@ from strata_serve.testing import conversation
 from tests.parked_state import settle
 from tests.slot_reads import ENGINE_ARGS, SlotReads
 
-from .on_disk import is_parked
+from strata_auto_sessions.testing import is_parked
 
 #: How each request's client behaves.
 PATTERNS = (

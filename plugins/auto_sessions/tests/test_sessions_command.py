@@ -27,7 +27,7 @@ from strata_serve.testing import ask, conversation
 
 from tests.parked_state import settle
 
-from .on_disk import is_parked
+from strata_auto_sessions.testing import is_parked
 from .test_auto_sessions import key_of, log_lines, parking, slot_dir
 
 KEYS = {"api_keys": {"alice": "alice-key", "bob": "bob-key"}}

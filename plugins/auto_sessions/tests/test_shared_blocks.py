@@ -12,7 +12,7 @@ import pytest
 from strata_serve.testing import ask, conversation
 
 from . import test_shared_parking as shared_parking
-from .on_disk import is_parked
+from strata_auto_sessions.testing import is_parked
 from .test_auto_sessions import key_of, parking
 
 

@@ -12,9 +12,10 @@ import pytest
 
 from strata_auto_sessions.blocks import Manifest
 from strata_auto_sessions.config import SharedConfig
-from strata_auto_sessions.shared import Head, sync
+from strata_auto_sessions.shared import Head
+from strata_auto_sessions.shared import sweep as sweeping
 from strata_auto_sessions.shared.blocks import encode_manifest
-from strata_auto_sessions.shared.sync import remove_by_hand, sweep
+from strata_auto_sessions.shared.sweep import remove_by_hand, sweep
 
 
 async def test_a_block_is_written_once_and_never_over(tier):
@@ -96,15 +97,15 @@ async def test_the_sweep_removes_a_block_only_when_no_manifest_holds_it_and_its_
 
     await sweep(tier, config, call)  # every block younger than its lease: none goes
     assert await blocks_left() == ["b1", "b2", "b3", "loose", "t1", "t2"]
-    monkeypatch.setattr(sync, "time", _Later(120))
+    monkeypatch.setattr(sweeping, "time", _Later(120))
     await sweep(tier, config, call)  # past the lease: the one no manifest names goes
     assert await blocks_left() == ["b1", "b2", "b3", "t1", "t2"]
 
     # sessions rm of a: a tombstone; its manifest object goes once its lease is over, and
     # with it the blocks no other head's manifest holds (b1 is b's too).
-    monkeypatch.setattr(sync, "time", _time)
+    monkeypatch.setattr(sweeping, "time", _time)
     assert await remove_by_hand(tier, config, ["a"]) == ["auto-a.bin"]
-    monkeypatch.setattr(sync, "time", _Later(120))
+    monkeypatch.setattr(sweeping, "time", _Later(120))
     await sweep(tier, config, call)
     assert await blocks_left() == ["b1", "b3", "t2"]
 
@@ -120,7 +121,7 @@ async def test_a_manifest_not_read_keeps_every_block(tier, monkeypatch):
     await share(tier, "auto-a.bin", "u1", manifest_of("a#0", ["b1"], None))
     await tier.put_head("auto-c.bin", Head(generation=1, upload="u9", tokens=2, bytes=10, manifest=True), None)
     await tier.put_bytes("auto-c.bin.manifest.u9", b"not a manifest")  # a head's manifest, damaged
-    monkeypatch.setattr(sync, "time", _Later(120))
+    monkeypatch.setattr(sweeping, "time", _Later(120))
     await sweep(tier, config, call)  # what the damaged one holds is unknown: no block goes
     assert sorted(b.name for b in await tier.blocks()) == ["b1", "loose"]
 

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from strata_auto_sessions.shared.sync import LEDGER_NAME
+from strata_auto_sessions.shared.ledger import LEDGER_NAME
 from strata_serve.testing import ask, conversation
 from tests.replicas import RESTORE_SLACK, Answer, Replicas, Reuse
 
-from .on_disk import all_parked_names
+from strata_auto_sessions.testing import all_parked_names
 from .shared_fixtures import S3_ENV, new_bucket
 from .test_auto_sessions import parking
 from .test_shared_parking import settled
@@ -246,7 +246,7 @@ async def test_the_shared_bookkeeping_holds_the_files_kept_and_is_written_only_o
     assert parking(client).stats.shared_upload_failures == 0
     directory = parking(client).store.directory
     ledger = directory / LEDGER_NAME
-    kept = all_parked_names(directory)
+    kept = set(all_parked_names(directory))
     recorded = json.loads(ledger.read_text())
     print(f"\n{len(recorded)} entries recorded, {len(kept)} files kept, {ledger.stat().st_size} bytes")
     assert set(recorded) <= kept and len(kept) == 2, (sorted(recorded), sorted(kept))
@@ -261,7 +261,7 @@ async def test_the_shared_bookkeeping_holds_the_files_kept_and_is_written_only_o
 
 def test_ledger_writes_finishing_out_of_order_never_bring_back_an_older_one(tmp_path):
     """Writes run in threads and may finish in any order: the file keeps the newest."""
-    from strata_auto_sessions.shared.sync import Ledger, _Local
+    from strata_auto_sessions.shared.ledger import Ledger, _Local
 
     (tmp_path / "auto-a.bin").write_bytes(b"x")
     ledger = Ledger(tmp_path / "auto-.shared.json")

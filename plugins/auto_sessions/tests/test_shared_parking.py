@@ -15,11 +15,11 @@ from click.testing import CliRunner
 import strata_serve
 from strata_auto_sessions.config import SharedConfig
 from strata_auto_sessions.shared import DirectoryTier, Head
-from strata_auto_sessions.shared.sync import sweep
+from strata_auto_sessions.shared.sweep import sweep
 from strata_serve.cli import cli
 from strata_serve.testing import ask, conversation
 
-from .on_disk import is_parked
+from strata_auto_sessions.testing import is_parked
 from .shared_fixtures import new_bucket
 from .test_auto_sessions import key_of, log_lines, parking
 from .test_shared_tier import ConditionBlindS3

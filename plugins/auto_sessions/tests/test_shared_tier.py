@@ -19,7 +19,7 @@ from strata_auto_sessions.shared import (
     ConditionFailed, ConditionsIgnored, DirectoryTier, Head, S3Tier, SharedTierError, check_conditions, tier_for,
 )
 from strata_auto_sessions.config import SharedConfig
-from strata_auto_sessions.shared.sync import sweep
+from strata_auto_sessions.shared.sweep import sweep
 
 from .shared_fixtures import S3_ENV, new_bucket
 

@@ -23,7 +23,7 @@ import aiohttp
 
 from strata_auto_sessions.config import SharedConfig
 from strata_auto_sessions.shared import Head
-from strata_auto_sessions.shared.sync import sweep
+from strata_auto_sessions.shared.sweep import sweep
 from strata_serve.testing import ask, chat, conversation
 
 from .test_auto_sessions import log_lines, parking

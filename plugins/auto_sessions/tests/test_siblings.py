@@ -23,7 +23,7 @@ from strata_serve.hook_types import StrataRequest
 from strata_serve.models import packaged_model_path
 from strata_serve.testing import ask
 
-from .on_disk import parked_names
+from strata_auto_sessions.testing import parked_names
 from .test_auto_sessions import parking, slot_dir
 
 #: A return reused its own state when it reused at least this share of its prompt (the

@@ -75,7 +75,7 @@ def _every_small_write(directory):
     from strata_auto_sessions.blocks import BlockStore
     from strata_auto_sessions.blocks.objects import encode
     from strata_auto_sessions.shared.blocks import _write_checked
-    from strata_auto_sessions.shared.sync import Ledger
+    from strata_auto_sessions.shared.ledger import Ledger
     from strata_serve import LlamaServer, StateBlock
 
     store = SessionStore(directory)
@@ -118,7 +118,7 @@ def test_a_small_write_on_a_full_disk_leaves_no_temporary(tmp_path, write):
 def test_the_shared_ledger_is_private(tmp_path):
     """The ledger names the conversations parked here: 0600 like every session file, even
     under umask 0."""
-    from strata_auto_sessions.shared.sync import Ledger
+    from strata_auto_sessions.shared.ledger import Ledger
 
     old = os.umask(0)
     try:

@@ -5,11 +5,11 @@ in step with it, never on a request's path for long and never failing one:
 
 - a conversation's identity is what its state holds, not a file's name: the head records
   the prompt the state was made from (its chain of message digests), and two states are
-  of one conversation when one's prompt continues the other's (:func:`standing`). Sibling
-  numbers are chosen by each server, so a local file's head is found by that test (the
-  ledger then remembers it), never by its name: a conversation another server shares
-  under the same key and number gets a head of its own (the lowest number under the key
-  no other conversation holds).
+  of one conversation when one's prompt continues the other's
+  (:mod:`~strata_auto_sessions.shared.standing`). Sibling numbers are chosen by each
+  server, so a local file's head is found by that test (the ledger then remembers it),
+  never by its name: a conversation another server shares under the same key and number
+  gets a head of its own (the lowest number under the key no other conversation holds).
 - after a save commits locally, the file, then its sidecar, then the head (by
   compare-and-swap) are uploaded in the background. The newest state of a conversation
   wins wherever it was made: a head that holds less of it (an older turn, whichever
@@ -30,28 +30,25 @@ in step with it, never on a request's path for long and never failing one:
   local copy of a conversation removed before its state began.
 - local pruning removes local copies only; the shared tier forgets a conversation no
   server saved for ``max_age_days``, and an upload's objects outlive the head that
-  stopped naming them by ``lease_s``, so a fetch under way finishes.
+  stopped naming them by ``lease_s``, so a fetch under way finishes
+  (:mod:`~strata_auto_sessions.shared.sweep`).
 
 Every call on the tier is bounded (``timeout_s``, ``transfer_timeout_s``); every
 blocking file operation runs in a thread.
 
 Which head each local file's conversation has, and which generation of it the file
 holds, is kept beside the files (``auto-.shared.json``, a name no conversation file
-takes), for the files present alone, and written only when it changes.
+takes), for the files present alone, and written only when it changes
+(:mod:`~strata_auto_sessions.shared.ledger`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
-import threading
 import time
-import uuid
 from collections.abc import Awaitable
-from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -61,20 +58,21 @@ from strata_auto_sessions.compat import incompatibility
 from strata_auto_sessions.config import SharedConfig, size_text
 from strata_auto_sessions.digests import digest_matches, sample_digest
 from strata_auto_sessions.naming import (
-    PREFIX, SESSION_NAME, TEMP_PREFIX, file_key, key_of_file, session_name, sibling_name, sibling_of,
+    PREFIX, SESSION_NAME, file_key, key_of_file, session_name, sibling_name, sibling_of,
 )
 from strata_auto_sessions.blocks import Manifest
 from strata_auto_sessions.parked_blocks import CorruptBlock, ParkedBlocks, manifest_key
-from strata_auto_sessions.prefix import shared_links
-from strata_auto_sessions.prompts import continues
-from strata_auto_sessions.shared.blocks import (
-    MANIFEST_MARK, TierBlocks, decode_manifest, encode_manifest, held_blocks, put_in_store, unlink_staged,
+from strata_auto_sessions.shared.blocks import TierBlocks, decode_manifest, encode_manifest, put_in_store, unlink_staged
+from strata_auto_sessions.shared.ledger import LEDGER_NAME, Ledger, _Local, sidecar_name, temp_for
+from strata_auto_sessions.shared.standing import (
+    Standing, continued_by, continued_by_prompt, prompt_units, removed_since, standing,
 )
+from strata_auto_sessions.shared.sweep import sweep
 from strata_auto_sessions.shared.tier import (
     ConditionFailed, ConditionsIgnored, DamagedHead, Head, SharedTier, SharedTierError, check_conditions, new_upload,
     writer_name,
 )
-from strata_auto_sessions.sidecar import DamagedSidecar, Sidecar, write_private
+from strata_auto_sessions.sidecar import DamagedSidecar, Sidecar
 
 if TYPE_CHECKING:
     from strata_serve import Service, StrataRequest
@@ -83,8 +81,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("strata_auto_sessions")
 
-#: Which generation of the shared tier each local file holds, beside the files.
-LEDGER_NAME = f"{PREFIX}.shared.json"
 #: How often the shared tier is swept for expired conversations and unreferenced objects.
 SWEEP_EVERY_S = 3600.0
 #: How many times an upload reads the head again after another server wrote it meanwhile.
@@ -92,149 +88,6 @@ UPLOAD_RACES = 4
 #: Conversations one key may hold in the shared tier (sibling numbers 0 to this).
 MAX_SHARED_SIBLINGS = 1000
 T = TypeVar("T")
-
-
-def sidecar_name(name: str) -> str:
-    """The sidecar of conversation file ``name`` (``auto-x.bin`` -> ``auto-x.json``, and
-    ``auto-x.1.bin`` -> ``auto-x.1.json`` for a sibling)."""
-    return name[: -len(".bin")] + ".json"
-
-
-def temp_for(name: str, suffix: str) -> str:
-    """A temporary's name in the slot directory for file ``name``: one the next start sweeps."""
-    return f"{TEMP_PREFIX}{name[len(PREFIX):].split('.')[0]}-{uuid.uuid4().hex[:8]}{suffix}"
-
-
-@dataclass
-class _Local:
-    """What the ledger says of a local file: the head in the shared tier that is its
-    conversation's (``shared``; None while it has none), and the generation of that head
-    the file is, or was made from (``dirty``: saved here since, not uploaded yet)."""
-
-    generation: int
-    dirty: bool = False
-    shared: str | None = None
-
-
-class Ledger:
-    """``auto-.shared.json``: local file name -> :class:`_Local`.
-
-    It holds the files present here alone: an entry whose file went (pruned, removed) is
-    dropped at load and at each save, and the file is written only when what it says
-    changed."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.entries: dict[str, _Local] = {}
-        #: What the file holds now (None: not read or written yet), and its rendering's number.
-        self._written: str | None = None
-        self._written_number = 0
-        self._rendered = 0
-        self._writing = threading.Lock()
-
-    def load(self) -> None:
-        try:
-            text = self.path.read_text()
-            raw = json.loads(text)
-        except (OSError, ValueError):
-            return
-        if isinstance(raw, dict):
-            for name, entry in raw.items():
-                if SESSION_NAME.fullmatch(name) is None or not name.endswith(".bin"):
-                    continue
-                if isinstance(entry, dict) and type(entry.get("generation")) is int:
-                    # An earlier version's entry names no head: its file's own name was its head's.
-                    shared = entry.get("shared", name)
-                    self.entries[name] = _Local(entry["generation"], entry.get("dirty") is True,
-                                                shared if isinstance(shared, str) else None)
-        self._written = text
-        self.drop_gone()
-
-    def drop_gone(self) -> None:
-        """Forget the files no longer here."""
-        for name, entry in list(self.entries.items()):
-            # (a conversation parked in blocks has its sidecar and no file)
-            if not (self.path.parent / name).is_file() and not (self.path.parent / sidecar_name(name)).is_file() \
-                    and self.entries.get(name) is entry:
-                del self.entries[name]
-
-    def render(self) -> tuple[int, str]:
-        """What the file is to hold now, numbered: taken where the entries change (the
-        event loop), so a write in a thread never reads them half-changed."""
-        self.drop_gone()
-        self._rendered += 1
-        return self._rendered, json.dumps({name: {"generation": e.generation, "dirty": e.dirty,
-                                                  "shared": e.shared}
-                                           for name, e in sorted(self.entries.items())})
-
-    def write(self, number: int, text: str) -> None:
-        """Write what :meth:`render` gave, unless the file holds it already or a later
-        rendering was written first (writes in threads may finish out of order: the
-        file never goes back to an older one)."""
-        with self._writing:
-            if number <= self._written_number or text == self._written:
-                return
-            write_private(self.path, self.path.with_name(temp_for(f"{PREFIX}ledger", ".json")), text.encode())
-            self._written, self._written_number = text, number
-
-    def save(self) -> None:
-        self.write(*self.render())
-
-    def pending(self) -> list[str]:
-        """The files saved here and not uploaded yet."""
-        return sorted(name for name, entry in self.entries.items() if entry.dirty)
-
-
-class Standing(Enum):
-    """Where a local state stands against a head (:func:`standing`)."""
-
-    #: The same conversation; the local state holds more of it (a later turn).
-    AHEAD = "ahead"
-    #: The same conversation at the same point (the same prompt, as many tokens).
-    SAME = "same"
-    #: The same conversation; the head holds more of it.
-    BEHIND = "behind"
-    #: Another conversation (or one that cannot be told from another: a head without its prompt).
-    APART = "apart"
-
-
-def _prompt_parts(prompt: Any) -> tuple[int, str, list[str] | None] | None:
-    """A recorded prompt's units, digest and chain (None where it has none), or None when
-    it is not one."""
-    if not isinstance(prompt, dict):
-        return None
-    units, digest, chain = prompt.get("units"), prompt.get("digest"), prompt.get("chain")
-    if type(units) is not int or not isinstance(digest, str):
-        return None
-    if not (isinstance(chain, list) and chain and all(isinstance(link, str) for link in chain)):
-        chain = None
-    return units, digest, chain
-
-
-def standing(prompt: Any, tokens: int, head: Head) -> Standing:
-    """How a local state made from ``prompt`` (a sidecar's) holding ``tokens`` stands
-    against ``head``, by what each holds: one conversation's states are those whose
-    prompts continue one another (their chains of message digests, one the start of the
-    other); the longer prompt, then the more tokens, is the newer state."""
-    mine, theirs = _prompt_parts(prompt), _prompt_parts(head.prompt)
-    if mine is None or theirs is None:
-        return Standing.APART
-    (my_units, my_digest, my_chain), (units, digest, chain) = mine, theirs
-    if my_chain is not None and chain is not None:
-        shared = shared_links(my_chain, chain)
-        if shared < min(len(my_chain), len(chain)):
-            return Standing.APART
-        if len(my_chain) != len(chain):
-            return Standing.AHEAD if len(my_chain) > len(chain) else Standing.BEHIND
-        if my_units != units:  # alike as far as chains are recorded (MAX_LINKS)
-            return Standing.AHEAD if my_units > units else Standing.BEHIND
-        if my_digest != digest:
-            return Standing.APART
-    elif (my_units, my_digest) != (units, digest):
-        return Standing.APART
-    if tokens != head.tokens:
-        return Standing.AHEAD if tokens > head.tokens else Standing.BEHIND
-    return Standing.SAME
 
 
 class TransferSpeed:
@@ -621,7 +474,7 @@ class SharedParking:
         if entry.shared is not None:
             if current is None or current[0].tombstone \
                     or standing(sidecar.prompt, sidecar.tokens, current[0]) is not Standing.APART:
-                if current is not None and _removed_since(current[0], sidecar):
+                if current is not None and removed_since(current[0], sidecar):
                     await self._removed_here(name)
                     return None
                 return entry.shared, current
@@ -642,7 +495,7 @@ class SharedParking:
                 if number != own:
                     break
                 continue
-            if _removed_since(current[0], sidecar):  # rm KEY: every conversation of the key begun before
+            if removed_since(current[0], sidecar):  # rm KEY: every conversation of the key begun before
                 await self._removed_here(name)
                 return None
             if current[0].tombstone:
@@ -770,7 +623,7 @@ class SharedParking:
                 await self._remove_local(name)
             return None
         if name is None:
-            return head if request is not None and _continued_by(head, request) else None
+            return head if request is not None and continued_by(head, request) else None
         local, entry = here[name], self.ledger.entries[name]
         if entry.generation >= head.generation:
             return None  # this copy is the shared one, or newer
@@ -796,9 +649,9 @@ class SharedParking:
                             here: dict[str, Sidecar], taken: set[int]) -> None:
         """Fetch the longest of the conversations ``lacking`` here that ``request`` continues,
         unless a file here holds as much of it, under a sibling number none of ``taken`` is."""
-        shared, head = max(lacking, key=lambda found: (_units(found[1].prompt), found[1].tokens))
-        if any(_continued_by_prompt(sidecar.prompt, request) and _units(sidecar.prompt) >= _units(head.prompt)
-               for sidecar in here.values()):
+        shared, head = max(lacking, key=lambda found: (prompt_units(found[1].prompt), found[1].tokens))
+        if any(continued_by_prompt(sidecar.prompt, request)
+               and prompt_units(sidecar.prompt) >= prompt_units(head.prompt) for sidecar in here.values()):
             return
         why_not = self._not_worth(head)
         if why_not is not None:
@@ -1029,131 +882,6 @@ def _discard(work: Awaitable[Any]) -> None:
     elif isinstance(work, asyncio.Future):
         work.cancel()
 
-
-def _removed_since(head: Head, sidecar: Sidecar) -> bool:
-    """Whether ``head`` is a tombstone of a removal by hand made since ``sidecar``'s state began."""
-    return head.tombstone and head.removed is not None and head.removed >= sidecar.created
-
-
-def _units(prompt: Any) -> int:
-    parts = _prompt_parts(prompt)
-    return parts[0] if parts is not None else -1
-
-
-def _continued_by_prompt(prompt: Any, request: StrataRequest) -> bool:
-    return _prompt_parts(prompt) is not None and continues(prompt, request)
-
-
-def _continued_by(head: Head, request: StrataRequest) -> bool:
-    """Whether ``request``'s prompt starts with the whole prompt ``head``'s state was made from."""
-    return _continued_by_prompt(head.prompt, request)
-
-
 def _unlink(*paths: Path) -> None:
     for path in paths:
         path.unlink(missing_ok=True)
-
-
-async def sweep(tier: SharedTier, config: SharedConfig, call: Any, stats: Any = None) -> tuple[int, int]:
-    """Forget conversations no server saved for ``max_age_days`` (their heads, by
-    compare-and-swap: one saved meanwhile stays), tombstones as old, objects no head
-    names once ``lease_s`` has passed since they were written (a fetch or an upload
-    under way ends sooner), and what uploads that never ended left (a killed server's
-    partial object or open multipart upload) once as old. A damaged head is logged,
-    counted (``stats.shared_damaged_heads``) and passed over, its conversation's objects
-    kept: it never stops the sweep. Returns (heads, objects) removed."""
-    now = time.time()
-    max_age = config.max_age_days * 86400
-    live: set[str] = set()
-    unknown: list[str] = []  # the objects' names of conversations whose head is damaged begin so
-    heads_removed = 0
-    for name in await call(tier.heads(PREFIX)):
-        if not name.endswith(".bin"):
-            continue
-        try:
-            current = await call(tier.head(name))
-        except DamagedHead as exc:
-            unknown.append(name[: -len(".bin")] + ".")
-            if stats is not None:
-                stats.shared_damaged_heads += 1
-            log.warning("[strata] auto sessions: shared tier: %s: damaged head passed over by the sweep, its "
-                        "objects kept: %s", name, exc)
-            continue
-        if current is None:
-            continue
-        head, version = current
-        if now - head.written > max_age:
-            try:
-                await call(tier.delete_head(name, version))
-                heads_removed += 1
-                continue
-            except ConditionFailed:
-                current = await call(tier.head(name))
-                if current is None:
-                    continue
-                head = current[0]
-        objects = head.objects(name, sidecar_name(name))
-        live.update(objects or ())
-    objects_removed = 0
-    manifests = []
-    for listed in await call(tier.list(PREFIX)):
-        if listed.name not in live and not listed.name.startswith(tuple(unknown)) \
-                and now - listed.modified > config.lease_s:
-            await call(tier.delete(listed.name))
-            objects_removed += 1
-        elif MANIFEST_MARK in listed.name:
-            manifests.append(listed.name)
-    if callable(getattr(tier, "blocks", None)):
-        objects_removed += await _sweep_blocks(tier, config, call, manifests, now)
-    remove_partial = getattr(tier, "remove_partial", None)  # a tier of a plugin's may have none
-    if remove_partial is not None:
-        objects_removed += await call(remove_partial(config.lease_s))
-    if heads_removed or objects_removed:
-        log.info("[strata] auto sessions: shared tier: expired %d conversation file(s), removed %d object(s) no "
-                 "head names", heads_removed, objects_removed)
-    return heads_removed, objects_removed
-
-
-async def _sweep_blocks(tier: SharedTier, config: SharedConfig, call: Any, manifests: list[str], now: float) -> int:
-    """Remove the blocks no manifest object left in the tier names (those of heads, of
-    uploads under way and of damaged heads alike: all stay until their lease is over),
-    once older than ``lease_s`` (an upload puts its blocks before its manifest). None is
-    removed when a manifest cannot be read: what it holds is unknown."""
-    held = await held_blocks(tier, manifests, call)
-    if held is None:
-        log.warning("[strata] auto sessions: shared tier: a manifest could not be read; no block removed by this sweep")
-        return 0
-    removed = 0
-    for listed in await call(tier.blocks()):
-        if listed.name not in held and now - listed.modified > config.lease_s:
-            await call(tier.delete_block(listed.name))
-            removed += 1
-    return removed
-
-
-async def remove_by_hand(tier: SharedTier, config: SharedConfig, keys: list[str]) -> list[str]:
-    """``strata-serve sessions rm``: a tombstone over each shared file of ``keys`` (its
-    objects go at the next sweep), so no server's later upload of a state begun before
-    now brings it back. Returns the names removed."""
-    removed = []
-    now = time.time()
-
-    async def call(work: Awaitable[T]) -> T:
-        return await asyncio.wait_for(work, config.timeout_s)
-
-    for key in keys:
-        for name in await call(tier.heads(f"{PREFIX}{file_key(key)}.")):
-            if not name.endswith(".bin"):
-                continue
-            for _attempt in range(5):
-                current = await call(tier.head(name))
-                generation = current[0].generation if current is not None else 0
-                try:
-                    await call(tier.put_head(name, Head(generation=generation + 1, upload=None, removed=now,
-                                                        writer=writer_name()),
-                                             current[1] if current is not None else None))
-                    removed.append(name)
-                    break
-                except ConditionFailed:
-                    continue  # a server saved it meanwhile: over that one too
-    return removed
