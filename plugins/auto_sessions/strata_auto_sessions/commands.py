@@ -23,7 +23,7 @@ import click
 import strata_serve
 from strata_serve import ConfigError, load_settings
 
-from strata_auto_sessions.parking import GB, NAME, AutoSessionsConfig
+from strata_auto_sessions.config import GB, NAME, AutoSessionsConfig
 from strata_auto_sessions.config import SharedConfig
 from strata_auto_sessions.clock import as_of
 from strata_auto_sessions.compat import incompatibility

@@ -10,31 +10,30 @@ from typing import TYPE_CHECKING
 from strata_serve import StrataRequest, first_result, in_tenant, prompt_units
 
 from strata_auto_sessions.config import NAME
+from strata_auto_sessions.parts import Parts
 from strata_auto_sessions.prefix import ParkedConversation, message_chain
 from strata_auto_sessions.store import incompatibility, last_use
 
 if TYPE_CHECKING:
     from strata_serve import Service
 
-    from strata_auto_sessions.parking import AutoSessions
-
 log = logging.getLogger("strata_auto_sessions")
 
 
-def choose(parking: AutoSessions, request: StrataRequest, service: Service) -> tuple[str, int] | None:
+def choose(parts: Parts, request: StrataRequest, service: Service) -> tuple[str, int] | None:
     """The parked conversation a plugin chose for ``request``, which has no file, and
     which of its key's files (siblings): same tenant, a file this engine can use, not the
     one the slot holds (the engine reuses that from the slot). None when there is none."""
-    assert parking.store is not None
+    assert parts.store is not None
     units = prompt_units(request)
     if isinstance(units, str) or not units:
         return None
     chain = message_chain(request.body, units)
-    parked = _offered(parking, request)
+    parked = _offered(parts, request)
     if not parked:
         return None
     chosen = first_result(service.pm, "auto_sessions_fallback", request=request, chain=chain,
-                          parked=parked, costs=parking.costs, service=service)
+                          parked=parked, costs=parts.costs, service=service)
     if chosen is None:
         return None
     offered = [candidate for candidate in parked if candidate.key == chosen]
@@ -48,19 +47,19 @@ def choose(parking: AutoSessions, request: StrataRequest, service: Service) -> t
         log.info("[strata] auto sessions: %s starts from %s, which the slot holds: nothing to restore",
                  request.conversation_key, chosen)
         return None
-    if not parking.store.stage(chosen, sibling):
+    if not parts.store.stage(chosen, sibling):
         return None
     return chosen, sibling
 
 
-def _offered(parking: AutoSessions, request: StrataRequest) -> list[ParkedConversation]:
+def _offered(parts: Parts, request: StrataRequest) -> list[ParkedConversation]:
     """The parked conversations a fallback plugin may choose from for ``request``."""
-    assert parking.store is not None
+    assert parts.store is not None
     parked: list[ParkedConversation] = []
     try:
-        sessions = parking.store.sessions()
+        sessions = parts.store.sessions()
     except OSError as exc:
-        log.warning("[strata] auto sessions: cannot list %s: %s", parking.store.directory, exc)
+        log.warning("[strata] auto sessions: cannot list %s: %s", parts.store.directory, exc)
         return parked
     now = time.time()
     for other, sidecar in sessions:
@@ -71,8 +70,8 @@ def _offered(parking: AutoSessions, request: StrataRequest) -> list[ParkedConver
         if not in_tenant(other, request.tenant):
             continue
         prompt = sidecar.prompt or {}
-        if not prompt.get("chain") or incompatibility(sidecar, parking.fingerprint,
-                                                      build_range=parking.config.build_range):
+        if not prompt.get("chain") or incompatibility(sidecar, parts.fingerprint,
+                                                      build_range=parts.config.build_range):
             continue
         parked.append(ParkedConversation(key=other, tokens=sidecar.tokens, bytes=sidecar.bytes,
                                          last_used=last_use(sidecar.last_used, now=now) or 0.0,
@@ -81,19 +80,19 @@ def _offered(parking: AutoSessions, request: StrataRequest) -> list[ParkedConver
     return parked
 
 
-def restored_from(parking: AutoSessions, key: str, source: str, request: StrataRequest,
+def restored_from(parts: Parts, key: str, source: str, request: StrataRequest,
                   n_restored: int, ms: float, sibling: int = 0) -> None:
     """``key``, which has no file, was started from ``source``'s (its ``sibling``): counted and logged."""
-    parking.stats.prefix_restores += 1
-    parking.stats.prefix_restored_tokens += n_restored
+    parts.stats.prefix_restores += 1
+    parts.stats.prefix_restored_tokens += n_restored
     request.state.setdefault(NAME, {}).update(restore_ms=ms, continues=False, prefix_of=source)
     log.info("[strata] auto sessions: %s has no file; restored %s tokens from %s, whose opening it "
-             "shares, in %.0f ms", key, f"{n_restored:,}", parking.store.bin_name(source, sibling),  # type: ignore[union-attr]
+             "shares, in %.0f ms", key, f"{n_restored:,}", parts.store.bin_name(source, sibling),  # type: ignore[union-attr]
              ms)
 
 
-def reused_from(parking: AutoSessions, request: StrataRequest, restored: int, reused: int) -> None:
+def reused_from(parts: Parts, request: StrataRequest, restored: int, reused: int) -> None:
     """The request that started from another conversation's file reused ``reused`` of its tokens."""
-    parking.stats.prefix_reused_tokens += reused
+    parts.stats.prefix_reused_tokens += reused
     log.info("[strata] auto sessions: %s reused %s of the %s tokens restored from %s's file",
              request.conversation_key, f"{reused:,}", f"{restored:,}", request.state[NAME]["prefix_of"])

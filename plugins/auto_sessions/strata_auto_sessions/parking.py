@@ -14,11 +14,9 @@ mode (``mode``), saving (``saving``), restoring (``restoring``) and its fallback
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +31,9 @@ from strata_auto_sessions.mode import ParkingMode, ParkingStatus
 from strata_auto_sessions.parked_blocks import ParkedBlocks
 from strata_auto_sessions.policy import Costs, describe
 from strata_auto_sessions.prompts import continues, prompt_signature
-from strata_auto_sessions.pruning import in_use, refresh_usage
+from strata_auto_sessions.in_use import InUseRecord
+from strata_auto_sessions.parts import Parts
+from strata_auto_sessions.pruning import refresh_usage
 from strata_auto_sessions.saving import Parked, park_slot, save_from_engine_ram
 from strata_auto_sessions.shared.sync import SharedParking
 from strata_auto_sessions.siblings import Sibling, SiblingIndex
@@ -41,6 +41,7 @@ from strata_auto_sessions.staging import Staging, default_keep_bytes
 from strata_auto_sessions.stats import AutoSessionsStats
 from strata_auto_sessions.store import DirectoryInUse, LockTimeout, ParkingStore, SessionStore, engine_fingerprint
 from strata_auto_sessions.store import swa_unusable
+from strata_auto_sessions.syncing import BackgroundSyncs
 
 if TYPE_CHECKING:
     from strata_serve import Service, SlotState
@@ -58,37 +59,19 @@ class AutoSessions:
 
     def __init__(self, config: AutoSessionsConfig, store: ParkingStore | None, fingerprint: dict[str, Any],
                  measures: EngineMeasures, off: str | None = None):
-        self.config = config
-        self.store = store
-        self.fingerprint = fingerprint
-        self.stats = AutoSessionsStats()
-        #: Whether parking acts now, and why not: read :attr:`mode`.
-        self.status = ParkingStatus(stopped=(off or "no store") if store is None else None)
+        stats = AutoSessionsStats()
+        #: What every step works with (:mod:`strata_auto_sessions.parts`: which part keeps
+        #: which state, and who changes it); the steps are given these, never this object.
+        self.parts = Parts(
+            config=config, store=store, stats=stats,
+            status=ParkingStatus(stopped=(off or "no store") if store is None else None),
+            costs=Costs.of(config, measures), siblings=SiblingIndex(store), fingerprint=fingerprint,
+            syncs=BackgroundSyncs(store, stats), in_use=InUseRecord(store))
         #: Bytes per token of the engine's state, its prefill and restore speeds: the core's measurements.
         self.speeds = measures
-        #: The one cost rule, on those measurements (:class:`~strata_auto_sessions.policy.Costs`).
-        self.costs = Costs.of(config, measures)
-        #: The prompt signature of what the slot holding each conversation key holds: of
-        #: the last request that ran, or of the file restored since.
-        self.prompts: dict[str, dict[str, Any]] = {}
-        #: Files restored since their sidecar's ``last_used`` was written: ``(key, sibling)``.
-        #: A save rewrites the sidecar (its last use now); a file that goes back to disk
-        #: unchanged has its sidecar touched then (:func:`strata_auto_sessions.saving.park_slot`),
-        #: not on the restore's path.
-        self.used_since_written: set[tuple[str, int]] = set()
-        #: By slot, the state (:func:`strata_auto_sessions.saving.state_of`) its file was last
-        #: found or made current for: the same state later is still on file.
-        self.saved_states: dict[int, tuple[Any, ...]] = {}
-        #: The files of each key (its siblings), as their choice needs them.
-        self.siblings = SiblingIndex(store)
-        self.idle_saves = IdleSaves(self)
-        #: The conversations last recorded as in use (``store.record_held``).
-        self._recorded_in_use: list[str] | None = None
+        self.idle_saves = IdleSaves(self.parts)
         #: The tier shared with other servers (``plugins.auto_sessions.shared``), or None.
         self.shared: SharedParking | None = None
-        #: The fsyncs of saves made without them (``fsync = "background"``), under way.
-        self._syncing: asyncio.Task[None] | None = None
-        self._sync_again = False
         #: What the engine's RAM prompt cache holds of the conversations left to it
         #: (``ram_first``); None when switches always park to disk.
         self.engine_ram: EngineRam | None = None
@@ -96,9 +79,37 @@ class AutoSessions:
         #: key (kept with ``ram_first`` only: a conversation left to the engine's RAM is
         #: brought back by it at a stop).
         self.last_sent: dict[int, tuple[str, str, dict[str, Any]]] = {}
-        #: Requests within :meth:`syncs_held`; a sync asked for meanwhile.
-        self._holding_syncs = 0
-        self._sync_held = False
+
+    # The parts, read (their one writer is each part's own methods, or this object).
+
+    @property
+    def config(self) -> AutoSessionsConfig:
+        return self.parts.config
+
+    @property
+    def store(self) -> ParkingStore | None:
+        return self.parts.store
+
+    @property
+    def stats(self) -> AutoSessionsStats:
+        return self.parts.stats
+
+    @property
+    def status(self) -> ParkingStatus:
+        return self.parts.status
+
+    @property
+    def costs(self) -> Costs:
+        """The one cost rule, on the core's measurements (:class:`~strata_auto_sessions.policy.Costs`)."""
+        return self.parts.costs
+
+    @property
+    def siblings(self) -> SiblingIndex:
+        return self.parts.siblings
+
+    @property
+    def fingerprint(self) -> dict[str, Any]:
+        return self.parts.fingerprint
 
     @classmethod
     async def start(cls, config: AutoSessionsConfig, service: Service) -> AutoSessions:
@@ -128,7 +139,7 @@ class AutoSessions:
         parking.judge_engine()
         refresh_usage(store, parking.stats, report=True)
         if config.shared is not None:
-            parking.shared = await SharedParking.start(parking, service, config.shared)
+            parking.shared = parking.parts.uploads = await SharedParking.start(parking.parts, service, config.shared)
         budget = cache_budget(service)
         if config.ram_first and config.shared is None and budget is not None and len(service.slots) == 1:
             # With a shared tier, the other servers need every state on the tier; with
@@ -146,7 +157,7 @@ class AutoSessions:
 
     def stop(self) -> None:
         """The server stops: it holds nothing any more, and lets go of the directory."""
-        self._record_in_use([])
+        self.parts.in_use.write([])
         staging = getattr(self.store, "staging", None)
         if staging is not None:
             staging.close()
@@ -156,7 +167,7 @@ class AutoSessions:
     @property
     def mode(self) -> ParkingMode:
         """Whether parking acts now (``mode.parks``), and if not, why (:class:`ParkingMode`)."""
-        return self.status.mode
+        return self.parts.mode
 
     def engine_restarted(self, service: Service) -> None:
         """A new engine process: the model file may have been replaced in place meanwhile,
@@ -165,7 +176,7 @@ class AutoSessions:
         if self.engine_ram is not None:
             self.engine_ram.restarted()
         if self.store is not None:
-            self.fingerprint = engine_fingerprint(info)
+            self.parts.fingerprint = engine_fingerprint(info)
             self.describe_engine()
             self.judge_engine()
 
@@ -231,7 +242,7 @@ class AutoSessions:
                 await self.shared.bring_in(key, request, busy)
             self.siblings.forget(key)  # the key's files, as the shared tier left them
         if key is not None:
-            held = Sibling(in_slot.sibling, self.prompts.get(key), time.time()) if same_key else None
+            held = Sibling(in_slot.sibling, self.parts.prompts.get(key), time.time()) if same_key else None
             with span("auto_sessions.siblings"):
                 choice = self.siblings.choose(key, request, held, one=self.one_file_a_key)
             request.state.setdefault(NAME, {})["sibling"] = choice.sibling
@@ -257,7 +268,7 @@ class AutoSessions:
                      "and is still in the engine", key)
             self.stats.restores_withheld += 1
             return
-        await restoring.restore(self, key, request, service, choice)
+        await restoring.restore(self.parts, key, request, service, choice)
 
     async def _left_to_engine(self, service: Service, request: StrataRequest, in_slot: SlotState) -> bool:
         """Whether this switch is left to the engine's RAM prompt cache (the conditions are
@@ -276,7 +287,7 @@ class AutoSessions:
             if set(files) - {0}:
                 return False  # several conversations under the key: their files tell them apart
             in_ram = ram.holds((request.tenant, key, 0))
-            if in_ram and not continues(self.prompts.get(key), request):
+            if in_ram and not continues(self.parts.prompts.get(key), request):
                 return False  # another conversation under a key held in RAM
             if not in_ram and files:
                 return False  # parked on disk and not in RAM: restored from its file
@@ -314,7 +325,7 @@ class AutoSessions:
         assert ram is not None and in_slot.tokens is not None
         outgoing = leaving_ident(in_slot)
         if outgoing is not None:
-            share = shared_share(self.prompts.get(outgoing[1]), prompt_signature(request))
+            share = shared_share(self.parts.prompts.get(outgoing[1]), prompt_signature(request))
             if share is None or share > MAX_SHARED:
                 return "kept"
         bytes_per_token = self.speeds.bytes_per_token
@@ -328,7 +339,7 @@ class AutoSessions:
         sent = self.last_sent.get(in_slot.id)
         if outgoing is not None and sent is not None and sent[0] == outgoing[1]:
             path, body = sent[1], sent[2]
-        ram.cached(outgoing, Left(in_slot.tokens, path, body, self.prompts.get(in_slot.key or ""), in_slot.since))
+        ram.cached(outgoing, Left(in_slot.tokens, path, body, self.parts.prompts.get(in_slot.key or ""), in_slot.since))
         return "cached"
 
     def may_go_ahead(self, request: StrataRequest, held: SlotState, service: Service) -> bool:
@@ -350,7 +361,7 @@ class AutoSessions:
         holds: its whole prompt, and no other sibling's longer one (the slot may hold a
         short side request the returning conversation starts with). True too when the key
         names one conversation, or what the slot holds is not known."""
-        held = self.prompts.get(key)
+        held = self.parts.prompts.get(key)
         if request.conversation_named or held is None or self.one_file_a_key:
             return True
         if not continues(held, request):
@@ -404,12 +415,9 @@ class AutoSessions:
         if outcome.timings is None:
             return
         if key is not None:
-            self.prompts.pop(key, None)
-            self.prompts[key] = prompt_signature(request)
-            while len(self.prompts) > 64:  # only the held conversation's is needed; keep a few
-                self.prompts.pop(next(iter(self.prompts)))
+            self.parts.prompts.ran(key, prompt_signature(request))
         if request.restored_tokens:
-            restoring.check_reuse(self, request, request.restored_tokens, outcome, service)
+            restoring.check_reuse(self.parts, request, request.restored_tokens, outcome, service)
         if self.engine_ram is not None and key is not None:
             api = api_of(request)
             if api is not None and api.engine_path:
@@ -437,80 +445,28 @@ class AutoSessions:
                 log.warning("[strata] auto sessions: %d conversation(s) left to the engine's RAM cache not saved: "
                             "the stop's %.0f s for them ran out", len(left) - done, within_s)
                 return
-            await save_from_engine_ram(self, service, MAIN_SLOT, ident, conversation, remaining)
+            await save_from_engine_ram(self.parts, service, MAIN_SLOT, ident, conversation, remaining)
 
     async def park_slot(self, service: Service, slot: int = 0, *, reason: str, incoming: str | None = None,
                         incoming_sibling: int | None = None) -> Parked:
         """Save the conversation the slot holds to its file, if it is worth it and not
         current (:func:`strata_auto_sessions.saving.park_slot`)."""
-        return await park_slot(self, service, slot, reason=reason, incoming=incoming,
+        return await park_slot(self.parts, service, slot, reason=reason, incoming=incoming,
                                incoming_sibling=incoming_sibling)
 
     def record_in_use(self, service: Service) -> None:
         """Tell ``strata-serve sessions rm`` which conversations the slots hold or are
         being run, saved or not (it runs in another process); written when that changes."""
-        keys = sorted(in_use(service))
-        if keys != self._recorded_in_use:
-            self._record_in_use(keys)
+        self.parts.in_use.record(service)
 
-    def _record_in_use(self, keys: list[str]) -> None:
-        if self.store is None:
-            return
-        try:
-            self.store.record_held(keys)
-        except OSError as exc:
-            log.warning("[strata] auto sessions: cannot record the held conversations in %s: %s",
-                        self.store.directory, exc)
-            return
-        self._recorded_in_use = keys
-
-    # -- durability off the request's path ----------------------------------------
-
-    @contextlib.contextmanager
-    def syncs_held(self) -> Iterator[None]:
-        """The fsyncs of saves made meanwhile start at the end (a request's steps before the
-        engine): they then run beside the engine's work on the request, not beside the
-        renames, writes and removals of the switch itself, which the file system would
-        make wait for them (its journal commits)."""
-        self._holding_syncs += 1  # one per request in its steps before the engine
-        try:
-            yield
-        finally:
-            self._holding_syncs -= 1
-            if self._sync_held and not self._holding_syncs:
-                self._sync_held = False
-                self.sync_soon()
-
-    def sync_soon(self) -> None:
-        """fsync what the last saves committed without it, in a thread, beside the requests
-        that follow (one at a time; a call while one runs makes it run once more)."""
-        if not getattr(self.store, "sync_later", False):
-            return
-        if self._holding_syncs:
-            self._sync_held = True
-            return
-        if self._syncing is not None and not self._syncing.done():
-            self._sync_again = True
-            return
-        self._syncing = asyncio.get_running_loop().create_task(self._sync(), name="auto-sessions fsync")
-
-    async def _sync(self) -> None:
-        while True:
-            self._sync_again = False
-            try:
-                await asyncio.to_thread(self.store.sync_written)  # type: ignore[union-attr]
-            except OSError as exc:
-                self.stats.sync_failures += 1
-                log.warning("[strata] auto sessions: syncing saved files to disk failed: %s", exc)
-            if not self._sync_again:
-                return
+    def syncs_held(self) -> contextlib.AbstractContextManager[None]:
+        """The fsyncs of saves made meanwhile start at the end of a request's steps before
+        the engine (:meth:`~strata_auto_sessions.syncing.BackgroundSyncs.held`)."""
+        return self.parts.syncs.held()
 
     async def synced(self) -> None:
         """Until every save so far is on disk (a normal stop waits for it)."""
-        if self._syncing is not None:
-            await asyncio.shield(self._syncing)
-        if getattr(self.store, "sync_later", False) and self.store.unsynced:  # type: ignore[union-attr]
-            await self._sync()
+        await self.parts.syncs.synced()
 
 
 def _use_blocks(store: ParkingStore, directory: Path, config: AutoSessionsConfig, service: Service) -> None:

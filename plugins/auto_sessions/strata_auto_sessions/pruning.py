@@ -3,27 +3,14 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from strata_auto_sessions.config import GB, AutoSessionsConfig, size_text
+from strata_auto_sessions.parts import Parts
+from strata_auto_sessions.siblings import SiblingIndex
 from strata_auto_sessions.stats import AutoSessionsStats
 from strata_auto_sessions.store import ParkingStore
 
-if TYPE_CHECKING:
-    from strata_serve import Service
-
-    from strata_auto_sessions.parking import AutoSessions
-    from strata_auto_sessions.siblings import SiblingIndex
-
 log = logging.getLogger("strata_auto_sessions")
-
-
-def in_use(service: Service, *keys: str | None) -> frozenset[str]:
-    """Conversations whose files pruning must spare: ``keys``, those the slots hold, and
-    those of the requests running (one may be restoring its file right now)."""
-    held = (state.key for state in service.slots)
-    running = service.fifo.busy.values()
-    return frozenset(k for k in (*keys, *held, *running) if k is not None)
 
 
 def refresh_usage(store: ParkingStore, stats: AutoSessionsStats, report: bool = False) -> None:
@@ -51,25 +38,25 @@ def refresh_usage(store: ParkingStore, stats: AutoSessionsStats, report: bool = 
                     path.name, why)
 
 
-async def prune_siblings(parking: AutoSessions, key: str, spare: frozenset[int]) -> None:
+async def prune_siblings(parts: Parts, key: str, spare: frozenset[int]) -> None:
     """Remove ``key``'s least recently used siblings beyond ``siblings``, sparing ``spare``
     (the one just saved, the one about to be restored)."""
-    store = parking.store
-    if store is None or len(parking.siblings.of(key)) <= parking.config.siblings:
+    store = parts.store
+    if store is None or len(parts.siblings.of(key)) <= parts.config.siblings:
         return
     try:
-        async with store.lock_without_blocking(parking.config.lock_wait_s):
-            removed = store.prune_siblings(key, parking.config.siblings, spare)
+        async with store.lock_without_blocking(parts.config.lock_wait_s):
+            removed = store.prune_siblings(key, parts.config.siblings, spare)
     except OSError as exc:  # a lock held elsewhere too long (LockTimeout) among them
         log.warning("[strata] auto sessions: pruning %s's siblings failed: %s", key, exc)
         return
     for sibling, size in removed:
-        parking.siblings.removed(key, sibling)
-        parking.stats.sibling_prunes += 1
-        parking.stats.prunes += 1
-        parking.stats.pruned_bytes += size
+        parts.siblings.removed(key, sibling)
+        parts.stats.sibling_prunes += 1
+        parts.stats.prunes += 1
+        parts.stats.pruned_bytes += size
         log.info("[strata] auto sessions: pruned %s (%s): %s keeps %d conversation(s)",
-                 store.bin_name(key, sibling), size_text(size), key, parking.config.siblings)
+                 store.bin_name(key, sibling), size_text(size), key, parts.config.siblings)
 
 
 async def prune(store: ParkingStore, config: AutoSessionsConfig, stats: AutoSessionsStats,

@@ -22,13 +22,13 @@ from strata_auto_sessions import fallback
 from strata_auto_sessions.config import NAME, from_slot
 from strata_auto_sessions.blocks import Chain
 from strata_auto_sessions.parked_blocks import CorruptBlock
+from strata_auto_sessions.parts import Parts
 from strata_auto_sessions.prompts import continues
 from strata_auto_sessions.store import LockTimeout, Refusal, Sidecar, incompatibility
 
 if TYPE_CHECKING:
     from strata_serve import Service
 
-    from strata_auto_sessions.parking import AutoSessions
     from strata_auto_sessions.siblings import Choice
 
 log = logging.getLogger("strata_auto_sessions")
@@ -40,84 +40,83 @@ def failure_verdict(op: str, exc: Exception, service: Service, tokens: int | Non
     return service.verdict(op, error, tokens)
 
 
-async def restore(parking: AutoSessions, key: str, request: StrataRequest, service: Service,
+async def restore(parts: Parts, key: str, request: StrataRequest, service: Service,
                   choice: Choice | None = None) -> bool:
     """Restore ``key``'s file, its sibling ``choice.source`` (or a fallback's, when it has
     none) into the request's slot.
 
     :returns: whether a file was restored.
     """
-    assert parking.store is not None
+    assert parts.store is not None
     # Locked from the choice of file to the engine's read: `strata-serve sessions rm`
     # never removes a file between the checks and the restore.
     try:
-        async with parking.store.lock_without_blocking(parking.config.lock_wait_s):
-            return await _restore_locked(parking, key, request, service, choice)
+        async with parts.store.lock_without_blocking(parts.config.lock_wait_s):
+            return await _restore_locked(parts, key, request, service, choice)
     except LockTimeout as exc:
         log.warning("[strata] auto sessions: not restoring %s: %s; the request is answered by a full "
                     "prefill", key, exc)
         return False
 
 
-async def _restore_locked(parking: AutoSessions, key: str, request: StrataRequest, service: Service,
+async def _restore_locked(parts: Parts, key: str, request: StrataRequest, service: Service,
                           choice: Choice | None) -> bool:
-    chain = await _chain_by_tokens(parking, key, request, service, choice)
+    chain = await _chain_by_tokens(parts, key, request, service, choice)
     if chain is not None:
-        return await _restore_chain(parking, key, request, service, choice, chain)
+        return await _restore_chain(parts, key, request, service, choice, chain)
     with span("auto_sessions.restore_checks"):
-        chosen = _file_to_restore(parking, key, request, service, choice)
+        chosen = _file_to_restore(parts, key, request, service, choice)
         if chosen is None:
             return False
         source, sibling, path = chosen  # whose file is restored: the conversation's own, or a fallback's
-        sidecar = _restorable(parking, source, sibling, path)
+        sidecar = _restorable(parts, source, sibling, path)
     if sidecar is None:
         return False
-    if not _engine_restores(parking, request, service):
+    if not _engine_restores(parts, request, service):
         return False
-    loaded = await _load(parking, key, source, sibling, path, request, service)
+    loaded = await _load(parts, key, source, sibling, path, request, service)
     if loaded is None:
         return False
     n_restored, n_read, ms = loaded
-    _count_restore(parking, n_restored, n_read, ms)
+    _count_restore(parts, n_restored, n_read, ms)
     if source != key:
-        fallback.restored_from(parking, key, source, request, n_restored, ms, sibling)
+        fallback.restored_from(parts, key, source, request, n_restored, ms, sibling)
         return True
     request.state.setdefault(NAME, {}).update(restore_ms=ms, continues=continues(sidecar.prompt, request))
-    if sidecar.prompt is not None:
-        parking.prompts[key] = sidecar.prompt  # what the slot holds now
+    parts.prompts.restored(key, sidecar.prompt)  # what the slot holds now
     # Its sidecar's last use is written when the conversation leaves the slot (by its next
     # save, or a touch if it goes back unchanged); meanwhile the slot holds it, and
     # pruning spares what a slot holds.
-    parking.used_since_written.add((key, sibling))
-    parking.siblings.used(key, sibling)
+    parts.restored.restored(key, sibling)
+    parts.siblings.used(key, sibling)
     if choice is not None and choice.sibling != sibling:
         log.info("[strata] auto sessions: restored %s tokens from %s in %.0f ms%s, whose first %d message(s) "
                  "this conversation shares: its own file will be %s", f"{n_restored:,}", path.name, ms,
                  from_slot(service, request.slot, "into"), choice.shared,
-                 parking.store.bin_name(key, choice.sibling))  # type: ignore[union-attr]
+                 parts.store.bin_name(key, choice.sibling))  # type: ignore[union-attr]
         return True
     log.info("[strata] auto sessions: restored %s tokens from %s in %.0f ms%s",
              f"{n_restored:,}", path.name, ms, from_slot(service, request.slot, "into"))
     return True
 
 
-def _engine_restores(parking: AutoSessions, request: StrataRequest, service: Service) -> bool:
+def _engine_restores(parts: Parts, request: StrataRequest, service: Service) -> bool:
     """Whether the engine's quirk plugins let a restore into the request's slot go ahead
     (one saying the engine cannot restore stops parking)."""
     verdict = service.verdict("restore", None, service.slots[request.slot].tokens)
     if verdict == Verdict.UNSUPPORTED:
-        parking.status.stop("the engine cannot restore slots")
+        parts.status.stop("the engine cannot restore slots")
     return verdict not in (Verdict.SKIP, Verdict.UNSUPPORTED)
 
 
-def _count_restore(parking: AutoSessions, tokens: int, n_read: int, ms: float) -> None:
-    parking.stats.restores += 1
-    parking.stats.restored_tokens += tokens
-    parking.stats.restored_bytes += n_read
-    parking.stats.restore_ms += ms
+def _count_restore(parts: Parts, tokens: int, n_read: int, ms: float) -> None:
+    parts.stats.restores += 1
+    parts.stats.restored_tokens += tokens
+    parts.stats.restored_bytes += n_read
+    parts.stats.restore_ms += ms
 
 
-async def _chain_by_tokens(parking: AutoSessions, key: str, request: StrataRequest, service: Service,
+async def _chain_by_tokens(parts: Parts, key: str, request: StrataRequest, service: Service,
                            choice: Choice | None) -> Chain | None:
     """With blocks: the stored chain that holds the most of the request's prompt, when it
     holds more than the conversation's own state (``choice.source``) and more than the slot
@@ -126,7 +125,7 @@ async def _chain_by_tokens(parking: AutoSessions, key: str, request: StrataReque
     A conversation kept as a whole file, a prompt the engine cannot tokenize alone (media,
     an API it does not render), and a failed tokenizing all leave the choice to the key.
     """
-    store = parking.store
+    store = parts.store
     blocks = getattr(store, "blocks", None)
     api = api_of(request)
     if blocks is None or "tokens" not in service.engine.capabilities or api is None or not api.engine_path:
@@ -156,37 +155,37 @@ async def _chain_by_tokens(parking: AutoSessions, key: str, request: StrataReque
             kept = await asyncio.to_thread(blocks.matched, in_slot.key, in_slot.sibling, tokens)
     if chain is None or chain.tokens <= max(own, kept):
         return None
-    worth, _why = parking.costs.worth(chain.tokens)
+    worth, _why = parts.costs.worth(chain.tokens)
     return chain if worth else None
 
 
-async def _restore_chain(parking: AutoSessions, key: str, request: StrataRequest, service: Service,
+async def _restore_chain(parts: Parts, key: str, request: StrataRequest, service: Service,
                          choice: Choice | None, chain: Chain) -> bool:
     """Restore ``chain`` (found by the prompt's tokens) into the request's slot, which then
     holds a prefix of this request's conversation under its key."""
-    assert parking.store is not None
-    if not _engine_restores(parking, request, service):
+    assert parts.store is not None
+    if not _engine_restores(parts, request, service):
         return False
     sibling = 0 if choice is None else choice.sibling
     began = time.monotonic()
     try:
         with span("auto_sessions.join"):
-            name = await asyncio.to_thread(parking.store.joined_chain, chain)  # type: ignore[attr-defined]
+            name = await asyncio.to_thread(parts.store.joined_chain, chain)  # type: ignore[attr-defined]
     except (CorruptBlock, ValueError, OSError) as exc:
-        parking.stats.restores_refused_damaged += 1
+        parts.stats.restores_refused_damaged += 1
         log.warning("[strata] auto sessions: not restoring %s by its tokens: its blocks do not join (%s)", key, exc)
         return False
     try:
         answer = await service.restore_slot(name, slot=request.slot, key=key, tenant=request.tenant,
                                             request=request, sibling=sibling)
     except (EngineError, EngineUnavailable) as exc:
-        _restore_failed(parking, key, exc, failure_verdict("restore", exc, service, None))
+        _restore_failed(parts, key, exc, failure_verdict("restore", exc, service, None))
         return False
     finally:
-        parking.store.discard(name)
+        parts.store.discard(name)
     ms = (time.monotonic() - began) * 1000
-    _count_restore(parking, answer.tokens, answer.bytes, ms)
-    parking.stats.restores_by_tokens += 1
+    _count_restore(parts, answer.tokens, answer.bytes, ms)
+    parts.stats.restores_by_tokens += 1
     # The chain prefixes the prompt as the engine tokenized it: the request continues what
     # was restored (a low reuse then says the tokenizing differed, not that the engine failed).
     request.state.setdefault(NAME, {}).update(restore_ms=ms, continues=True, by_tokens=True)
@@ -197,14 +196,14 @@ async def _restore_chain(parking: AutoSessions, key: str, request: StrataRequest
     return True
 
 
-def _file_to_restore(parking: AutoSessions, key: str, request: StrataRequest, service: Service,
+def _file_to_restore(parts: Parts, key: str, request: StrataRequest, service: Service,
                      choice: Choice | None) -> tuple[str, int, Path] | None:
     """Whose file to restore for ``key``, which sibling, and where it is: its own (the
     sibling ``choice`` names) when it has one, else the one a fallback plugin chose; None
     when there is none, or the slot holds the chosen one already."""
-    assert parking.store is not None
+    assert parts.store is not None
     sibling = 0 if choice is None else choice.source
-    if sibling is None and choice is not None and parking.store.stage(key, choice.sibling):
+    if sibling is None and choice is not None and parts.store.stage(key, choice.sibling):
         # A file under the request's own name that no sibling knows: one whose sidecar is
         # refused (damaged). It goes through the checks, which refuse it, counted.
         sibling = choice.sibling
@@ -212,50 +211,50 @@ def _file_to_restore(parking: AutoSessions, key: str, request: StrataRequest, se
         in_slot = service.slots[request.slot]
         if in_slot.key == key and in_slot.sibling == sibling and not in_slot.empty:
             return None  # the slot holds it: the engine reuses it from there
-        path = parking.store.bin_path(key, sibling)
-        if parking.store.stage(key, sibling):
+        path = parts.store.bin_path(key, sibling)
+        if parts.store.stage(key, sibling):
             return key, sibling, path
         if path.is_symlink():
             log.warning("[strata] auto sessions: not restoring %s: it is a symlink, never followed", path.name)
             return None
-        parking.siblings.removed(key, sibling)  # gone since (pruned or removed by another process)
-    chosen = fallback.choose(parking, request, service)
+        parts.siblings.removed(key, sibling)  # gone since (pruned or removed by another process)
+    chosen = fallback.choose(parts, request, service)
     if chosen is None:
         return None
     source, source_sibling = chosen
-    return source, source_sibling, parking.store.bin_path(source, source_sibling)
+    return source, source_sibling, parts.store.bin_path(source, source_sibling)
 
 
-def _restorable(parking: AutoSessions, source: str, sibling: int, path: Path) -> Sidecar | None:
+def _restorable(parts: Parts, source: str, sibling: int, path: Path) -> Sidecar | None:
     """The sidecar of ``source``'s file when the file may go to this engine; None when it
     is refused (damaged, or for this engine), counted by reason and logged."""
-    assert parking.store is not None
-    sidecar = parking.store.sidecar(source, sibling)
-    problem = parking.store.sidecar_problem(source, sibling) if sidecar is None else None
+    assert parts.store is not None
+    sidecar = parts.store.sidecar(source, sibling)
+    problem = parts.store.sidecar_problem(source, sibling) if sidecar is None else None
     if problem is not None:
-        parking.stats.restores_refused_damaged += 1
+        parts.stats.restores_refused_damaged += 1
         log.warning("[strata] auto sessions: not restoring %s: its sidecar is damaged (%s)", path.name, problem)
         return None
-    refusal = incompatibility(sidecar, parking.fingerprint, build_range=parking.config.build_range)
+    refusal = incompatibility(sidecar, parts.fingerprint, build_range=parts.config.build_range)
     if refusal is not None:
-        count_refusal(parking, path.name, refusal)
+        count_refusal(parts, path.name, refusal)
         return None
     assert sidecar is not None  # a missing sidecar is refused as unjudged
-    if not parking.store.intact(source, sidecar):
-        parking.stats.restores_refused_damaged += 1
+    if not parts.store.intact(source, sidecar):
+        parts.stats.restores_refused_damaged += 1
         log.warning("[strata] auto sessions: not restoring %s: it is truncated or damaged "
                     "(size or digest differs from when it was saved)", path.name)
         return None
     return sidecar
 
 
-def count_refusal(parking: AutoSessions, name: str, refusal: Refusal) -> None:
+def count_refusal(parts: Parts, name: str, refusal: Refusal) -> None:
     """The file ``name`` cannot go to this engine (``refusal``): counted by reason and logged."""
-    parking.stats.count_refusal(refusal.reason)
+    parts.stats.count_refusal(refusal.reason)
     log.warning("[strata] auto sessions: not restoring %s (%s): %s", name, refusal.reason, refusal.detail)
 
 
-async def _load(parking: AutoSessions, key: str, source: str, sibling: int, path: Path, request: StrataRequest,
+async def _load(parts: Parts, key: str, source: str, sibling: int, path: Path, request: StrataRequest,
                 service: Service) -> tuple[int, int, float] | None:
     """Have the engine read the file (once more after a failure its quirks call passing):
     the tokens restored, the bytes read and the milliseconds; None when it failed."""
@@ -267,7 +266,7 @@ async def _load(parking: AutoSessions, key: str, source: str, sibling: int, path
     if source != key and any(state.key == source for state in service.slots if state.id != request.slot):
         holder = None
     began = time.monotonic()
-    joined = await _join(parking, source, sibling, path)
+    joined = await _join(parts, source, sibling, path)
     if joined is False:
         return None
     try:
@@ -281,20 +280,20 @@ async def _load(parking: AutoSessions, key: str, source: str, sibling: int, path
                 if verdict == Verdict.RETRY and attempt == 0:
                     log.info("[strata] auto sessions: restoring %s failed (%s); trying once more", key, exc)
                     continue
-                _restore_failed(parking, key, exc, verdict)
+                _restore_failed(parts, key, exc, verdict)
                 return None
     finally:
         if joined:
-            parking.store.discard(joined)  # type: ignore[union-attr]
+            parts.store.discard(joined)  # type: ignore[union-attr]
     ms = (time.monotonic() - began) * 1000
     return answer.tokens, answer.bytes, ms
 
 
-async def _join(parking: AutoSessions, source: str, sibling: int, path: Path) -> str | None | Literal[False]:
+async def _join(parts: Parts, source: str, sibling: int, path: Path) -> str | None | Literal[False]:
     """A conversation in blocks: its blocks joined into a temporary file in the slot
     directory, its name (None: its whole file is there); False when a block is missing or
     damaged (counted; the damaged block is gone, so a next save writes it again)."""
-    store = parking.store
+    store = parts.store
     if getattr(store, "blocks", None) is None or store.restorable(source, sibling):  # type: ignore[union-attr]
         return None  # a whole file: the engine reads it as it is
     staging = getattr(store, "staging", None)
@@ -303,40 +302,40 @@ async def _join(parking: AutoSessions, source: str, sibling: int, path: Path) ->
         with span("auto_sessions.join"):
             name = await asyncio.to_thread(store.joined, source, sibling)  # type: ignore[union-attr]
         if staging is not None and staging.hits > hits:
-            parking.stats.restores_kept_whole += 1
+            parts.stats.restores_kept_whole += 1
         return name
     except (CorruptBlock, ValueError, OSError) as exc:
-        parking.stats.restores_refused_damaged += 1
+        parts.stats.restores_refused_damaged += 1
         log.warning("[strata] auto sessions: not restoring %s: its blocks do not join (%s)", path.name, exc)
         return False
 
 
-def _restore_failed(parking: AutoSessions, key: str, exc: Exception, verdict: Verdict | None) -> None:
-    parking.stats.restore_failures += 1
+def _restore_failed(parts: Parts, key: str, exc: Exception, verdict: Verdict | None) -> None:
+    parts.stats.restore_failures += 1
     if verdict == Verdict.UNSUPPORTED:
         message = exc.message if isinstance(exc, EngineError) else str(exc)
-        parking.status.stop(f"the engine cannot restore slots ({message})")
+        parts.status.stop(f"the engine cannot restore slots ({message})")
     # The file stays: it is pruned like any other, and never deleted on a guess.
     log.warning("[strata] auto sessions: restoring %s failed: %s; the request is answered by a full "
-                "prefill", parking.store.bin_name(key), exc)  # type: ignore[union-attr]
+                "prefill", parts.store.bin_name(key), exc)  # type: ignore[union-attr]
 
 
-def check_reuse(parking: AutoSessions, request: StrataRequest, restored: int, outcome: Outcome,
+def check_reuse(parts: Parts, request: StrataRequest, restored: int, outcome: Outcome,
                 service: Service) -> None:
     """The request after a restore of ``restored`` tokens ended: did it reuse them? A
     continued conversation that barely did may pause parking (``retry_after_s``)."""
     reused = outcome.timings.reused if outcome.timings is not None else 0
     if request.state.get(NAME, {}).get("prefix_of"):
-        fallback.reused_from(parking, request, restored, reused)
+        fallback.reused_from(parts, request, restored, reused)
         return
     expected = min(restored, outcome.prompt_tokens or restored)
-    if reused >= parking.config.reuse_warn_ratio * expected:
+    if reused >= parts.config.reuse_warn_ratio * expected:
         return
     if request.state.get(NAME, {}).get("by_tokens"):
         # Restored by the prompt's tokens as /tokenize gave them: the request's own reading
         # of its prompt differed (a template parameter the rendering did not see). Counted
         # and said; no sign the engine cannot reuse a restore, so parking goes on.
-        parking.stats.restores_diverged += 1
+        parts.stats.restores_diverged += 1
         log.info("[strata] auto sessions: %s reused %s of the %s tokens restored by its prompt's tokens: the "
                  "engine read the prompt otherwise than it tokenized it", request.conversation_key,
                  f"{reused:,}", f"{restored:,}")
@@ -344,18 +343,18 @@ def check_reuse(parking: AutoSessions, request: StrataRequest, restored: int, ou
     if not request.state.get(NAME, {}).get("continues", False):
         # The request does not continue what was saved: its low reuse says nothing
         # about the engine.
-        parking.stats.restores_diverged += 1
+        parts.stats.restores_diverged += 1
         log.info("[strata] auto sessions: %s changed since its file was saved (an edited message, or "
                  "another conversation with the same opening): the restore gave %s of %s tokens",
                  request.conversation_key, f"{reused:,}", f"{restored:,}")
         return
-    parking.stats.restores_not_reused += 1
+    parts.stats.restores_not_reused += 1
     log.warning("[strata] auto sessions: restore not reused: restored %s tokens for %s, and the next "
                 "request, which continues that conversation, reused only %s",
                 f"{restored:,}", request.conversation_key, f"{reused:,}")
     verdict = first_result(service.pm, "auto_sessions_restore_unused", restored=restored, reused=reused,
                            prompt_tokens=outcome.prompt_tokens, engine=service.engine, service=service)
     if verdict == Verdict.UNSUPPORTED:
-        seconds = parking.config.retry_after_s * 2 ** parking.stats.pauses
-        parking.stats.pauses += 1
-        parking.status.pause(seconds, "the engine does not reuse restored state for this model")
+        seconds = parts.config.retry_after_s * 2 ** parts.stats.pauses
+        parts.stats.pauses += 1
+        parts.status.pause(seconds, "the engine does not reuse restored state for this model")

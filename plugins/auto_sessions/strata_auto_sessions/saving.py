@@ -13,14 +13,14 @@ from strata_serve import EngineError, EngineUnavailable, SlotState, Verdict, spa
 from strata_auto_sessions.config import from_slot, size_text
 from strata_auto_sessions.engine_ram import Ident, Left
 from strata_auto_sessions.mode import ParkingMode
-from strata_auto_sessions.pruning import in_use, prune, prune_siblings, refresh_usage
+from strata_auto_sessions.in_use import in_use
+from strata_auto_sessions.parts import Parts
+from strata_auto_sessions.pruning import prune, prune_siblings, refresh_usage
 from strata_auto_sessions.restoring import failure_verdict
 from strata_auto_sessions.store import SIDECAR_VERSION, LockTimeout, Sidecar
 
 if TYPE_CHECKING:
     from strata_serve import Service
-
-    from strata_auto_sessions.parking import AutoSessions
 
 log = logging.getLogger("strata_auto_sessions")
 
@@ -52,60 +52,60 @@ class _Saved(NamedTuple):
     ms: float
 
 
-async def park_slot(parking: AutoSessions, service: Service, slot: int = 0, *, reason: str,
+async def park_slot(parts: Parts, service: Service, slot: int = 0, *, reason: str,
                     incoming: str | None = None, incoming_sibling: int | None = None) -> Parked:
     """Save the conversation the slot holds to its file, if it is worth it and not current.
 
     ``incoming`` names the conversation about to be restored (``incoming_sibling``, its
     file, when it is of the same key): pruning spares its file.
     """
-    assert parking.store is not None
+    assert parts.store is not None
     in_slot = await service.slot(slot)
     key, sibling = in_slot.key, in_slot.sibling
     if key is None or in_slot.empty:
         return Parked.NOTHING_TO_KEEP
-    if not in_slot.file_current and parking.saved_states.get(slot) == state_of(in_slot):
+    if not in_slot.file_current and parts.saved_states.get(slot) == state_of(in_slot):
         # Nothing reached the slot since its file was made current; only its count was
         # asked again (the side slot's, after each request in the main slot of the side
         # lane: the engine may have emptied it, and the count says it did not).
         service.slots.file_written(slot, key)
-    declined = _not_to_save(parking, service, key, in_slot)
+    declined = _not_to_save(parts, service, key, in_slot)
     if declined is not None:
         if declined is Parked.ALREADY_CURRENT:
-            parking.saved_states[slot] = state_of(in_slot)
+            parts.saved_states[slot] = state_of(in_slot)
         return declined
-    saved = await _save(parking, service, slot, key, in_slot)
+    saved = await _save(parts, service, slot, key, in_slot)
     if isinstance(saved, Parked):
         return saved
     service.slots.file_written(slot, key)
-    parking.saved_states[slot] = state_of(service.slots[slot])
-    if parking.shared is not None:
-        parking.shared.saved(parking.store.bin_name(key, sibling))  # uploaded in the background
-    in_blocks = _counted(parking, saved)
+    parts.saved_states[slot] = state_of(service.slots[slot])
+    if parts.uploads is not None:
+        parts.uploads.saved(parts.store.bin_name(key, sibling))  # uploaded in the background
+    in_blocks = _counted(parts, saved)
     log.info("[strata] auto sessions: saved %s tokens (%s) to %s%s in %.0f ms%s%s",
-             f"{saved.tokens:,}", size_text(saved.bytes), parking.store.bin_name(key, sibling),
+             f"{saved.tokens:,}", size_text(saved.bytes), parts.store.bin_name(key, sibling),
              in_blocks, saved.ms, "" if reason == "switch" else f" ({reason})", from_slot(service, slot))
     spare = {sibling} | ({incoming_sibling} if incoming == key and incoming_sibling is not None else set())
     with span("auto_sessions.prune"):
-        await prune_siblings(parking, key, frozenset(spare))
-        await prune(parking.store, parking.config, parking.stats, protect=in_use(service, key, incoming),
-                    index=parking.siblings)
+        await prune_siblings(parts, key, frozenset(spare))
+        await prune(parts.store, parts.config, parts.stats, protect=in_use(service, key, incoming),
+                    index=parts.siblings)
     return Parked.SAVED
 
 
-def _count_blocks(parking: AutoSessions) -> str:
+def _count_blocks(parts: Parts) -> str:
     """What the save just committed did in the block store (``blocks = true``), counted;
     for its log line: where it went when in blocks."""
-    blocks = getattr(parking.store, "blocks", None)
+    blocks = getattr(parts.store, "blocks", None)
     report = blocks.last_save if blocks is not None else None
     if report is None:
         return ""
     if report.refused is not None:
-        parking.stats.count_kept_whole(report.refused.reason)
+        parts.stats.count_kept_whole(report.refused.reason)
         return f" (whole: {report.refused.reason})"
-    parking.stats.block_saves += 1
-    parking.stats.block_written_bytes += report.bytes_written
-    parking.stats.block_state_bytes += report.state_bytes
+    parts.stats.block_saves += 1
+    parts.stats.block_written_bytes += report.bytes_written
+    parts.stats.block_state_bytes += report.state_bytes
     return (f" in blocks ({report.blocks_written} of {report.blocks} new, {size_text(report.bytes_written)} "
             "written)")
 
@@ -118,45 +118,45 @@ def state_of(in_slot: SlotState) -> tuple[Any, ...]:
             in_slot.generation)
 
 
-def _not_to_save(parking: AutoSessions, service: Service, key: str, in_slot: SlotState) -> Parked | None:
+def _not_to_save(parts: Parts, service: Service, key: str, in_slot: SlotState) -> Parked | None:
     """Why the conversation ``key`` the slot holds is not saved now (counted, and logged
     where it is news), or None when it is to be saved."""
     if in_slot.file_current:
-        if _file_kept(parking, key, in_slot.sibling):
-            parking.stats.save_skips_unchanged += 1
-            _touch_if_used(parking, key, in_slot.sibling)
+        if _file_kept(parts, key, in_slot.sibling):
+            parts.stats.save_skips_unchanged += 1
+            _touch_if_used(parts, key, in_slot.sibling)
             return Parked.ALREADY_CURRENT
         # Its file went since it was made (`strata-serve sessions prune`, or by hand):
         # the slot holds the only copy, so it is saved like any other.
         log.info("[strata] auto sessions: %s's file is gone since it was saved: saving it again", key)
         service.slots.file_gone(in_slot.id)
-    if parking.mode is ParkingMode.NOT_SAVING:
-        parking.stats.save_skips_swa += 1  # said once, at start: no file would be of use
+    if parts.mode is ParkingMode.NOT_SAVING:
+        parts.stats.save_skips_swa += 1  # said once, at start: no file would be of use
         return Parked.NOTHING_TO_KEEP
-    worth, why_not = parking.costs.worth(in_slot.tokens)
+    worth, why_not = parts.costs.worth(in_slot.tokens)
     if not worth:
-        parking.stats.save_skips_below_min += 1
+        parts.stats.save_skips_below_min += 1
         log.info("[strata] auto sessions: not saving %s: %s", key, why_not)
         return Parked.NOTHING_TO_KEEP
     verdict = service.verdict("save", None, in_slot.tokens)
     if verdict in (Verdict.SKIP, Verdict.UNSUPPORTED):
-        parking.stats.save_skips_verdict += 1
+        parts.stats.save_skips_verdict += 1
         log.info("[strata] auto sessions: not saving %s: the engine quirk check says %s", key, verdict.value)
         if verdict == Verdict.UNSUPPORTED:
-            parking.status.stop("the engine cannot save slots")
+            parts.status.stop("the engine cannot save slots")
         # Unsaved state must not be replaced by a restore unless there is none.
         return Parked.NOTHING_TO_KEEP if in_slot.tokens == 0 else Parked.ONLY_IN_SLOT
     return None
 
 
-async def save_from_engine_ram(parking: AutoSessions, service: Service, slot: int, ident: Ident, left: Left,
+async def save_from_engine_ram(parts: Parts, service: Service, slot: int, ident: Ident, left: Left,
                                timeout: float) -> bool:
     """At a normal stop: a conversation left in the engine's RAM cache
     (:mod:`strata_auto_sessions.engine_ram`) brought back into ``slot`` by its last request
     sent again for one token (the engine loads it from RAM), then saved. False when not saved."""
     tenant, key, sibling = ident
     body = left.replay()
-    worth, _ = parking.costs.worth(left.tokens)
+    worth, _ = parts.costs.worth(left.tokens)
     if body is None or left.path is None or not worth:
         return False
     try:
@@ -172,36 +172,36 @@ async def save_from_engine_ram(parking: AutoSessions, service: Service, slot: in
                     "saved: the engine answered %d", key, status)
         return False
     if left.prompt is not None:
-        parking.prompts[key] = left.prompt
+        parts.prompts.restored(key, left.prompt)
     in_slot = SlotState(id=slot, key=key, tenant=tenant, tokens=left.tokens, since=left.since, sibling=sibling)
-    saved = await _save(parking, service, slot, key, in_slot)
+    saved = await _save(parts, service, slot, key, in_slot)
     if isinstance(saved, Parked):
         return False
-    in_blocks = _counted(parking, saved)
+    in_blocks = _counted(parts, saved)
     log.info("[strata] auto sessions: saved %s tokens (%s) to %s%s in %.0f ms (brought back from the engine's RAM "
              "cache at the stop)", f"{saved.tokens:,}", size_text(saved.bytes),
-             parking.store.bin_name(key, sibling), in_blocks, saved.ms)  # type: ignore[union-attr]
+             parts.store.bin_name(key, sibling), in_blocks, saved.ms)  # type: ignore[union-attr]
     return True
 
 
-def _counted(parking: AutoSessions, saved: _Saved) -> str:
+def _counted(parts: Parts, saved: _Saved) -> str:
     """A save made: its fsyncs started (beside the next request, with ``fsync = "background"``)
     and it counted; for its log line, where it went when in blocks."""
-    parking.sync_soon()
-    parking.stats.saves += 1
-    parking.stats.saved_tokens += saved.tokens
-    parking.stats.saved_bytes += saved.bytes
-    parking.stats.save_ms += saved.ms
-    return _count_blocks(parking)
+    parts.syncs.soon()
+    parts.stats.saves += 1
+    parts.stats.saved_tokens += saved.tokens
+    parts.stats.saved_bytes += saved.bytes
+    parts.stats.save_ms += saved.ms
+    return _count_blocks(parts)
 
 
-async def _save(parking: AutoSessions, service: Service, slot: int, key: str, in_slot: SlotState) -> _Saved | Parked:
+async def _save(parts: Parts, service: Service, slot: int, key: str, in_slot: SlotState) -> _Saved | Parked:
     """Have the engine save the slot to a temporary file (once more after a failure its
     quirks call passing), then commit it as ``key``'s file with its sidecar."""
-    assert parking.store is not None
-    sidecar, prompt = parking.store.sidecar(key, in_slot.sibling), parking.prompts.get(key)
+    assert parts.store is not None
+    sidecar, prompt = parts.store.sidecar(key, in_slot.sibling), parts.prompts.get(key)
     for attempt in range(2):
-        temp = parking.store.temp_name(key)
+        temp = parts.store.temp_name(key)
         began = time.monotonic()
         try:
             answer = await service.save_slot(temp, slot=slot)
@@ -209,105 +209,104 @@ async def _save(parking: AutoSessions, service: Service, slot: int, key: str, in
             if n_saved == 0:
                 # The slot was empty after all: such a file is worthless, and
                 # restoring one has crashed the engine.
-                _discard(parking, temp)
+                _discard(parts, temp)
                 log.info("[strata] auto sessions: not keeping %s: the engine's slot was empty", key)
                 return Parked.NOTHING_TO_KEEP
-            kept = await _commit(parking, temp, key, in_slot, sidecar, prompt, n_saved, n_written)
+            kept = await _commit(parts, temp, key, in_slot, sidecar, prompt, n_saved, n_written)
             break
         except LockTimeout as exc:  # the commit's: the engine's calls take no lock
-            _discard(parking, temp)
-            parking.stats.save_failures += 1
+            _discard(parts, temp)
+            parts.stats.save_failures += 1
             log.warning("[strata] auto sessions: saving %s given up: %s; it stays in the slot", key, exc)
             return Parked.ONLY_IN_SLOT
         except (EngineError, EngineUnavailable, OSError) as exc:
-            staging = getattr(parking.store, "staging", None)
+            staging = getattr(parts.store, "staging", None)
             if staging is not None and not isinstance(exc, OSError):
                 # The engine's save into memory failed: the next try goes to the slot
                 # directory. (An OSError is the commit's: the slot directory's disk.)
-                staging.failed(parking.store.directory / temp, exc)
-            _discard(parking, temp)
+                staging.failed(parts.store.directory / temp, exc)
+            _discard(parts, temp)
             verdict = failure_verdict("save", exc, service, in_slot.tokens)
             if verdict == Verdict.RETRY and attempt == 0:
                 log.info("[strata] auto sessions: saving %s failed (%s); trying once more", key, exc)
                 continue
-            return _save_failed(parking, key, exc, verdict, service, slot)
+            return _save_failed(parts, key, exc, verdict, service, slot)
     ms = (time.monotonic() - began) * 1000
     if kept is False:
-        await _removed_by_hand(parking, key, slot, service)
+        await _removed_by_hand(parts, key, slot, service)
         return Parked.NOTHING_TO_KEEP
     return _Saved(n_saved, n_written, ms)
 
 
-async def _commit(parking: AutoSessions, temp: str, key: str, in_slot: SlotState, sidecar: Sidecar | None,
+async def _commit(parts: Parts, temp: str, key: str, in_slot: SlotState, sidecar: Sidecar | None,
                   prompt: dict[str, Any] | None, n_saved: int, n_written: int) -> bool | None:
     """Put the saved ``temp`` in place as ``key``'s file, beside its new sidecar (under the
     directory's lock): False when ``key`` was removed by hand since its state began."""
-    assert parking.store is not None
+    assert parts.store is not None
     now = time.time()
     written = Sidecar(
-        key=key, fingerprint=parking.fingerprint, tokens=n_saved, bytes=n_written,
+        key=key, fingerprint=parts.fingerprint, tokens=n_saved, bytes=n_written,
         # A file's state began with its first file; a state with none, when the
         # slot began holding it: a removal by hand since then drops the save.
         created=sidecar.created if sidecar else (in_slot.since or now), last_used=now,
         digest="", prompt=prompt, tenant=in_slot.tenant, version=SIDECAR_VERSION, sibling=in_slot.sibling,
     )
-    blocks = getattr(parking.store, "blocks", None)
+    blocks = getattr(parts.store, "blocks", None)
     if blocks is not None:
         blocks.last_save = None  # this commit's, when it is in blocks
     with span("auto_sessions.commit"):
-        async with parking.store.lock_without_blocking(parking.config.lock_wait_s):
-            kept = parking.store.commit(temp, key, written)
+        async with parts.store.lock_without_blocking(parts.config.lock_wait_s):
+            kept = parts.store.commit(temp, key, written)
     if kept is not False:
-        parking.siblings.written(key, written)
-        parking.used_since_written.discard((key, in_slot.sibling))  # its last use: now
+        parts.siblings.written(key, written)
+        parts.restored.written(key, in_slot.sibling)  # its last use: now
     return kept
 
 
-def _touch_if_used(parking: AutoSessions, key: str, sibling: int) -> None:
+def _touch_if_used(parts: Parts, key: str, sibling: int) -> None:
     """The file goes back to disk unchanged: if it was restored since its sidecar was
     written, the sidecar now says it was used (pruning goes by it)."""
-    if (key, sibling) not in parking.used_since_written:
+    if not parts.restored.take(key, sibling):
         return
-    parking.used_since_written.discard((key, sibling))
     try:
         with span("auto_sessions.touch"):
-            parking.store.touch(key, sibling)  # type: ignore[union-attr]
+            parts.store.touch(key, sibling)  # type: ignore[union-attr]
     except OSError as exc:
         log.warning("[strata] auto sessions: could not update %s's sidecar: %s", key, exc)
 
 
-def _file_kept(parking: AutoSessions, key: str, sibling: int) -> bool:
+def _file_kept(parts: Parts, key: str, sibling: int) -> bool:
     """Whether the store still has the conversation's file (its sidecar describes it)."""
     try:
-        return parking.store.sidecar(key, sibling) is not None  # type: ignore[union-attr]
+        return parts.store.sidecar(key, sibling) is not None  # type: ignore[union-attr]
     except OSError:
         return False
 
 
-async def _removed_by_hand(parking: AutoSessions, key: str, slot: int, service: Service) -> None:
+async def _removed_by_hand(parts: Parts, key: str, slot: int, service: Service) -> None:
     """The session was removed by hand (``strata-serve sessions rm``) while the slot held
     it: its save was dropped, and the slot is erased so the engine forgets it too."""
-    parking.prompts.pop(key, None)
-    parking.siblings.forget(key)
+    parts.prompts.forget(key)
+    parts.siblings.forget(key)
     log.info("[strata] auto sessions: %s was removed by hand: its save is dropped and the slot erased", key)
     try:
         await service.erase_slot(slot)
     except (EngineError, EngineUnavailable) as exc:
         log.warning("[strata] auto sessions: erasing the slot after %s was removed failed: %s", key, exc)
-    refresh_usage(parking.store, parking.stats)  # type: ignore[arg-type]
-    parking.record_in_use(service)
+    refresh_usage(parts.store, parts.stats)  # type: ignore[arg-type]
+    parts.in_use.record(service)
 
 
-def _discard(parking: AutoSessions, temp: str) -> None:
+def _discard(parts: Parts, temp: str) -> None:
     try:
-        parking.store.discard(temp)  # type: ignore[union-attr]
+        parts.store.discard(temp)  # type: ignore[union-attr]
     except OSError as exc:  # e.g. the directory itself is gone
         log.warning("[strata] auto sessions: could not remove %s: %s", temp, exc)
 
 
-def _save_failed(parking: AutoSessions, key: str, exc: Exception, verdict: Verdict | None, service: Service,
+def _save_failed(parts: Parts, key: str, exc: Exception, verdict: Verdict | None, service: Service,
                  slot: int) -> Parked:
-    parking.stats.save_failures += 1
+    parts.stats.save_failures += 1
     message = exc.message if isinstance(exc, EngineError) else str(exc)
     if verdict == Verdict.PROVISIONAL:
         log.info("[strata] auto sessions: %s held only provisional state (%s); "
@@ -315,6 +314,6 @@ def _save_failed(parking: AutoSessions, key: str, exc: Exception, verdict: Verdi
         service.slots.nothing_durable(slot)
         return Parked.NOTHING_TO_KEEP
     if verdict == Verdict.UNSUPPORTED:
-        parking.status.stop(f"the engine cannot save slots ({message})")
+        parts.status.stop(f"the engine cannot save slots ({message})")
     log.warning("[strata] auto sessions: saving %s failed: %s", key, exc)
     return Parked.ONLY_IN_SLOT

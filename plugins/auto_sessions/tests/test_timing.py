@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+import strata_serve
 from strata_serve import span
 from strata_serve.api import SERVICE
 from strata_serve.testing import conversation, until_idle
@@ -51,13 +52,34 @@ async def test_a_switch_names_its_save_and_an_answer_from_the_slot_names_none(au
     assert totals["requests"] == 4 and totals["count"]["engine_save"] == 2, totals  # B's save at the return
 
 
+class HoldsTheTurnUntilAnotherWaits:
+    """Once armed, the next request is held in its steps before the engine until another
+    request waits in the line: that one then arrives before this answer ends and waits for
+    it, however busy the machine (a short answer could otherwise end first)."""
+
+    def __init__(self) -> None:
+        self.armed = False
+
+    @strata_serve.hookimpl
+    async def pre_request(self, request, service):
+        if not self.armed:
+            return
+        self.armed = False
+        deadline = time.monotonic() + 30
+        while not service.fifo.waiting:
+            assert time.monotonic() < deadline, "no request came to wait"
+            await asyncio.sleep(0.001)
+
+
 async def test_the_engine_idle_between_two_answers_is_the_gap_of_the_request_that_waited(auto_client):
-    client = await auto_client(idle_save_s=0)
+    holder = HoldsTheTurnUntilAnotherWaits()
+    client = await auto_client(holder, idle_save_s=0)
     a, b = conversation("gap-a"), conversation("gap-b")
     await chat(client, a)
     service = client.app[SERVICE]
     await until_idle(service)  # A's turn has ended: the FIFO taken next is the long request's
     assert service.phases.snapshot()["count"].get("gap", 0) == 0  # nobody waited
+    holder.armed = True
     long = asyncio.ensure_future(chat(client, a + [{"role": "user", "content": "go on"}], max_tokens=64))
     deadline = time.monotonic() + 30
     while service.fifo.idle:  # the long request holds the FIFO

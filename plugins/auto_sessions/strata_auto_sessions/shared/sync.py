@@ -72,12 +72,11 @@ from strata_auto_sessions.shared.tier import (
     ConditionFailed, ConditionsIgnored, DamagedHead, Head, SharedTier, SharedTierError, check_conditions, new_upload,
     writer_name,
 )
+from strata_auto_sessions.parts import Parts
 from strata_auto_sessions.sidecar import DamagedSidecar, Sidecar
 
 if TYPE_CHECKING:
     from strata_serve import Service, StrataRequest
-
-    from strata_auto_sessions.parking import AutoSessions
 
 log = logging.getLogger("strata_auto_sessions")
 
@@ -108,11 +107,11 @@ class TransferSpeed:
 class SharedParking:
     """One per server: the shared tier and what this server's slot directory holds of it."""
 
-    def __init__(self, tier: SharedTier, config: SharedConfig, parking: AutoSessions):
-        assert parking.store is not None
-        self.tier, self.config, self.parking = tier, config, parking
-        self.directory = parking.store.directory
-        self.stats = parking.stats
+    def __init__(self, tier: SharedTier, config: SharedConfig, parts: Parts):
+        assert parts.store is not None
+        self.tier, self.config, self.parts = tier, config, parts
+        self.directory = parts.store.directory
+        self.stats = parts.stats
         self.ledger = Ledger(self.directory / LEDGER_NAME)
         self.fetch_speed = TransferSpeed()
         #: Set once the store proved it keeps its conditions (``check_conditions``).
@@ -137,7 +136,7 @@ class SharedParking:
         self.tier_blocks = TierBlocks(tier, self._call, config.transfer_timeout_s)
 
     @classmethod
-    async def start(cls, parking: AutoSessions, service: Service, config: SharedConfig) -> SharedParking | None:
+    async def start(cls, parts: Parts, service: Service, config: SharedConfig) -> SharedParking | None:
         """The shared tier the hook or ``shared.url`` names, checked: None when the store
         ignores conditional writes (shared mode refused, said why). A store that does not
         answer is not refused: it is checked again before its first use."""
@@ -149,7 +148,7 @@ class SharedParking:
         except (SharedTierError, ValueError) as exc:
             log.error("[strata] auto sessions: shared tier %s unusable: %s; local parking alone", config.url, exc)
             return None
-        shared = cls(tier, config, parking)
+        shared = cls(tier, config, parts)
         await asyncio.to_thread(shared.ledger.load)
         if not await shared._check():
             if shared.refused is not None:
@@ -289,8 +288,8 @@ class SharedParking:
             if self.refused is not None:
                 return
             raise SharedTierError(f"{self.tier.where} does not answer")
-        assert self.parking.store is not None
-        async with self.parking.store.lock_without_blocking(self.parking.config.lock_wait_s):
+        assert self.parts.store is not None
+        async with self.parts.store.lock_without_blocking(self.parts.config.lock_wait_s):
             snapshot = await asyncio.to_thread(self._snapshot, name)
         if snapshot is None:
             self.ledger.entries.pop(name, None)
@@ -346,13 +345,13 @@ class SharedParking:
 
     def _parked_blocks(self) -> ParkedBlocks:
         """The slot directory's block store (there is one: a manifest was read from it)."""
-        blocks = getattr(self.parking.store, "blocks", None)
+        blocks = getattr(self.parts.store, "blocks", None)
         assert blocks is not None
         return blocks
 
     def _blocks_of(self, sidecar: Sidecar) -> ParkedBlocks | None:
         """The slot directory's block store, when it holds ``sidecar``'s conversation."""
-        blocks = getattr(self.parking.store, "blocks", None)
+        blocks = getattr(self.parts.store, "blocks", None)
         if blocks is None or blocks.manifest(sidecar.key, sidecar.sibling) is None:
             return None
         return blocks
@@ -577,7 +576,7 @@ class SharedParking:
     def _here(self, key: str) -> tuple[dict[str, Sidecar], set[int]]:
         """The key's conversation files here whose sidecars read, by name, and the sibling
         numbers any file of the key takes (damaged ones too: never written over)."""
-        store = self.parking.store
+        store = self.parts.store
         assert store is not None
         start = f"{PREFIX}{file_key(key)}"
         with os.scandir(self.directory) as entries:
@@ -671,7 +670,7 @@ class SharedParking:
     def _not_worth(self, head: Head) -> str | None:
         """Why fetching a file of ``head`` does not pay, or None when it does (or cannot be
         judged yet: when in doubt, fetch)."""
-        worth, why_not = self.parking.costs.worth(head.tokens, head.bytes,
+        worth, why_not = self.parts.costs.worth(head.tokens, head.bytes,
                                                   more_s=self.fetch_speed.seconds(head.bytes) or 0.0,
                                                   more="fetching")
         return None if worth else why_not
@@ -689,7 +688,7 @@ class SharedParking:
             sidecar = await asyncio.to_thread(Sidecar.load, json_temp)
             if sidecar.key != key_of_file(match["key"]):
                 raise SharedTierError(f"{objects[1]} is the sidecar of {sidecar.key!r}, not of {name}'s key")
-            refusal = incompatibility(sidecar, self.parking.fingerprint, build_range=self.parking.config.build_range)
+            refusal = incompatibility(sidecar, self.parts.fingerprint, build_range=self.parts.config.build_range)
             if refusal is not None:
                 self.stats.shared_fetches_not_worth += 1
                 log.info("[strata] auto sessions: shared tier: not fetching %s (%s): %s", shared, refusal.reason,
@@ -707,8 +706,8 @@ class SharedParking:
                 if n != head.bytes or not matches:
                     raise SharedTierError(f"{objects[0]} is not the file its head describes "
                                           f"({n:,} bytes, {head.bytes:,} expected)")
-                assert self.parking.store is not None
-                async with self.parking.store.lock_without_blocking(self.parking.config.lock_wait_s):
+                assert self.parts.store is not None
+                async with self.parts.store.lock_without_blocking(self.parts.config.lock_wait_s):
                     await asyncio.to_thread(self._put_in_place, name, bin_temp, json_temp)
             self.ledger.entries[name] = _Local(head.generation, shared=shared)
         finally:
@@ -731,7 +730,7 @@ class SharedParking:
         :raises SharedTierError: this server parks whole files (no block store), the
             manifest is not one of this format or not the state its head describes, or a
             block is missing or damaged: nothing is restored from it."""
-        blocks = getattr(self.parking.store, "blocks", None)
+        blocks = getattr(self.parts.store, "blocks", None)
         if blocks is None:
             raise SharedTierError(f"{manifest_object} is a conversation shared in blocks, and this server parks "
                                   "whole files (blocks = false): not fetched")
@@ -746,8 +745,8 @@ class SharedParking:
         staged, fetched = await self.tier_blocks.bring(
             blocks.store, manifest, lambda block: self.directory / temp_for(name, f".{block[:8]}.blk"))
         try:
-            assert self.parking.store is not None
-            async with self.parking.store.lock_without_blocking(self.parking.config.lock_wait_s):
+            assert self.parts.store is not None
+            async with self.parts.store.lock_without_blocking(self.parts.config.lock_wait_s):
                 await asyncio.to_thread(self._put_blocks_in_place, name, manifest, staged, json_temp, sidecar)
         finally:
             await asyncio.to_thread(unlink_staged, staged)
@@ -755,7 +754,7 @@ class SharedParking:
 
     def _put_blocks_in_place(self, name: str, manifest: Manifest, staged: list[tuple[str, Path]], json_temp: Path,
                              sidecar: Sidecar) -> None:
-        blocks = getattr(self.parking.store, "blocks", None)
+        blocks = getattr(self.parts.store, "blocks", None)
         assert blocks is not None
         os.chmod(json_temp, 0o600)
         put_in_store(blocks.store, manifest, manifest_key(sidecar.key, sidecar.sibling), staged)
@@ -767,7 +766,7 @@ class SharedParking:
         # sidecar whose digest the old file fails, never restored.
         os.chmod(bin_temp, 0o600)
         os.chmod(json_temp, 0o600)
-        blocks = getattr(self.parking.store, "blocks", None)
+        blocks = getattr(self.parts.store, "blocks", None)
         if blocks is not None:
             # Parking in blocks: the fetched file is cut, only the blocks this store lacks
             # are written (a state the format refuses is kept whole, as fetched).
@@ -803,8 +802,8 @@ class SharedParking:
             await self._remove_local(name)
 
     async def _remove_local(self, name: str) -> None:
-        assert self.parking.store is not None
-        async with self.parking.store.lock_without_blocking(self.parking.config.lock_wait_s):
+        assert self.parts.store is not None
+        async with self.parts.store.lock_without_blocking(self.parts.config.lock_wait_s):
             await asyncio.to_thread(self._unlink_pair, name)
         self.ledger.entries.pop(name, None)
 
