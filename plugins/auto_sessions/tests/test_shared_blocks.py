@@ -9,6 +9,7 @@ import asyncio
 
 import pytest
 
+from strata_auto_sessions.shared.blocks import manifest_digest
 from strata_serve.testing import ask, conversation
 
 from . import test_shared_parking as shared_parking
@@ -199,3 +200,28 @@ async def test_a_conversation_pruned_here_while_its_blocks_are_sent_is_shared_wh
     answer = await ask(two, then(a, first, "Go on."))
     assert parking(two).stats.shared_fetches == 1 and parking(two).stats.restores == 1
     assert answer["timings"]["cache_n"] >= saved.tokens - 3, (answer["timings"], saved.tokens)
+
+
+async def test_another_answer_to_the_same_prompt_is_shared_though_it_is_as_long(auto_client, tmp_path, shared_url):
+    """A's prompt asked again, answered otherwise with as many tokens (a regenerated answer):
+    the same prompt, the same count, other blocks. Its head moves on to the new state.
+    Before, a head in blocks carried no digest, and a state of the same prompt and count
+    was taken for the one the head held: the tier kept the first answer's state."""
+    one = await server(auto_client, tmp_path, "one", shared_url)
+    a = long_opening("redo")
+    answer = {"temperature": 1.0, "max_tokens": 8, "ignore_eos": True}
+    await ask(one, a, seed=1, **answer)
+    await ask(one, conversation("other"))  # A saved, then uploaded
+    await settled(one)
+    key = key_of(one, a)
+    name = parking(one).store.bin_name(key)
+    blocks = parking(one).store.blocks
+    first_state, first_head = blocks.manifest(key, 0), await head_of(one, name)
+
+    await ask(one, a, seed=2, **answer)  # the same prompt, another answer as long
+    await ask(one, conversation("other"))
+    await settled(one)
+    second_state, second_head = blocks.manifest(key, 0), await head_of(one, name)
+    assert second_state.tokens == first_state.tokens and second_state.identity != first_state.identity
+    assert second_head.generation == first_head.generation + 1, (first_head, second_head)
+    assert second_head.digest == manifest_digest(second_state) != first_head.digest

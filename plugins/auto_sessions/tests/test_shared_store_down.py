@@ -91,7 +91,8 @@ async def heads_hold(client, messages: list[list[dict]]) -> bool:
             found = await asyncio.wait_for(auto.shared.tier.head(auto.store.bin_name(key)), 2)
         except (TimeoutError, OSError):
             return False
-        if local is None or found is None or found[0].tokens != local.tokens or found[0].digest != local.digest:
+        if local is None or found is None or found[0].tokens != local.tokens \
+                or found[0].digest != auto.shared.digest_of(local):
             return False
     return True
 

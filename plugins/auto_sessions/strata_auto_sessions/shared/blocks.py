@@ -16,6 +16,7 @@ blocks, then its manifest, then its head.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import time
@@ -44,6 +45,14 @@ KNOWN_S = 600.0
 
 def encode_manifest(manifest: Manifest) -> bytes:
     return json.dumps({"version": MANIFEST_VERSION, **asdict(manifest)}, separators=(",", ":")).encode()
+
+
+def manifest_digest(manifest: Manifest) -> str:
+    """What tells a state in blocks from any other, for its head's ``digest``: its blocks
+    and its tail are named by their tokens, so two states of one prompt whose answers
+    differ (the same count of tokens, other tokens) have other digests."""
+    identity = json.dumps(manifest.identity, separators=(",", ":"))
+    return "blocks:" + hashlib.sha256(identity.encode()).hexdigest()[:32]
 
 
 def decode_manifest(data: bytes, what: str) -> Manifest:

@@ -62,7 +62,9 @@ from strata_auto_sessions.naming import (
 )
 from strata_auto_sessions.blocks import Manifest
 from strata_auto_sessions.parked_blocks import CorruptBlock, ParkedBlocks, manifest_key
-from strata_auto_sessions.shared.blocks import TierBlocks, decode_manifest, encode_manifest, put_in_store, unlink_staged
+from strata_auto_sessions.shared.blocks import (
+    TierBlocks, decode_manifest, encode_manifest, manifest_digest, put_in_store, unlink_staged,
+)
 from strata_auto_sessions.shared.ledger import LEDGER_NAME, Ledger, _Local, sidecar_name, temp_for
 from strata_auto_sessions.shared.standing import (
     Standing, continued_by, continued_by_prompt, prompt_units, removed_since, standing,
@@ -343,6 +345,13 @@ class SharedParking:
             raise
         return bin_temp, json_temp, sidecar, None
 
+    def digest_of(self, sidecar: Sidecar) -> str:
+        """A local state's digest as its head would carry it: a whole file's sampled one, or
+        in blocks its manifest's (:func:`~strata_auto_sessions.shared.blocks.manifest_digest`)."""
+        blocks = None if sidecar.digest else self._blocks_of(sidecar)
+        manifest = None if blocks is None else blocks.manifest(sidecar.key, sidecar.sibling)
+        return sidecar.digest if manifest is None else manifest_digest(manifest)
+
     def _parked_blocks(self) -> ParkedBlocks:
         """The slot directory's block store (there is one: a manifest was read from it)."""
         blocks = getattr(self.parts.store, "blocks", None)
@@ -382,7 +391,12 @@ class SharedParking:
         more of the conversation than this state is left as it is; one that holds less
         is moved on, by compare-and-swap on the version read (whichever server wrote it)."""
         began = time.monotonic()
-        digest = sidecar.digest or (await asyncio.to_thread(sample_digest, bin_temp) if bin_temp is not None else "")
+        if manifest is not None:
+            digest = manifest_digest(manifest)  # its identity, not a sidecar's (blocks keep no digest)
+        elif sidecar.digest or bin_temp is None:
+            digest = sidecar.digest
+        else:
+            digest = await asyncio.to_thread(sample_digest, bin_temp)
         for _race in range(UPLOAD_RACES):
             entry = self.ledger.entries.get(name) or _Local(0)
             found = await self._shared_place(name, entry, sidecar)
@@ -627,7 +641,7 @@ class SharedParking:
         if entry.generation >= head.generation:
             return None  # this copy is the shared one, or newer
         where = standing(local.prompt, local.tokens, head)
-        if where is Standing.SAME and local.digest == head.digest:
+        if where is Standing.SAME and self.digest_of(local) == head.digest:
             self.ledger.entries[name] = _Local(head.generation, entry.dirty, shared)  # the same file
             return None
         if where in (Standing.AHEAD, Standing.APART):
