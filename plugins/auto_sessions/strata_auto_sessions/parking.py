@@ -6,10 +6,13 @@ The outgoing conversation is saved at a switch unless its file is already curren
 idle save made it so), or the switch is left to the engine's RAM prompt cache while it
 has room (``engine_ram``: a belief about that cache, checked at each return from it).
 
-:class:`AutoSessions` holds the state and decides around each request; the rest is
-decided in one module each: whether a conversation is worth a file (``policy``), the
-mode (``mode``), saving (``saving``), restoring (``restoring``) and its fallback
-(``fallback``), idle saves (``idle``), pruning (``pruning``).
+:class:`AutoSessions` decides around each request and builds the parts every step works
+with (``parts``: the store, the settings, the cost rule, the counters, and the state kept
+between requests, each part the one writer of its own); the rest is decided in one module
+each, given those parts, never this object: whether a conversation is worth a file
+(``policy``), the mode (``mode``), saving (``saving``), restoring (``restoring``) and its
+fallback (``fallback``), idle saves (``idle``), pruning (``pruning``), the shared tier
+(``shared.sync``).
 """
 
 from __future__ import annotations
