@@ -37,7 +37,7 @@ from strata_auto_sessions.prompts import continues, prompt_signature
 from strata_auto_sessions.in_use import InUseRecord
 from strata_auto_sessions.parts import Parts
 from strata_auto_sessions.pruning import refresh_usage
-from strata_auto_sessions.saving import Parked, park_slot, save_from_engine_ram
+from strata_auto_sessions.saving import Parked, measure_state, park_slot, save_from_engine_ram
 from strata_auto_sessions.shared.sync import SharedParking
 from strata_auto_sessions.siblings import Sibling, SiblingIndex
 from strata_auto_sessions.staging import Staging, default_keep_bytes
@@ -336,6 +336,12 @@ class AutoSessions:
             # The engine's first state: saved, which measures its size.
             await self.park_slot(service, in_slot.id, reason="switch", incoming=request.conversation_key)
             bytes_per_token = self.speeds.bytes_per_token
+            if bytes_per_token is None:
+                # Not worth a file: saved to measure it, and removed. Without a size, every
+                # switch would park to disk and empty the slot, and the engine, re-reading
+                # each prompt whole, would answer short chats a third as fast as alone.
+                await measure_state(self.parts, service, in_slot.id, outgoing[1])
+                bytes_per_token = self.speeds.bytes_per_token
         if bytes_per_token is None or not ram.fits(in_slot.tokens, bytes_per_token):
             return "no room"
         path, body = None, None

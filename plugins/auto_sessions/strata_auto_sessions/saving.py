@@ -184,6 +184,22 @@ async def save_from_engine_ram(parts: Parts, service: Service, slot: int, ident:
     return True
 
 
+async def measure_state(parts: Parts, service: Service, slot: int, key: str) -> None:
+    """Have the engine save the slot once, only to learn how many bytes a token of its state
+    takes (the core's ``service.measures``), and remove the file: for a conversation not
+    worth a file of its own, when no state has been saved yet. The switches left to the
+    engine's RAM cache need that size to keep within the cache's room."""
+    assert parts.store is not None
+    temp = parts.store.temp_name(key)
+    try:
+        await service.save_slot(temp, slot=slot)
+    except (EngineError, EngineUnavailable, OSError) as exc:
+        log.info("[strata] auto sessions: the engine's state could not be measured (%s): its switches are parked "
+                 "to disk until a state is", exc)
+    finally:
+        _discard(parts, temp)
+
+
 def _counted(parts: Parts, saved: _Saved) -> str:
     """A save made: its fsyncs started (beside the next request, with ``fsync = "background"``)
     and it counted; for its log line, where it went when in blocks."""
