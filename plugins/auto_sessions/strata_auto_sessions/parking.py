@@ -39,7 +39,7 @@ from strata_auto_sessions.parts import Parts
 from strata_auto_sessions.pruning import refresh_usage
 from strata_auto_sessions.saving import Parked, measure_state, park_slot, save_from_engine_ram
 from strata_auto_sessions.shared.sync import SharedParking
-from strata_auto_sessions.siblings import Sibling, SiblingIndex
+from strata_auto_sessions.siblings import Choice, Sibling, SiblingIndex
 from strata_auto_sessions.staging import Staging, default_keep_bytes
 from strata_auto_sessions.stats import AutoSessionsStats
 from strata_auto_sessions.store import DirectoryInUse, LockTimeout, ParkingStore, SessionStore, engine_fingerprint
@@ -202,63 +202,21 @@ class AutoSessions:
         self.record_in_use(service)
         if request.sent_ahead:
             return  # it continues what the slot holds (:meth:`may_go_ahead`), and may be running
-        if getattr(service, "side_lane", False) and request.slot != MAIN_SLOT:
-            # The main conversation stays in its slot while this request runs beside it, as a
-            # one-slot engine's parks it: its file is made current first, so an engine crash
-            # in the next ``idle_save_s`` loses nothing (the side lane holds the whole line,
-            # so the idle save cannot run meanwhile). Skipped when its file is current.
-            await self.park_slot(service, MAIN_SLOT, reason="a side request runs beside it")
-        elif request.pinned:
-            # The main slot runs: a long side conversation may lose its room (an engine that
-            # picks the slot itself has every other slot parked below).
-            await self.park_side_at_risk(service, request.slot, incoming=request.conversation_key)
+        await self._park_other_slots(request, service)
         in_slot = await service.slot(request.slot)
-        if not request.pinned:
-            # The engine picks the slot itself and may take any: park every other one
-            # first (the request holds them all meanwhile).
-            for other in range(len(service.slots)):
-                if other != request.slot:
-                    await self.park_slot(service, other, reason="the engine chooses the slot",
-                                         incoming=request.conversation_key)
         key = request.conversation_key
         same_key = key is not None and in_slot.key == key and in_slot.tenant == request.tenant and not in_slot.empty
         if key is not None and same_key and self.holds(key, request, in_slot.sibling):
             return  # the slot holds this conversation: nothing to do
         if request.pinned and key is not None:
-            for other in service.slots:
-                if other.id != request.slot and other.key == key and other.tenant == request.tenant:
-                    # The conversation moves here (it outgrew the side slot): its newest state is
-                    # in the other slot, so its file is written from there before it is restored.
-                    await self.park_slot(service, other.id, reason="moves to another slot", incoming=key)
+            await self._park_where_it_was(request, service)
         if await self._left_to_engine(service, request, in_slot):
             return  # the engine's RAM cache makes this switch by itself
         if key is None and in_slot.key is None:
             return  # nothing nameable leaves, nothing nameable comes
         # A switch (or a request without a key, or another conversation under the held
         # key): the held conversation leaves the slot.
-        choice = None
-        if key is not None and self.shared is not None:
-            with span("auto_sessions.shared"):
-                busy = frozenset(other.sibling for other in service.slots
-                                 if other.key == key and other.tenant == request.tenant)
-                # a newer state another server saved, or its conversation, where it pays
-                await self.shared.bring_in(key, request, busy)
-            self.siblings.forget(key)  # the key's files, as the shared tier left them
-        if key is not None:
-            held = Sibling(in_slot.sibling, self.parts.prompts.get(key), time.time()) if same_key else None
-            with span("auto_sessions.siblings"):
-                choice = self.siblings.choose(key, request, held, one=self.one_file_a_key)
-            request.state.setdefault(NAME, {})["sibling"] = choice.sibling
-            if self.engine_ram is not None and not choice.new and choice.sibling == 0:
-                # The conversation takes the slot: the engine brings it back from its RAM
-                # cache if it is there (and drops it from the cache), or it is restored or
-                # read anew. Either way it is in RAM no more: a later return restores its file.
-                self.engine_ram.take_back((request.tenant, key, 0))
-            if choice.new:
-                self.stats.siblings_started += 1
-                log.info("[strata] auto sessions: %s: this request continues none of the conversations under "
-                         "its key; it gets a file of its own, %s", key,
-                         self.store.bin_name(key, choice.sibling))  # type: ignore[union-attr]
+        choice = None if key is None else await self._choose(key, request, service, in_slot, same_key)
         parked = await self.park_slot(service, request.slot, reason="switch" if not same_key else "another "
                                       "conversation under its key", incoming=key,
                                       incoming_sibling=None if choice is None else choice.source)
@@ -272,6 +230,61 @@ class AutoSessions:
             self.stats.restores_withheld += 1
             return
         await restoring.restore(self.parts, key, request, service, choice)
+
+    async def _park_other_slots(self, request: StrataRequest, service: Service) -> None:
+        """Before a request runs: what it may displace from the slots it does not take."""
+        if getattr(service, "side_lane", False) and request.slot != MAIN_SLOT:
+            # The main conversation stays in its slot while this request runs beside it, as a
+            # one-slot engine's parks it: its file is made current first, so an engine crash
+            # in the next ``idle_save_s`` loses nothing (the side lane holds the whole line,
+            # so the idle save cannot run meanwhile). Skipped when its file is current.
+            await self.park_slot(service, MAIN_SLOT, reason="a side request runs beside it")
+        elif request.pinned:
+            # The main slot runs: a long side conversation may lose its room (an engine that
+            # picks the slot itself has every other slot parked below).
+            await self.park_side_at_risk(service, request.slot, incoming=request.conversation_key)
+        if not request.pinned:
+            # The engine picks the slot itself and may take any: park every other one
+            # first (the request holds them all meanwhile).
+            for other in range(len(service.slots)):
+                if other != request.slot:
+                    await self.park_slot(service, other, reason="the engine chooses the slot",
+                                         incoming=request.conversation_key)
+
+    async def _park_where_it_was(self, request: StrataRequest, service: Service) -> None:
+        """The conversation moves to the request's slot (it outgrew the side slot): its newest
+        state is in the other slot, so its file is written from there before it is restored."""
+        key = request.conversation_key
+        for other in service.slots:
+            if other.id != request.slot and other.key == key and other.tenant == request.tenant:
+                await self.park_slot(service, other.id, reason="moves to another slot", incoming=key)
+
+    async def _choose(self, key: str, request: StrataRequest, service: Service, in_slot: SlotState,
+                      same_key: bool) -> Choice:
+        """Which of the key's conversations the request continues (or a new one), after the
+        shared tier brought in what another server saved of it."""
+        if self.shared is not None:
+            with span("auto_sessions.shared"):
+                busy = frozenset(other.sibling for other in service.slots
+                                 if other.key == key and other.tenant == request.tenant)
+                # a newer state another server saved, or its conversation, where it pays
+                await self.shared.bring_in(key, request, busy)
+            self.siblings.forget(key)  # the key's files, as the shared tier left them
+        held = Sibling(in_slot.sibling, self.parts.prompts.get(key), time.time()) if same_key else None
+        with span("auto_sessions.siblings"):
+            choice = self.siblings.choose(key, request, held, one=self.one_file_a_key)
+        request.state.setdefault(NAME, {})["sibling"] = choice.sibling
+        if self.engine_ram is not None and not choice.new and choice.sibling == 0:
+            # The conversation takes the slot: the engine brings it back from its RAM
+            # cache if it is there (and drops it from the cache), or it is restored or
+            # read anew. Either way it is in RAM no more: a later return restores its file.
+            self.engine_ram.take_back((request.tenant, key, 0))
+        if choice.new:
+            self.stats.siblings_started += 1
+            log.info("[strata] auto sessions: %s: this request continues none of the conversations under "
+                     "its key; it gets a file of its own, %s", key,
+                     self.store.bin_name(key, choice.sibling))  # type: ignore[union-attr]
+        return choice
 
     async def _left_to_engine(self, service: Service, request: StrataRequest, in_slot: SlotState) -> bool:
         """Whether this switch is left to the engine's RAM prompt cache (the conditions are

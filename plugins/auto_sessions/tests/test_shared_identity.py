@@ -261,13 +261,13 @@ async def test_the_shared_bookkeeping_holds_the_files_kept_and_is_written_only_o
 
 def test_ledger_writes_finishing_out_of_order_never_bring_back_an_older_one(tmp_path):
     """Writes run in threads and may finish in any order: the file keeps the newest."""
-    from strata_auto_sessions.shared.ledger import Ledger, _Local
+    from strata_auto_sessions.shared.ledger import Ledger, LedgerEntry
 
     (tmp_path / "auto-a.bin").write_bytes(b"x")
     ledger = Ledger(tmp_path / "auto-.shared.json")
-    ledger.entries["auto-a.bin"] = _Local(1, dirty=True)
+    ledger.entries["auto-a.bin"] = LedgerEntry(1, dirty=True)
     older = ledger.render()
-    ledger.entries["auto-a.bin"] = _Local(2, dirty=False)
+    ledger.entries["auto-a.bin"] = LedgerEntry(2, dirty=False)
     newer = ledger.render()
     ledger.write(*newer)
     ledger.write(*older)  # the older write lands last

@@ -19,7 +19,7 @@ from pathlib import Path
 from strata_auto_sessions.naming import PREFIX, SESSION_NAME, TEMP_PREFIX
 from strata_auto_sessions.sidecar import write_private
 
-__all__ = ["LEDGER_NAME", "Ledger", "_Local", "sidecar_name", "temp_for"]
+__all__ = ["LEDGER_NAME", "Ledger", "LedgerEntry", "sidecar_name", "temp_for"]
 
 #: Which generation of the shared tier each local file holds, beside the files.
 LEDGER_NAME = f"{PREFIX}.shared.json"
@@ -37,7 +37,7 @@ def temp_for(name: str, suffix: str) -> str:
 
 
 @dataclass
-class _Local:
+class LedgerEntry:
     """What the ledger says of a local file: the head in the shared tier that is its
     conversation's (``shared``; None while it has none), and the generation of that head
     the file is, or was made from (``dirty``: saved here since, not uploaded yet)."""
@@ -48,7 +48,7 @@ class _Local:
 
 
 class Ledger:
-    """``auto-.shared.json``: local file name -> :class:`_Local`.
+    """``auto-.shared.json``: local file name -> :class:`LedgerEntry`.
 
     It holds the files present here alone: an entry whose file went (pruned, removed) is
     dropped at load and at each save, and the file is written only when what it says
@@ -56,7 +56,7 @@ class Ledger:
 
     def __init__(self, path: Path):
         self.path = path
-        self.entries: dict[str, _Local] = {}
+        self.entries: dict[str, LedgerEntry] = {}
         #: What the file holds now (None: not read or written yet), and its rendering's number.
         self._written: str | None = None
         self._written_number = 0
@@ -76,7 +76,7 @@ class Ledger:
                 if isinstance(entry, dict) and type(entry.get("generation")) is int:
                     # An earlier version's entry names no head: its file's own name was its head's.
                     shared = entry.get("shared", name)
-                    self.entries[name] = _Local(entry["generation"], entry.get("dirty") is True,
+                    self.entries[name] = LedgerEntry(entry["generation"], entry.get("dirty") is True,
                                                 shared if isinstance(shared, str) else None)
         self._written = text
         self.drop_gone()

@@ -65,7 +65,7 @@ from strata_auto_sessions.parked_blocks import CorruptBlock, ParkedBlocks, manif
 from strata_auto_sessions.shared.blocks import (
     TierBlocks, decode_manifest, encode_manifest, manifest_digest, put_in_store, unlink_staged,
 )
-from strata_auto_sessions.shared.ledger import LEDGER_NAME, Ledger, _Local, sidecar_name, temp_for
+from strata_auto_sessions.shared.ledger import LEDGER_NAME, Ledger, LedgerEntry, sidecar_name, temp_for
 from strata_auto_sessions.shared.standing import (
     Standing, continued_by, continued_by_prompt, prompt_units, removed_since, standing,
 )
@@ -233,7 +233,7 @@ class SharedParking:
         if self.refused is not None:
             return
         entry = self.ledger.entries.get(name)
-        self.ledger.entries[name] = _Local(entry.generation if entry else 0, dirty=True,
+        self.ledger.entries[name] = LedgerEntry(entry.generation if entry else 0, dirty=True,
                                            shared=entry.shared if entry else None)
         if name in self._uploads:
             self._again.add(name)  # uploaded again once the one under way ends
@@ -348,7 +348,9 @@ class SharedParking:
     def digest_of(self, sidecar: Sidecar) -> str:
         """A local state's digest as its head would carry it: a whole file's sampled one, or
         in blocks its manifest's (:func:`~strata_auto_sessions.shared.blocks.manifest_digest`)."""
-        blocks = None if sidecar.digest else self._blocks_of(sidecar)
+        if sidecar.digest:
+            return sidecar.digest
+        blocks = getattr(self.parts.store, "blocks", None)
         manifest = None if blocks is None else blocks.manifest(sidecar.key, sidecar.sibling)
         return sidecar.digest if manifest is None else manifest_digest(manifest)
 
@@ -398,7 +400,7 @@ class SharedParking:
         else:
             digest = await asyncio.to_thread(sample_digest, bin_temp)
         for _race in range(UPLOAD_RACES):
-            entry = self.ledger.entries.get(name) or _Local(0)
+            entry = self.ledger.entries.get(name) or LedgerEntry(0)
             found = await self._shared_place(name, entry, sidecar)
             if found is None:
                 return  # removed by hand since its state began
@@ -408,11 +410,11 @@ class SharedParking:
             if head is not None and not head.tombstone:
                 where = standing(sidecar.prompt, sidecar.tokens, head)
                 if where is Standing.SAME and head.digest == digest:
-                    self.ledger.entries[name] = _Local(head.generation, name in self._again, target)
+                    self.ledger.entries[name] = LedgerEntry(head.generation, name in self._again, target)
                     return  # this very state is the shared one already
                 if head.generation > base and where is not Standing.AHEAD:
                     self.stats.shared_uploads_lost += 1
-                    self.ledger.entries[name] = _Local(base, dirty=False, shared=target)
+                    self.ledger.entries[name] = LedgerEntry(base, dirty=False, shared=target)
                     log.warning("[strata] auto sessions: shared tier: not uploading %s: another server saved a "
                                 "newer turn of it (generation %d of %s, this copy was made from %d); its copy "
                                 "is kept", name, head.generation, target, base)
@@ -441,14 +443,14 @@ class SharedParking:
                 if head is None or head.tombstone or await self._still_ahead(target, sidecar):
                     continue  # a name taken meanwhile, or a head this state is newer than: again
                 self.stats.shared_uploads_lost += 1
-                self.ledger.entries[name] = _Local(base, dirty=False, shared=target)
+                self.ledger.entries[name] = LedgerEntry(base, dirty=False, shared=target)
                 log.warning("[strata] auto sessions: shared tier: %s: another server saved it at the same time and "
                             "won; this save is not shared", name)
                 return
             except BaseException:
                 await self._forget_objects(objects)
                 raise
-            self.ledger.entries[name] = _Local(new.generation, dirty=name in self._again, shared=target)
+            self.ledger.entries[name] = LedgerEntry(new.generation, dirty=name in self._again, shared=target)
             ms = (time.monotonic() - began) * 1000
             self.stats.shared_uploads += 1
             self.stats.shared_uploaded_bytes += sent
@@ -467,7 +469,7 @@ class SharedParking:
         return current is not None and not current[0].tombstone and \
             standing(sidecar.prompt, sidecar.tokens, current[0]) is Standing.AHEAD
 
-    async def _shared_place(self, name: str, entry: _Local,
+    async def _shared_place(self, name: str, entry: LedgerEntry,
                             sidecar: Sidecar) -> tuple[str, tuple[Head, str] | None] | None:
         """Where local file ``name``'s conversation is shared: the name of its head and
         that head with its version (None: a name no head takes, free for it). A head of
@@ -623,8 +625,8 @@ class SharedParking:
                          if (mine not in self.ledger.entries or self.ledger.entries[mine].shared is None)
                          and standing(sidecar.prompt, sidecar.tokens, head) is not Standing.APART), None)
             if name is not None:
-                entry = self.ledger.entries.get(name) or _Local(0)
-                self.ledger.entries[name] = _Local(0, entry.dirty, shared)  # made from none of its generations
+                entry = self.ledger.entries.get(name) or LedgerEntry(0)
+                self.ledger.entries[name] = LedgerEntry(0, entry.dirty, shared)  # made from none of its generations
         if name is None and head.tombstone and shared in here and shared not in self.ledger.entries:
             name = shared  # a file from before the ledger, under the head's name
         if head.tombstone:
@@ -642,7 +644,7 @@ class SharedParking:
             return None  # this copy is the shared one, or newer
         where = standing(local.prompt, local.tokens, head)
         if where is Standing.SAME and self.digest_of(local) == head.digest:
-            self.ledger.entries[name] = _Local(head.generation, entry.dirty, shared)  # the same file
+            self.ledger.entries[name] = LedgerEntry(head.generation, entry.dirty, shared)  # the same file
             return None
         if where in (Standing.AHEAD, Standing.APART):
             # Newer here (or another conversation now): never replaced; shared if it is not yet.
@@ -723,7 +725,7 @@ class SharedParking:
                 assert self.parts.store is not None
                 async with self.parts.store.lock_without_blocking(self.parts.config.lock_wait_s):
                     await asyncio.to_thread(self._put_in_place, name, bin_temp, json_temp)
-            self.ledger.entries[name] = _Local(head.generation, shared=shared)
+            self.ledger.entries[name] = LedgerEntry(head.generation, shared=shared)
         finally:
             await asyncio.to_thread(_unlink, bin_temp, json_temp)
         ms = (time.monotonic() - began) * 1000
