@@ -425,18 +425,7 @@ class SharedParking:
             objects = new.objects(target, sidecar_name(target))
             assert objects is not None
             try:
-                if manifest is not None:
-                    # The blocks first, then the manifest, then the head: a head never names a
-                    # manifest whose blocks are not all in the tier.
-                    sent = await self.tier_blocks.send(self._parked_blocks().store, manifest)
-                    data = encode_manifest(manifest)
-                    await self._call(self.tier.put_bytes(objects[0], data))
-                    sent += len(data)
-                else:
-                    assert bin_temp is not None
-                    await self._call(self.tier.put(objects[0], bin_temp), self.config.transfer_timeout_s)
-                    sent = sidecar.bytes
-                await self._call(self.tier.put(objects[1], json_temp), self.config.transfer_timeout_s)
+                sent = await self._put_objects(objects, bin_temp, json_temp, sidecar, manifest)
                 await self._call(self.tier.put_head(target, new, version))
             except ConditionFailed:
                 await self._forget_objects(objects)
@@ -462,6 +451,23 @@ class SharedParking:
         self.stats.shared_uploads_lost += 1
         log.warning("[strata] auto sessions: shared tier: %s: other servers saved under its key %d times while "
                     "it was uploaded; this save is not shared", name, UPLOAD_RACES)
+
+    async def _put_objects(self, objects: tuple[str, str], bin_temp: Path | None, json_temp: Path,
+                           sidecar: Sidecar, manifest: Manifest | None) -> int:
+        """A new head's state and sidecar put in the tier (the head itself is the caller's to
+        write, last); the bytes sent. In blocks: the blocks the tier lacks first, then the
+        manifest, so that a head never names a manifest whose blocks are not all in the tier."""
+        if manifest is not None:
+            sent = await self.tier_blocks.send(self._parked_blocks().store, manifest)
+            data = encode_manifest(manifest)
+            await self._call(self.tier.put_bytes(objects[0], data))
+            sent += len(data)
+        else:
+            assert bin_temp is not None
+            await self._call(self.tier.put(objects[0], bin_temp), self.config.transfer_timeout_s)
+            sent = sidecar.bytes
+        await self._call(self.tier.put(objects[1], json_temp), self.config.transfer_timeout_s)
+        return sent
 
     async def _still_ahead(self, target: str, sidecar: Sidecar) -> bool:
         """Whether the state of ``sidecar`` is newer than the head another server just wrote at ``target``."""
