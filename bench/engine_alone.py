@@ -5,7 +5,9 @@ told its engine's port and key, so the same engine is asked directly too
 (:func:`bench.layer_cost.strata_process`). Each figure alternates the engine alone and
 strata-serve in one run, and is given as a ratio:
 
-- streaming: streams of 150 tokens (``ignore_eos``), tokens/s over the whole call;
+- streaming: streams of 150 tokens (``ignore_eos``), tokens/s over the whole call, and
+  the engine's own decode speed in them (``predicted_per_second``): where that is lower
+  through strata-serve, the layer's CPU took from the engine's threads;
 - a 1-token request: p50 latency, streamed and not, a new connection for each;
 - eight clients, each its own short chat (a ~60-token opening, 8 tokens out, 8 turns),
   all at once: requests/s over the whole round.
@@ -46,7 +48,7 @@ def opening(client: int, words: int = 45) -> list[dict[str, str]]:
 def sizes(quick: bool) -> dict[str, int]:
     if quick:
         return {"streams": 2, "stream_tokens": 32, "requests": 10, "blocks": 1, "clients": 8, "turns": 2}
-    return {"streams": 6, "stream_tokens": 150, "requests": 40, "blocks": 3, "clients": 8, "turns": 8}
+    return {"streams": 16, "stream_tokens": 150, "requests": 40, "blocks": 3, "clients": 8, "turns": 8}
 
 
 async def _plain(session: aiohttp.ClientSession, url: str, messages: list[dict]) -> float:
@@ -74,6 +76,7 @@ async def measure(model: Path, work: Path, *, streams: int, stream_tokens: int, 
 
         # Streaming: tokens/s over the whole call, and the layer's CPU per token.
         tps: dict[str, list[float]] = {"engine": [], "strata": []}
+        decode: dict[str, list[float]] = {"engine": [], "strata": []}  # the engine's own tokens/s
         cpu, tokens = 0.0, 0
         for n in range(streams):
             for name in order(n):
@@ -81,12 +84,18 @@ async def measure(model: Path, work: Path, *, streams: int, stream_tokens: int, 
                 reply = await chat(session, urls[name], short, max_tokens=stream_tokens, ignore_eos=True)
                 predicted = reply.timings.get("predicted_n", 0)
                 tps[name].append(predicted / reply.total_s)
+                decode[name].append(reply.timings.get("predicted_per_second", 0.0))
                 if name == "strata":
                     cpu += cpu_seconds(pid) - before
                     tokens += predicted
         found["stream_tps"] = tps
         found["stream_ratios"] = [s / e for s, e in zip(tps["strata"], tps["engine"])]
         found["stream_ratio"] = statistics.median(tps["strata"]) / statistics.median(tps["engine"])
+        # The engine's decoding speed as it reports it: lower through strata-serve when the
+        # layer's CPU per token takes from the engine's threads (2 cores), not the relay's delay.
+        found["stream_decode_tps"] = decode
+        alone = statistics.median(decode["engine"])
+        found["stream_decode_ratio"] = statistics.median(decode["strata"]) / alone if alone else None
         found["cpu_s_per_1000_tokens"] = cpu / tokens * 1000 if tokens else None
 
         # A 1-token request, a new connection each (client_session closes every one).
@@ -146,6 +155,7 @@ def report(found: dict[str, Any], model: str) -> list[str]:
         "|---|---|",
         f"| streaming tokens/s | {found['stream_ratio']:.3f} ({stream_s:.1f} / {stream_e:.1f}"
         f"{_range(found['stream_ratios'], 3)}) |",
+        f"| the engine's own decode tokens/s in those streams | {found['stream_decode_ratio'] or 0:.3f} |",
         f"| 1-token request p50, streamed | {found['one_token_stream_added_p50_ms']:+.2f} ms "
         f"({one['strata']:.2f} / {one['engine']:.2f} ms) |",
         f"| 1-token request p50, JSON | {found['one_token_json_added_p50_ms']:+.2f} ms "
