@@ -74,11 +74,13 @@ class SlotCalls:
 
     async def restore_slot(self, filename: str, *, slot: int = 0, key: str | None = None,
                            tenant: str | None = None, request: StrataRequest | None = None,
-                           sibling: int = 0) -> SlotRestored:
+                           sibling: int = 0, own_file: bool = True) -> SlotRestored:
         """Load ``filename`` into a slot; it then holds ``key`` (None: a file by hand), the
         conversation its plugin numbers ``sibling`` among those under ``key`` (``SlotState.sibling``).
 
-        ``request``, when given, is the request the restore is made for.
+        ``request``, when given, is the request the restore is made for. ``own_file``: the
+        file is the state of ``key``'s own file, so that file is current for the slot; False
+        when it is only part of one, or made of others' (a prefix restored for a prompt).
         """
         began = time.monotonic()
         try:
@@ -93,7 +95,8 @@ class SlotCalls:
             # A failed restore may have cleared the slot, or not: nothing nameable is held.
             self.slots.unknown(slot, nameable=False)
             raise
-        self.slots.restored(slot, key, tenant, answer.tokens, from_own_file=key is not None, sibling=sibling)
+        self.slots.restored(slot, key, tenant, answer.tokens, from_own_file=own_file and key is not None,
+                            sibling=sibling)
         self.measures.state_file(answer.tokens, answer.bytes)
         self.measures.restored(answer.bytes, (time.monotonic() - began) * 1000)
         if request is not None:

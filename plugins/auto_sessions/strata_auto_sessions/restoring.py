@@ -176,8 +176,9 @@ async def _restore_chain(parts: Parts, key: str, request: StrataRequest, service
         log.warning("[strata] auto sessions: not restoring %s by its tokens: its blocks do not join (%s)", key, exc)
         return False
     try:
+        # A prefix of blocks, the conversation's own or another's: its file is not current.
         answer = await service.restore_slot(name, slot=request.slot, key=key, tenant=request.tenant,
-                                            request=request, sibling=sibling)
+                                            request=request, sibling=sibling, own_file=False)
     except (EngineError, EngineUnavailable) as exc:
         _restore_failed(parts, key, exc, failure_verdict("restore", exc, service, None))
         return False

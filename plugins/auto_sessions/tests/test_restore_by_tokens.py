@@ -157,3 +157,43 @@ async def test_a_restore_by_tokens_the_engine_did_not_reuse_never_pauses_parking
     assert any("the engine read the prompt otherwise than it tokenized it" in line for line in log_lines(caplog))
     assert parking(client).mode.parks
     await client.close()
+
+
+class SeesTheSlotBeforeTheEngine:
+    """A plugin acting after auto-sessions: what the picture says of the slot when the
+    request is about to go to the engine (after any restore made for it)."""
+
+    strata_name = "sees_the_slot_before_the_engine"
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str | None, int | None, bool]] = []
+
+    @strata_serve.hookimpl(trylast=True)
+    def pre_request(self, request, service):
+        state = service.slots[request.slot]
+        self.seen.append((state.key, state.tokens, state.file_current))
+
+
+async def test_a_prefix_restored_by_tokens_is_not_taken_for_the_conversations_file(auto_client, tmp_path):
+    """A restore by tokens loads a prefix of blocks (here another session's opening): the
+    slot then holds part of a state, so no file is current for it, and a request cut off
+    before the engine ran it leaves a slot that must be saved at the next switch. Its
+    control: the conversation's own state restored whole, whose file is current."""
+    seen = SeesTheSlotBeforeTheEngine()
+    client = await auto_client(seen, engine={"slot_save_path": str(tmp_path / "slots")}, blocks=True,
+                               idle_save_s=0)
+    a = agent("a")
+    first = await ask(client, a, max_tokens=2)
+    await ask(client, other_opening(), max_tokens=1)  # "a" is parked
+    await ask(client, agent("b"), max_tokens=1)  # "b" starts from "a"'s opening, by its tokens
+    stats = parking(client).stats
+    assert stats.restores_by_tokens == 1, stats
+    key_b, tokens_b, current_b = seen.seen[-1]
+    assert key_b is not None and tokens_b, seen.seen
+    assert current_b is False, seen.seen  # a prefix of "a"'s blocks is not "b"'s file
+    back = a + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                {"role": "user", "content": "Next."}]
+    await ask(client, back, max_tokens=1)  # "a" comes back: its own state, restored as named
+    assert parking(client).stats.restores_by_tokens == 1
+    assert seen.seen[-1][2] is True, seen.seen  # the control: its own file is current
+    await client.close()
