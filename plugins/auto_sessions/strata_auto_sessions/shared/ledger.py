@@ -77,7 +77,7 @@ class Ledger:
                     # An earlier version's entry names no head: its file's own name was its head's.
                     shared = entry.get("shared", name)
                     self.entries[name] = LedgerEntry(entry["generation"], entry.get("dirty") is True,
-                                                shared if isinstance(shared, str) else None)
+                                                     shared if isinstance(shared, str) else None)
         self._written = text
         self.drop_gone()
 

@@ -234,7 +234,7 @@ class SharedParking:
             return
         entry = self.ledger.entries.get(name)
         self.ledger.entries[name] = LedgerEntry(entry.generation if entry else 0, dirty=True,
-                                           shared=entry.shared if entry else None)
+                                                shared=entry.shared if entry else None)
         if name in self._uploads:
             self._again.add(name)  # uploaded again once the one under way ends
             return
