@@ -45,6 +45,10 @@ HOST ?= 127.0.0.1
 PORT ?= 8080
 ARGS ?=
 PYTEST_ARGS ?=
+# The suite runs in this many worker processes (pytest-xdist); 1 runs it in one. Each
+# test's engine runs one thread (conftest.py), so two workers share 2 cores without the
+# engines' threads spinning against each other.
+TEST_WORKERS ?= 2
 # The real clients the end-to-end tests drive (tests/test_real_cli.py), from npm, pinned,
 # into a directory of this checkout: nothing is installed globally.
 NODE_DIR := .node
@@ -196,7 +200,7 @@ lint: setup
 
 # pytest's exit code 5 means no tests ran: a broken set-up, never a pass.
 test: lint setup $(VENV)/.examples $(NODE_STAMP) $(AIDER_STAMP) haproxy
-	rc=0; $(BIN)/python -m pytest $(PYTEST_ARGS) || rc=$$?; \
+	rc=0; $(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "[strata] no tests were collected: failing"; exit 1; fi; exit $$rc
 
 # The other supported Pythons run a quick subset: the tests that start no engine, those of

@@ -8,13 +8,22 @@ and quirks_strata_metal for an engine no backend here drives) are installed by t
 ``.venv/.examples``) into a site directory of their own beside the venv's
 site-packages, not into it: a plain ``strata-serve run`` never finds them. The tests
 add that directory here, entry points included.
+
+Every engine a test starts runs one thread (``LLAMA_ARG_THREADS``, read by llama-server;
+a test's own setting wins). The test models are tiny, so one thread makes them hardly
+slower, and ``make test``'s two worker processes then share two cores; with an engine
+thread per core in each, the engines' waiting threads spin against each other and the
+suite runs slower in two processes than in one.
 """
 
+import os
 import site
 import sys
 from pathlib import Path
 
 import pytest
+
+os.environ.setdefault("LLAMA_ARG_THREADS", "1")
 
 TEST_PLUGINS = Path(sys.prefix) / "test-plugins"
 if TEST_PLUGINS.is_dir():

@@ -137,11 +137,12 @@ async def test_a_frozen_store_leaves_parking_local_and_uploads_land_once_it_is_b
 
     os.kill(store.process.pid, signal.SIGCONT)
     # B's state and A's newer one, parked while the store was frozen, land: the heads name
-    # the local files (A's head moves from its first state to its second). In blocks, A's
-    # second state is its first (the same prompt and tokens, the same blocks): the head
-    # holds it already, and only B's is sent; a whole file's sampled bytes differ.
+    # the local files (A's head moves from its first state to its second). Not counted by
+    # uploads: a call given up on while the store was frozen is still in the store's queue,
+    # and the store may carry it out once it runs again, and a retry then finds its object
+    # there already.
     await until(lambda: heads_hold(client, [a, b]), BACK_S, "the uploads did not land once the store was back")
-    assert stats.shared_uploads >= uploads + (1 if blocks else 2)
+    assert stats.shared_uploads > uploads
     assert auto.shared.refused is None
 
 
