@@ -138,9 +138,10 @@ async def test_a_frozen_store_leaves_parking_local_and_uploads_land_once_it_is_b
     os.kill(store.process.pid, signal.SIGCONT)
     # B's state and A's newer one, parked while the store was frozen, land: the heads name
     # the local files (A's head moves from its first state to its second). Not counted by
-    # uploads: a call given up on while the store was frozen is still in the store's queue,
-    # and the store may carry it out once it runs again, and a retry then finds its object
-    # there already.
+    # uploads: A's new state may pass for the one its head holds (the same prompt and
+    # tokens, and the same blocks, or for a whole file the same sampled digest), and a call
+    # given up on while the store was frozen may still be carried out once it runs again.
+    # B had no head before the freeze: one upload at least was made after it.
     await until(lambda: heads_hold(client, [a, b]), BACK_S, "the uploads did not land once the store was back")
     assert stats.shared_uploads > uploads
     assert auto.shared.refused is None
