@@ -69,7 +69,7 @@ CACHE_PRESSURE_PYTHON ?= $(or $(shell ls -d $(PYENV_ROOT)/versions/3.1[2-9].*/bi
 # `make bench-agent-sim AGENT_SIM_ARGS="--rounds 3 --before ../old-checkout"`
 AGENT_SIM_ARGS ?=
 
-.PHONY: help setup clients haproxy serve lint test test-pythons bench bench-quick bench-side bench-replicas bench-agent-sim soak clean
+.PHONY: disk-space help setup clients haproxy serve lint test test-pythons bench bench-quick bench-side bench-replicas bench-agent-sim soak clean
 
 help:
 	@echo "make serve   set up (first time: ~10 min to build the engine) and run strata-serve on SmolLM2-135M"
@@ -198,8 +198,19 @@ lint: setup
 	$(BIN)/lint-imports
 	$(BIN)/vulture
 
+# The suite writes engine state files: at its peak about 300 MB in the temporary directory,
+# beside what the set-up installed. A disk short of that would fail hundreds of tests at
+# once with "No space left on device": say so first.
+TEST_FREE_MB ?= 600
+disk-space:
+	@tmp=$${TMPDIR:-/tmp}; for dir in . "$$tmp"; do \
+	  free=$$(df -Pm "$$dir" | awk 'NR==2 {print $$4}'); \
+	  if [ "$$free" -lt $(TEST_FREE_MB) ]; then \
+	    echo "[strata] only $$free MB free on $$(cd "$$dir" && pwd): the tests need about $(TEST_FREE_MB) MB there (engine state files); free some space"; exit 1; fi; \
+	done
+
 # pytest's exit code 5 means no tests ran: a broken set-up, never a pass.
-test: lint setup $(VENV)/.examples $(NODE_STAMP) $(AIDER_STAMP) haproxy
+test: lint setup $(VENV)/.examples $(NODE_STAMP) $(AIDER_STAMP) haproxy disk-space
 	rc=0; $(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "[strata] no tests were collected: failing"; exit 1; fi; exit $$rc
 

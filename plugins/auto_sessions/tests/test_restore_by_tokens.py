@@ -5,6 +5,7 @@ the same requests without blocks as its control, where the key alone decides."""
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -13,7 +14,14 @@ import strata_auto_sessions
 import strata_serve
 import strata_session_header
 from strata_serve.api import SERVICE
+from strata_serve.api.anthropic import MESSAGES
+from strata_serve.api.responses import RESPONSES_API
 from strata_serve.testing import ask
+
+from plugins.session_header.tests.client_shapes import (
+    CODEX_OPENING, SESSION_A, SESSION_B, claude_code_body, claude_code_headers, claude_code_opening, codex_body,
+    codex_headers,
+)
 
 from .conftest import MIN_TOKENS
 from .test_auto_sessions import log_lines, parking
@@ -127,6 +135,61 @@ async def test_a_tenant_never_restores_another_tenants_blocks(strata_client_fact
     assert parking(client).stats.restores_by_tokens == 1
     assert answer["timings"]["cache_n"] >= 1000, answer["timings"]
     await client.close()
+
+
+def claude_code_turn(session: str) -> tuple[dict, dict]:
+    """A Claude Code session's first turn: the opening every session in a project shares."""
+    return claude_code_body(claude_code_opening(f"In session {session}: fix the failing test"), session,
+                            max_tokens=1), claude_code_headers(session)
+
+
+def codex_turn(session: str) -> tuple[dict, dict]:
+    """A Codex session's first turn, its conversation named by ``prompt_cache_key``."""
+    task = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": f"In {session}: add a flag"}]}
+    return {**codex_body(CODEX_OPENING[:-1] + [task], session), "max_output_tokens": 1}, codex_headers(session)
+
+
+def as_sent(path: str, body: dict) -> dict:
+    """``body`` as the engine is sent it (Anthropic's: its billing lines left out)."""
+    api = {"/v1/messages": MESSAGES, "/v1/responses": RESPONSES_API}[path]
+    return api.prepare(copy.deepcopy(body)) if api.prepare else body
+
+
+def reused_of(path: str, answer: dict) -> int:
+    """The prompt tokens the engine reused, as each API reports them."""
+    usage = answer["usage"]
+    if path == "/v1/messages":
+        return int(usage["cache_read_input_tokens"])
+    return int(usage["input_tokens_details"]["cached_tokens"])
+
+
+@pytest.mark.parametrize("path,turn", [("/v1/messages", claude_code_turn), ("/v1/responses", codex_turn)],
+                         ids=["claude code", "codex"])
+async def test_a_new_agent_session_on_an_anthropic_or_responses_api_restores_the_shared_opening(
+        auto_client, tmp_path, path, turn):
+    """Claude Code and Codex send their own APIs, which llama-server converts to a chat: a
+    second session of the same agent (another id, so another key) restores the opening the
+    first one parked, by its tokens, after an unrelated chat took the slot."""
+    reused = {}
+    for blocks in (True, False):
+        client = await auto_client(strata_session_header, engine={"slot_save_path": str(tmp_path / f"s-{blocks}")},
+                                   blocks=blocks, idle_save_s=0)
+        engine = client.app[SERVICE].engine
+        body_a, headers_a = turn(SESSION_A)
+        body_b, headers_b = turn(SESSION_B)
+        resp = await client.post(path, json=body_a, headers=headers_a)
+        assert resp.status == 200, await resp.text()
+        await ask(client, other_opening(), max_tokens=1)  # A is parked; the slot holds an unrelated chat
+        resp = await client.post(path, json=body_b, headers=headers_b)
+        assert resp.status == 200, await resp.text()
+        reused[blocks] = reused_of(path, await resp.json())
+        assert parking(client).stats.restores_by_tokens == (1 if blocks else 0)
+        if blocks:
+            a, b = [await engine.prompt_tokens(path, as_sent(path, body)) for body in (body_a, body_b)]
+            shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+            assert reused[blocks] >= shared // BLOCK * BLOCK >= 4 * BLOCK, (reused, shared)
+        await client.close()
+    assert reused[False] < BLOCK, reused
 
 
 class EditsTheOpening:

@@ -6,10 +6,13 @@ from typing import Any
 from collections.abc import Awaitable, Callable
 
 from strata_serve.engine.llama_server.answers import error_message
+from strata_serve.engine.llama_server.chat_bodies import NotConverted, anthropic_as_chat, responses_as_chat
 from strata_serve.engine.results import EngineError
 
 #: Paths whose prompt is a chat's messages, rendered by the engine's chat template.
 CHAT_PATHS = frozenset({"/v1/chat/completions", "/chat/completions"})
+#: Paths whose body llama-server converts to a chat before rendering it (chat_bodies.py).
+CONVERTED = {"/v1/messages": anthropic_as_chat, "/v1/responses": responses_as_chat, "/responses": responses_as_chat}
 #: Paths whose prompt is given as text.
 TEXT_PATHS = frozenset({"/v1/completions", "/completions", "/completion"})
 
@@ -28,11 +31,20 @@ def _has_media(messages: list[Any]) -> bool:
 
 async def prompt_text(path: str, body: dict[str, Any], call: Call) -> str | None:
     """The text llama-server tokenizes for ``body`` sent to ``path``: a chat rendered by
-    ``/apply-template`` (the very parsing ``/v1/chat/completions`` does), a completion's
-    prompt as given; None for media, a prompt that is not one text, and other paths.
+    ``/apply-template`` (the very parsing ``/v1/chat/completions`` does), an Anthropic or
+    Responses body converted to its chat first (as the engine converts it), a completion's
+    prompt as given; None for media, a prompt that is not one text, a body the engine would
+    refuse, and other paths.
 
     :raises EngineError: the engine refused to render the chat.
     """
+    convert = CONVERTED.get(path)
+    if convert is not None:
+        try:
+            body = convert(body)
+        except NotConverted:
+            return None
+        path = "/v1/chat/completions"
     if path in CHAT_PATHS:
         messages = body.get("messages")
         if not isinstance(messages, list) or _has_media(messages):

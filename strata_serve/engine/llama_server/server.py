@@ -24,6 +24,7 @@ from strata_serve.engine.llama_server.binary import resolve_binary
 from strata_serve.engine.llama_server.client import EngineClient, StreamReply
 from strata_serve.engine.llama_server.command import build_command, clears_idle_slots, free_port, state_layout
 from strata_serve.engine.llama_server.output import forward_output
+from strata_serve.engine.llama_server.chat_bodies import COUNT_PATHS
 from strata_serve.engine.llama_server.prompts import prompt_text
 from strata_serve.engine.llama_server.state import EngineState
 from strata_serve.engine.llama_server.state_format import LlamaStateFormat, shifting_flag
@@ -75,6 +76,8 @@ class LlamaServer:
         self._monitor: asyncio.Task | None = None
         self._state = EngineState(settings.start_timeout_s)
         self._tail: collections.deque[str] = collections.deque(maxlen=40)
+        #: Paths whose converted prompt the engine counted differently (logged once each).
+        self._miscounted: set[str] = set()
         self.start_seconds: float | None = None
         self._api_key = settings.api_key
         if self._api_key is None and self.managed:
@@ -373,7 +376,26 @@ class LlamaServer:
         """The prompt's tokens as llama-server reads it: a chat's messages through its own
         chat template (``/apply-template``, the same parsing as ``/v1/chat/completions``),
         then its tokenizer (``/tokenize`` with the special tokens a completion adds and
-        parses). None for media, for a prompt that is not one text, and for other paths."""
+        parses). An Anthropic or Responses body is converted to its chat as the engine does
+        (``chat_bodies.py``), and the tokens are kept only if the engine's own count of the
+        body agrees. None for media, for a prompt that is not one text, for a count that
+        differs, and for other paths."""
+        if path not in COUNT_PATHS:
+            return await self._tokens(path, body)
+        # The engine counts while the copy converts, renders and tokenizes.
+        tokens, counted = await asyncio.gather(self._tokens(path, body), self._count(path, body),
+                                               return_exceptions=True)
+        if isinstance(tokens, BaseException):
+            raise tokens
+        if tokens is None:
+            return None
+        if isinstance(counted, BaseException):
+            if not isinstance(counted, (EngineError, EngineUnavailable)):
+                raise counted
+            counted = None
+        return tokens if self._counts_agree(path, counted, len(tokens)) else None
+
+    async def _tokens(self, path: str, body: dict[str, Any]) -> list[int] | None:
         text = await prompt_text(path, body, self.request)
         if text is None:
             return None
@@ -384,6 +406,27 @@ class LlamaServer:
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             raise EngineError(op="tokenize", message=answers.error_message(answer), status=status, body=answer)
         return tokens
+
+    async def _count(self, path: str, body: dict[str, Any]) -> int | None:
+        """The engine's own count of ``body``'s prompt tokens; None where it refuses the body
+        (a request it refuses needs no tokens)."""
+        status, answer = await self.request("POST", COUNT_PATHS[path], body, op="count_tokens")
+        counted = answer.get("input_tokens") if status == 200 and isinstance(answer, dict) else None
+        return counted if isinstance(counted, int) else None
+
+    def _counts_agree(self, path: str, counted: int | None, made: int) -> bool:
+        """Whether the engine counted ``made`` tokens, as the conversion made them (a
+        difference is logged once per path: the engine converts that API differently; no
+        count, the engine refused the body, is no agreement either)."""
+        if counted == made:
+            return True
+        if counted is not None and path not in self._miscounted:
+            self._miscounted.add(path)
+            log.warning("[strata] llama-server counts %d tokens for a %s request where strata-serve's copy of its "
+                        "conversion makes %d: its prompts are restored by their key, not their tokens (this "
+                        "engine converts that API differently from the version strata-serve knows)",
+                        counted, path, made)
+        return False
 
     def read_timings(self, numbers: Any) -> Timings | None:
         """llama-server's ``timings`` (see :func:`answers.read_llama_timings`)."""
