@@ -60,6 +60,8 @@ CLI_TIMEOUT_S = 300
 #: clients change the end of their prompt between turns (Claude Code moves a system
 #: block after the new turn), so the last few hundred tokens are new anyway.
 RESUME_SLACK = 1000
+#: Auto-sessions' blocks, in tokens: a restore by tokens brings back whole blocks.
+BLOCK_TOKENS = 64
 PROMPT = "What does calc.py do?"
 #: Two sessions taking turns: each resumed turn follows the other session's.
 SESSIONS = [("A", "a"), ("B", "b"), ("A resumed", "a"), ("B resumed", "b")]
@@ -81,6 +83,8 @@ class Seen:
     at: float
     #: A chat request's messages, as the client sent them.
     messages: list[Any] | None = None
+    #: An Anthropic request's body, as the engine was sent it.
+    body: dict[str, Any] | None = None
 
 
 class RequestLog:
@@ -117,6 +121,7 @@ class RequestLog:
             restored=request.restored_tokens, http_status=outcome.http_status, status=outcome.status,
             prompt_tokens=timings.prompt_tokens if timings else None, reused=timings.reused if timings else None,
             at=time.monotonic(), messages=request.body.get("messages") if request.route == "chat" else None,
+            body=request.body if request.route == "messages" else None,
         ))
 
 
@@ -336,6 +341,44 @@ async def test_codex_two_sessions_resumed_in_turn_each_restore_their_own_state(c
         return run, codex_thread(run)
 
     await alternate_sessions(log, "responses", turn_of)
+
+
+async def test_a_new_claude_code_session_after_a_codex_one_took_the_slot_starts_from_the_opening(cli_server,
+                                                                                                 workspace):
+    """Claude Code's ``/v1/messages`` is restored by its tokens: a second Claude Code session
+    in the project (a new id, so a new key with nothing parked) comes after a Codex session
+    took the slot, and the opening the first session parked comes back from its blocks: what
+    the two share, no more."""
+    client, log, url = await cli_server(CTX_SIZE)
+    (workspace["codex_home"] / "config.toml").write_text(codex_config(url, CTX_SIZE))
+    claude, cwd = claude_env(workspace["home"], url), workspace["project"]
+    before = len(log.seen)
+    first = claude_result(await run_cli(claude_argv(PROMPT), cwd=cwd, env=claude))["session_id"]
+    codex = await run_cli(codex_argv(PROMPT), cwd=cwd, env=codex_env(workspace["home"], workspace["codex_home"]))
+    assert codex.returncode == 0, codex.stderr[-2000:]
+    assert log.seen[-1].route == "responses" and log.seen[-1].key is not None, "Codex took the slot"
+    by_tokens = client.app[SERVICE].state["auto_sessions"].stats.restores_by_tokens
+    since = len(log.seen)
+    run = await run_cli(claude_argv("Which functions are in calc.py?"), cwd=cwd, env=claude)
+    turn = log.seen[since:]
+    print(report("a new Claude Code session", run, turn))
+    assert claude_result(run)["session_id"] != first, "a new session"
+    assert turn and all(s.http_status == 200 and s.route == "messages" for s in turn), turn
+    assert client.app[SERVICE].state["auto_sessions"].stats.restores_by_tokens > by_tokens
+    opening, parked = turn[0], log.seen[before]
+    assert opening.restored > 0 and opening.reused is not None, opening
+    # What the two sessions' first requests share, as the engine tokenizes them: they part
+    # at the user's prompt, and all that follows it is new to the second session.
+    engine = client.app[SERVICE].engine
+    a, b = [await engine.prompt_tokens("/v1/messages", seen.body) for seen in (parked, opening)]
+    assert a and b, "the engine tokenizes Claude Code's requests"
+    shared = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    assert shared >= 4000, f"the sessions share {shared:,} tokens"
+    whole_blocks = shared // BLOCK_TOKENS * BLOCK_TOKENS
+    # Its blocks, not the first session's whole state (which a prefix restore would bring,
+    # the part past the user's prompt then thrown away by the engine).
+    assert whole_blocks <= opening.restored <= shared, (shared, opening)
+    assert opening.reused >= whole_blocks, (shared, opening)
 
 
 def aider_binary() -> Path:
