@@ -83,7 +83,7 @@ class Seen:
     at: float
     #: A chat request's messages, as the client sent them.
     messages: list[Any] | None = None
-    #: An Anthropic request's body, as the engine was sent it.
+    #: An Anthropic or Responses request's body, as the engine was sent it.
     body: dict[str, Any] | None = None
 
 
@@ -121,7 +121,7 @@ class RequestLog:
             restored=request.restored_tokens, http_status=outcome.http_status, status=outcome.status,
             prompt_tokens=timings.prompt_tokens if timings else None, reused=timings.reused if timings else None,
             at=time.monotonic(), messages=request.body.get("messages") if request.route == "chat" else None,
-            body=request.body if request.route == "messages" else None,
+            body=request.body if request.route in ("messages", "responses") else None,
         ))
 
 
@@ -343,35 +343,53 @@ async def test_codex_two_sessions_resumed_in_turn_each_restore_their_own_state(c
     await alternate_sessions(log, "responses", turn_of)
 
 
-async def test_a_new_claude_code_session_after_a_codex_one_took_the_slot_starts_from_the_opening(cli_server,
-                                                                                                 workspace):
-    """Claude Code's ``/v1/messages`` is restored by its tokens: a second Claude Code session
-    in the project (a new id, so a new key with nothing parked) comes after a Codex session
-    took the slot, and the opening the first session parked comes back from its blocks: what
-    the two share, no more."""
+#: Each CLI's route and the engine path its requests go to.
+CLI_ROUTES = {"claude": ("messages", "/v1/messages"), "codex": ("responses", "/v1/responses")}
+
+
+async def new_cli_session(cli: str, prompt: str, workspace: dict[str, Path], url: str) -> str:
+    """One turn of a new session of ``cli`` in the project; the client's id for it."""
+    cwd = workspace["project"]
+    if cli == "claude":
+        run = await run_cli(claude_argv(prompt), cwd=cwd, env=claude_env(workspace["home"], url))
+        return str(claude_result(run)["session_id"])
+    run = await run_cli(codex_argv(prompt), cwd=cwd, env=codex_env(workspace["home"], workspace["codex_home"]))
+    return codex_thread(run)
+
+
+@pytest.mark.parametrize("cli,other", [("claude", "codex"), ("codex", "claude")],
+                         ids=["claude code after codex", "codex after claude code"])
+async def test_a_new_agent_session_after_another_agent_took_the_slot_starts_from_the_opening(cli_server, workspace,
+                                                                                            cli, other):
+    """Claude Code's ``/v1/messages`` and Codex's ``/v1/responses`` are restored by their
+    tokens: a second session of one CLI in the project (a new id, so a new key with nothing
+    parked) comes after the other CLI took the slot, and the opening the first session
+    parked comes back from its blocks: what the two share, no more."""
     client, log, url = await cli_server(CTX_SIZE)
     (workspace["codex_home"] / "config.toml").write_text(codex_config(url, CTX_SIZE))
-    claude, cwd = claude_env(workspace["home"], url), workspace["project"]
+    route, path = CLI_ROUTES[cli]
     before = len(log.seen)
-    first = claude_result(await run_cli(claude_argv(PROMPT), cwd=cwd, env=claude))["session_id"]
-    codex = await run_cli(codex_argv(PROMPT), cwd=cwd, env=codex_env(workspace["home"], workspace["codex_home"]))
-    assert codex.returncode == 0, codex.stderr[-2000:]
-    assert log.seen[-1].route == "responses" and log.seen[-1].key is not None, "Codex took the slot"
-    by_tokens = client.app[SERVICE].state["auto_sessions"].stats.restores_by_tokens
+    first = await new_cli_session(cli, PROMPT, workspace, url)
+    await new_cli_session(other, PROMPT, workspace, url)
+    assert log.seen[-1].route == CLI_ROUTES[other][0] and log.seen[-1].key is not None, "the other CLI took the slot"
+    stats = client.app[SERVICE].state["auto_sessions"].stats
+    by_tokens = stats.restores_by_tokens
     since = len(log.seen)
-    run = await run_cli(claude_argv("Which functions are in calc.py?"), cwd=cwd, env=claude)
+    began = time.monotonic()
+    second = await new_cli_session(cli, "Which functions are in calc.py?", workspace, url)
     turn = log.seen[since:]
-    print(report("a new Claude Code session", run, turn))
-    assert claude_result(run)["session_id"] != first, "a new session"
-    assert turn and all(s.http_status == 200 and s.route == "messages" for s in turn), turn
-    assert client.app[SERVICE].state["auto_sessions"].stats.restores_by_tokens > by_tokens
+    print(f"a new {cli} session after {other}: {time.monotonic() - began:.1f} s, " + "; ".join(
+        f"{s.prompt_tokens} tokens, reused {s.reused}, restored {s.restored}" for s in turn))
+    assert second != first, "a new session"
+    assert turn and all(s.http_status == 200 and s.route == route for s in turn), turn
+    assert stats.restores_by_tokens > by_tokens
     opening, parked = turn[0], log.seen[before]
     assert opening.restored > 0 and opening.reused is not None, opening
     # What the two sessions' first requests share, as the engine tokenizes them: they part
     # at the user's prompt, and all that follows it is new to the second session.
     engine = client.app[SERVICE].engine
-    a, b = [await engine.prompt_tokens("/v1/messages", seen.body) for seen in (parked, opening)]
-    assert a and b, "the engine tokenizes Claude Code's requests"
+    a, b = [await engine.prompt_tokens(path, seen.body) for seen in (parked, opening)]
+    assert a and b, f"the engine tokenizes {cli}'s requests"
     shared = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     assert shared >= 4000, f"the sessions share {shared:,} tokens"
     whole_blocks = shared // BLOCK_TOKENS * BLOCK_TOKENS
