@@ -146,11 +146,7 @@ def _anthropic_message(message: Any) -> list[Any]:
             results.append(_tool_result(block))
     out: list[Any] = []
     if converted or calls or reasoning:
-        new: dict[str, Any] = {"role": role}
-        if converted:
-            new["content"] = converted
-        else:
-            new["content"] = ""
+        new: dict[str, Any] = {"role": role, "content": converted if converted else ""}
         if calls:
             new["tool_calls"] = calls
         if reasoning:
