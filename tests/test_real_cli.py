@@ -357,46 +357,44 @@ async def new_cli_session(cli: str, prompt: str, workspace: dict[str, Path], url
     return codex_thread(run)
 
 
-@pytest.mark.parametrize("cli,other", [("claude", "codex"), ("codex", "claude")],
-                         ids=["claude code after codex", "codex after claude code"])
-async def test_a_new_agent_session_after_another_agent_took_the_slot_starts_from_the_opening(cli_server, workspace,
-                                                                                            cli, other):
+async def test_new_agent_sessions_after_the_other_agent_took_the_slot_start_from_their_opening(cli_server, workspace):
     """Claude Code's ``/v1/messages`` and Codex's ``/v1/responses`` are restored by their
-    tokens: a second session of one CLI in the project (a new id, so a new key with nothing
-    parked) comes after the other CLI took the slot, and the opening the first session
-    parked comes back from its blocks: what the two share, no more."""
+    tokens. A session of each, then a new session of each in the same project (a new id, so
+    a new key with nothing parked), each arriving while the other CLI holds the slot: each
+    new session gets its CLI's opening back from the blocks the first session parked, what
+    the two sessions share and no more."""
     client, log, url = await cli_server(CTX_SIZE)
     (workspace["codex_home"] / "config.toml").write_text(codex_config(url, CTX_SIZE))
-    route, path = CLI_ROUTES[cli]
-    before = len(log.seen)
-    first = await new_cli_session(cli, PROMPT, workspace, url)
-    await new_cli_session(other, PROMPT, workspace, url)
-    assert log.seen[-1].route == CLI_ROUTES[other][0] and log.seen[-1].key is not None, "the other CLI took the slot"
     stats = client.app[SERVICE].state["auto_sessions"].stats
-    by_tokens = stats.restores_by_tokens
-    since = len(log.seen)
-    began = time.monotonic()
-    second = await new_cli_session(cli, "Which functions are in calc.py?", workspace, url)
-    turn = log.seen[since:]
-    print(f"a new {cli} session after {other}: {time.monotonic() - began:.1f} s, " + "; ".join(
-        f"{s.prompt_tokens} tokens, reused {s.reused}, restored {s.restored}" for s in turn))
-    assert second != first, "a new session"
-    assert turn and all(s.http_status == 200 and s.route == route for s in turn), turn
-    assert stats.restores_by_tokens > by_tokens
-    opening, parked = turn[0], log.seen[before]
-    assert opening.restored > 0 and opening.reused is not None, opening
-    # What the two sessions' first requests share, as the engine tokenizes them: they part
-    # at the user's prompt, and all that follows it is new to the second session.
     engine = client.app[SERVICE].engine
-    a, b = [await engine.prompt_tokens(path, seen.body) for seen in (parked, opening)]
-    assert a and b, f"the engine tokenizes {cli}'s requests"
-    shared = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    assert shared >= 4000, f"the sessions share {shared:,} tokens"
-    whole_blocks = shared // BLOCK_TOKENS * BLOCK_TOKENS
-    # Its blocks, not the first session's whole state (which a prefix restore would bring,
-    # the part past the user's prompt then thrown away by the engine).
-    assert whole_blocks <= opening.restored <= shared, (shared, opening)
-    assert opening.reused >= whole_blocks, (shared, opening)
+    first: dict[str, tuple[str, Seen]] = {}
+    for cli in CLI_ROUTES:
+        at = len(log.seen)
+        first[cli] = (await new_cli_session(cli, PROMPT, workspace, url), log.seen[at])
+    for cli, other in (("claude", "codex"), ("codex", "claude")):
+        route, path = CLI_ROUTES[cli]
+        assert log.seen[-1].route == CLI_ROUTES[other][0] and log.seen[-1].key is not None, "the other CLI holds the slot"
+        by_tokens, since, began = stats.restores_by_tokens, len(log.seen), time.monotonic()
+        second = await new_cli_session(cli, "Which functions are in calc.py?", workspace, url)
+        turn = log.seen[since:]
+        print(f"a new {cli} session after {other}: {time.monotonic() - began:.1f} s, " + "; ".join(
+            f"{s.prompt_tokens} tokens, reused {s.reused}, restored {s.restored}" for s in turn))
+        assert second != first[cli][0], "a new session"
+        assert turn and all(s.http_status == 200 and s.route == route for s in turn), turn
+        assert stats.restores_by_tokens > by_tokens, f"{cli}: not restored by tokens"
+        opening, parked = turn[0], first[cli][1]
+        assert opening.restored > 0 and opening.reused is not None, opening
+        # What the two sessions' first requests share, as the engine tokenizes them: they
+        # part at the user's prompt, and all that follows it is new to the second session.
+        a, b = [await engine.prompt_tokens(path, seen.body) for seen in (parked, opening)]
+        assert a and b, f"the engine tokenizes {cli}'s requests"
+        shared = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert shared >= 4000, f"{cli}: the sessions share {shared:,} tokens"
+        whole_blocks = shared // BLOCK_TOKENS * BLOCK_TOKENS
+        # Its blocks, not the first session's whole state (which a prefix restore would
+        # bring, the part past the user's prompt then thrown away by the engine).
+        assert whole_blocks <= opening.restored <= shared, (cli, shared, opening)
+        assert opening.reused >= whole_blocks, (cli, shared, opening)
 
 
 def aider_binary() -> Path:
