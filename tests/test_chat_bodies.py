@@ -8,6 +8,8 @@ import copy
 import logging
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from plugins.session_header.tests.client_shapes import (
     SESSION_A, claude_code_body, claude_code_opening, claude_code_short_turn, claude_code_title_body,
@@ -143,6 +145,34 @@ def test_a_responses_body_the_engine_refuses_is_not_converted(body):
 def test_an_anthropic_body_without_messages_is_not_converted():
     with pytest.raises(NotConverted):
         anthropic_as_chat({"system": "hi"})
+
+
+#: Any JSON, weighted towards the words the two conversions look for.
+WORDS = ["text", "image", "tool_use", "tool_result", "thinking", "input_text", "input_image", "output_text",
+         "refusal", "message", "function_call", "function_call_output", "reasoning", "user", "assistant", "system",
+         "developer", "function", "base64", "url"]
+FIELDS = ["type", "role", "content", "text", "source", "input", "id", "name", "tool_use_id", "thinking", "data",
+          "url", "arguments", "call_id", "output", "summary", "status", "image_url", "refusal", "input_schema"]
+ANY_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=4) | st.sampled_from(WORDS),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(FIELDS), inner, max_size=5),
+    max_leaves=25)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(anthropic=st.dictionaries(st.sampled_from(["system", "messages", "tools", "tool_choice", "stop_sequences",
+                                                  "max_tokens", "thinking", "metadata"]), ANY_JSON, max_size=6),
+       responses=st.dictionaries(st.sampled_from(["input", "instructions", "tools", "max_output_tokens", "reasoning",
+                                                  "previous_response_id"]), ANY_JSON, max_size=6))
+def test_any_body_converts_or_is_refused_as_the_engine_refuses_it(anthropic, responses):
+    """Whatever a client sends, a conversion gives a chat or :class:`NotConverted`, never
+    another error (it runs in a plugin's step at a switch)."""
+    for convert, body in ((anthropic_as_chat, anthropic), (responses_as_chat, responses)):
+        try:
+            chat = convert(body)
+        except NotConverted:
+            continue
+        assert isinstance(chat["messages"], list)
 
 
 # -- against the engine --------------------------------------------------------------------
