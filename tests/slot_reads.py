@@ -116,6 +116,10 @@ class SlotReads:
                 break
             if time.monotonic() >= deadline:
                 break  # no word from the engine on this task: unmeasured (None)
+            if service.closing:
+                # The server stops (a test's end: the log capture may be gone already, and
+                # its lines would never come): unmeasured, and the stop does not wait.
+                break
             await asyncio.sleep(0.01)
         prompt, cached = lines.get("prompt"), lines.get("cached", 0)
         if task == before:
