@@ -114,3 +114,25 @@ def test_the_readmes_figures_are_those_of_the_committed_results():
     by_setup = {setup: seconds for size, setup, seconds, _ in rows if int(size) == largest}
     assert f"RAM cache off {by_setup['llama-server, RAM cache off']} s (a full re-read)" in quoted[0]
     assert f"with auto-sessions, {by_setup['strata + auto-sessions, RAM cache off']} s" in quoted[0]
+
+
+#: A test docs/reliability.md names: ``path::name`` (``…::name``: the file named before it).
+RELIABILITY_REF = re.compile(r"`((?:[\w./-]+\.py|…)::[\w\[\]\- .,=]+?)`")
+
+
+def test_every_test_reliability_md_names_exists_where_it_says():
+    """Each claim of docs/reliability.md names the tests that show it: each name must be a
+    test of the file it is given in (``…`` stands for the file named just before), so a
+    test renamed or moved leaves no claim pointing at nothing."""
+    text = (ROOT / "docs" / "reliability.md").read_text()
+    current, named, missing = None, 0, []
+    for ref in RELIABILITY_REF.findall(text):
+        path, name = ref.split("::", 1)
+        current = current if path == "…" else path
+        name = name.split("[")[0]
+        named += 1
+        source = ROOT / current if current else None
+        if source is None or not source.is_file() or not re.search(rf"def {re.escape(name)}\b", source.read_text()):
+            missing.append(f"{current}::{name}")
+    assert named > 200, f"only {named} tests named: the pattern no longer reads the table"
+    assert not missing, missing
