@@ -119,6 +119,8 @@ async def test_a_frozen_store_leaves_parking_local_and_uploads_land_once_it_is_b
     await ask(client, a)
     await ask(client, b)  # A parked, uploaded
     await until(lambda: heads_hold(client, [a]), BACK_S, "A's upload did not land with the store up")
+    # Its head is written before the upload is counted: the count is taken once it ended.
+    assert await auto.shared.settled(BACK_S), "A's upload ended"
     uploads, restores = stats.shared_uploads, stats.restores
 
     assert store.process is not None
