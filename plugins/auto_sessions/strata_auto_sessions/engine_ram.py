@@ -32,7 +32,9 @@ The first state of an engine is saved to disk either way: its size is measured s
 
 Belief is checked: a conversation believed in RAM that comes back with less than half
 its tokens reused was not there, and from then on every switch parks to disk until the
-engine restarts.
+engine restarts. And a conversation parked from the slot is in the slot, so it is not
+believed in RAM from then on: the request that would have had the engine cache it may
+have been cut off before it reached the engine.
 
 At a normal stop, each conversation left in RAM is brought back into the slot by its
 last request sent again for one token (the engine loads it from RAM, and re-reads only

@@ -473,8 +473,15 @@ class AutoSessions:
                         incoming_sibling: int | None = None) -> Parked:
         """Save the conversation the slot holds to its file, if it is worth it and not
         current (:func:`strata_auto_sessions.saving.park_slot`)."""
-        return await park_slot(self.parts, service, slot, reason=reason, incoming=incoming,
-                               incoming_sibling=incoming_sibling)
+        held = service.slots[slot]
+        parked = await park_slot(self.parts, service, slot, reason=reason, incoming=incoming,
+                                 incoming_sibling=incoming_sibling)
+        if self.engine_ram is not None and held.key is not None and not held.empty:
+            # The slot holds it: it is not in the engine's RAM cache, whatever was believed.
+            # (A switch left to the cache whose request never reached the engine, cut off
+            # first, left it in the slot; its return must come from its file, not the cache.)
+            self.engine_ram.take_back((held.tenant, held.key, held.sibling))
+        return parked
 
     def record_in_use(self, service: Service) -> None:
         """Tell ``strata-serve sessions rm`` which conversations the slots hold or are
