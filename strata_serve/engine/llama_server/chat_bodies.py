@@ -270,6 +270,15 @@ def _tool_output(item: dict[str, Any]) -> dict[str, Any]:
     return {"content": outputs, "role": "tool", "tool_call_id": item["call_id"]}
 
 
+def _list_in(message: dict[str, Any], key: str) -> list[Any]:
+    """``message[key]``, made an empty list first where it is not a list (as the engine does
+    before merging into the assistant message before an item)."""
+    if not isinstance(message.get(key), list):
+        message[key] = []
+    found: list[Any] = message[key]
+    return found
+
+
 def _responses_item(messages: list[dict[str, Any]], item: Any) -> None:
     """Add one input item to ``messages``, merged into the assistant message before it where
     the engine merges it."""
@@ -281,10 +290,7 @@ def _responses_item(messages: list[dict[str, Any]], item: Any) -> None:
     elif _is_str(item, "role") and item["role"] == "assistant" and _is_str(item, "type") and item["type"] == "message":
         content = _output_content(item)
         if merge:
-            previous = messages[-1]
-            if not isinstance(previous.get("content"), list):
-                previous["content"] = []
-            previous["content"].extend(content)
+            _list_in(messages[-1], "content").extend(content)
         else:
             message = {k: v for k, v in item.items() if k not in ("status", "type")}
             message["content"] = content
@@ -294,10 +300,7 @@ def _responses_item(messages: list[dict[str, Any]], item: Any) -> None:
         call = {"function": {"arguments": item["arguments"], "name": item["name"]},
                 "id": item["call_id"], "type": "function"}
         if merge:
-            previous = messages[-1]
-            if not isinstance(previous.get("tool_calls"), list):
-                previous["tool_calls"] = []
-            previous["tool_calls"].append(call)
+            _list_in(messages[-1], "tool_calls").append(call)
         else:
             messages.append({"role": "assistant", "tool_calls": [call]})
     elif (_is_str(item, "call_id") and (_is_str(item, "output") or _is_list(item, "output"))
