@@ -220,7 +220,7 @@ test: lint setup $(VENV)/.examples $(NODE_STAMP) $(AIDER_STAMP) haproxy disk-spa
 # in the wheelhouse serves them all.
 TEST_PYTHONS ?= 3.12 3.13
 PYENV_ROOT ?= $(or $(shell pyenv root 2>/dev/null),$(HOME)/.pyenv)
-PYTHONS_TESTS := tests/test_config.py tests/test_chat_bodies.py tests/test_fifo.py tests/test_service.py tests/test_engine.py \
+PYTHONS_TESTS := tests/test_config.py tests/test_chat_bodies.py tests/test_tokens_ahead.py tests/test_fifo.py tests/test_service.py tests/test_engine.py \
   tests/test_api.py tests/test_slots.py tests/test_plugins.py tests/test_cli.py \
   tests/test_reliability.py::test_engine_killed_during_a_slot_operation \
   tests/test_reliability.py::test_shutdown_right_after_a_plugin_task_started_does_not_deadlock \

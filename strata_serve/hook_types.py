@@ -16,6 +16,7 @@ and keep their own data in ``state``.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import itertools
 from dataclasses import dataclass, field
@@ -93,6 +94,9 @@ class StrataRequest:
     #: Where its time went outside the engine (:mod:`strata_serve.timing`): the core's spans
     #: and the plugins' (:func:`strata_serve.span`), sent back in ``Server-Timing``.
     timeline: Timeline = field(default_factory=Timeline, repr=False, compare=False)
+    #: The engine's answer for its prompt's tokens, once asked (:mod:`strata_serve.tokens_ahead`:
+    #: read it with ``Service.prompt_tokens``).
+    _tokens: asyncio.Future[list[int] | None] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.api is not None and self.api.route != self.route:

@@ -147,6 +147,21 @@ def conversation_key(request: StrataRequest, service: Service) -> ConversationKe
 
 
 @hookspec
+def on_arrival(request: StrataRequest, service: Service) -> None:
+    """(sync) A request has arrived, keyed, and has not waited for its turn yet.
+
+    Called once per request that reaches the FIFO, before it waits there. Nothing may
+    touch a slot here: start only work that needs none and that the request's own steps
+    will want, beside the FIFO (:meth:`strata_serve.Service.tokens_ahead` asks the engine
+    which tokens its prompt becomes while the request waits, or while the slot's
+    outgoing conversation is saved). Must be synchronous and quick.
+
+    :param request: The request that arrived; ``request.conversation_key`` is set.
+    :param service: The running service.
+    """
+
+
+@hookspec
 def pre_request(request: StrataRequest, service: Service) -> Any:
     """Act before the request reaches the engine, while holding its slot.
 

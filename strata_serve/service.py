@@ -19,12 +19,13 @@ from strata_serve.shutdown import Stopping
 from strata_serve.slot_calls import SlotCalls
 from strata_serve.hook_types import EngineError, Outcome, StrataRequest, Verdict
 from strata_serve.measures import EngineMeasures, state_source
-from strata_serve.hook_calls import broadcast, first_result
+from strata_serve.hook_calls import broadcast, call_each_sync, first_result
 from strata_serve.keying import choose_key
 from strata_serve.side_lane import MAIN, SIDE, bound_generation, choose_lane, pool_tokens
 from strata_serve.slot_choice import Claim, choose_slot, claim_for, last_tasks, locate, slot_for
 from strata_serve.slot_state import SlotRegistry, SlotState, tokens_after
 from strata_serve.timing import PhaseTotals, span, timeline_of
+from strata_serve import tokens_ahead
 
 log = logging.getLogger("strata_serve.service")
 
@@ -99,6 +100,18 @@ class Service(SlotCalls, Stopping):
         request.conversation_named = answer is not None and answer.named
         return None if answer is None else answer.key
 
+    def tokens_ahead(self, request: StrataRequest) -> None:
+        """Ask the engine now, beside the FIFO, which tokens ``request``'s prompt becomes
+        (:mod:`strata_serve.tokens_ahead`): for a plugin's ``on_arrival``, when its own step
+        for the request will want them (:meth:`prompt_tokens`)."""
+        tokens_ahead.start(self.engine, request)
+
+    async def prompt_tokens(self, request: StrataRequest) -> list[int] | None:
+        """The tokens ``request``'s prompt becomes as the engine reads it, asked once per
+        request (the answer :meth:`tokens_ahead` asked for, or asked now); None when the
+        engine cannot tell. Raises the engine's ``EngineError`` or ``EngineUnavailable``."""
+        return await tokens_ahead.prompt_tokens(self.engine, request)
+
     def verdict(
         self, op: str, error: EngineError | None, held_tokens: int | None = None
     ) -> Verdict | None:
@@ -139,6 +152,7 @@ class Service(SlotCalls, Stopping):
         if task is not None:
             self._tasks.add(task)
         arrived = time.perf_counter()
+        call_each_sync(self.pm, "on_arrival", request=request, service=self)
         try:
             with timeline_of(request.timeline):
                 return await self._process(request, send, deliver, arrived)

@@ -96,7 +96,8 @@ async def answered(client, text: str = "still answered") -> dict:
     return await resp.json()
 
 
-@scenario("engine_backend", "on_startup", "on_engine_start", "conversation_key", "pre_request", "post_request")
+@scenario("engine_backend", "on_startup", "on_engine_start", "conversation_key", "on_arrival", "pre_request",
+          "post_request")
 async def request_goes_on(env: Env, plugin: object) -> None:
     client = await env.client(plugin, env.recorder)
     await answered(client)

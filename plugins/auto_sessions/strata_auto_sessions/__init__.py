@@ -87,6 +87,13 @@ def on_engine_start(service, restarted):
 
 
 @strata_serve.hookimpl
+def on_arrival(request, service):
+    parking = _parking(service)
+    if parking is not None and parking.mode.parks and parking.restores_by_tokens(request, service):
+        service.tokens_ahead(request)  # beside the FIFO: the switch's step finds them asked
+
+
+@strata_serve.hookimpl
 async def pre_request(request, service):
     parking = _parking(service)
     if parking is not None and parking.mode.parks:

@@ -378,6 +378,23 @@ class AutoSessions:
         return (held.key == key and held.tenant == request.tenant and not held.empty
                 and self.holds(key, request, held.sibling))
 
+    def restores_by_tokens(self, request: StrataRequest, service: Service) -> bool:
+        """Whether ``request``, as it arrives, will likely want its prompt's tokens at its
+        turn (a switch to a conversation restored by its tokens, with blocks), so that they
+        are asked ahead (:meth:`strata_serve.Service.tokens_ahead`): no slot holds its
+        conversation, the engine's RAM cache does not hold it (nor take a new one), and no
+        whole file of it is kept (the usual switch back restores that as it is)."""
+        key, store = request.conversation_key, self.parts.store
+        if key is None or store is None or getattr(store, "blocks", None) is None:
+            return False
+        if any(state.key == key and state.tenant == request.tenant and not state.empty for state in service.slots):
+            return False  # most likely continued where it is
+        files = self.siblings.of(key)
+        ram = self.engine_ram
+        if ram is not None and ram.trusted and (ram.holds((request.tenant, key, 0)) or not files):
+            return False  # back from the engine's RAM cache, or a new one left to it
+        return not any(store.bin_path(key, sibling).is_file() for sibling in files)  # a whole file comes back as it is
+
     def holds(self, key: str, request: StrataRequest, sibling: int) -> bool:
         """Whether the request continues what the slot holding ``key`` (its ``sibling``)
         holds: its whole prompt, and no other sibling's longer one (the slot may hold a

@@ -138,7 +138,7 @@ async def _chain_by_tokens(parts: Parts, key: str, request: StrataRequest, servi
         return None  # the slot holds it: the engine reuses it from there
     try:
         with span("auto_sessions.tokenize"):
-            tokens = await service.engine.prompt_tokens(api.engine_path, request.body)
+            tokens = await service.prompt_tokens(request)  # asked ahead as it arrived, mostly
     except (EngineError, EngineUnavailable) as exc:
         log.debug("[strata] auto sessions: the prompt of request %d was not tokenized (%s): restoring by "
                   "its key", request.id, exc)

@@ -5,6 +5,7 @@ the same requests without blocks as its control, where the key alone decides."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 
@@ -16,7 +17,7 @@ import strata_session_header
 from strata_serve.api import SERVICE
 from strata_serve.api.anthropic import MESSAGES
 from strata_serve.api.responses import RESPONSES_API
-from strata_serve.testing import ask
+from strata_serve.testing import ask, until
 
 from plugins.session_header.tests.client_shapes import (
     CODEX_OPENING, SESSION_A, SESSION_B, claude_code_body, claude_code_headers, claude_code_opening, codex_body,
@@ -259,4 +260,75 @@ async def test_a_prefix_restored_by_tokens_is_not_taken_for_the_conversations_fi
     await ask(client, back, max_tokens=1)  # "a" comes back: its own state, restored as named
     assert parking(client).stats.restores_by_tokens == 1
     assert seen.seen[-1][2] is True, seen.seen  # the control: its own file is current
+    await client.close()
+
+
+class HeldTurn:
+    """Holds the ``post_request`` of a request sent with ``X-Hold`` until released: the
+    FIFO is held meanwhile, and the next request waits in line."""
+
+    strata_name = "held_turn"
+
+    def __init__(self) -> None:
+        self.entered, self.release = asyncio.Event(), asyncio.Event()
+
+    @strata_serve.hookimpl
+    async def post_request(self, request):
+        if request.headers.get("X-Hold"):
+            self.entered.set()
+            await self.release.wait()
+
+
+async def test_the_prompt_is_tokenized_while_the_request_waits_in_line_not_in_its_switch(auto_client, tmp_path):
+    """A request whose conversation no slot holds has its prompt tokenized as it arrives,
+    while the request before it still holds the line; its switch then finds the tokens
+    asked and restores by them. Control: a request continuing what the slot holds, which
+    needs no switch, asks nothing."""
+    held = HeldTurn()
+    client = await auto_client(held, engine={"slot_save_path": str(tmp_path / "slots")}, blocks=True, idle_save_s=0)
+    service = client.app[SERVICE]
+    asked, plain = [], service.engine.prompt_tokens
+
+    async def counted(path, body):
+        asked.append(body)
+        return await plain(path, body)
+
+    service.engine.prompt_tokens = counted
+    await ask(client, agent("a"), max_tokens=1)
+
+    async def behind_a_held_turn(holding, waiting, asked_ahead: bool):
+        """``waiting`` sent while ``holding``'s turn holds the line: its answer, and how
+        many prompts were asked while it waited and during its own turn."""
+        held.entered.clear(), held.release.clear()
+        # its own connection: the server would read the next request on this one only
+        # once the held turn's handler ended
+        holder = asyncio.ensure_future(ask(client, holding, max_tokens=1,
+                                           headers={"X-Hold": "1", "Connection": "close"}))
+        await until(held.entered.is_set, what="the held turn's post_request")
+        try:
+            before = len(asked)
+            behind = asyncio.ensure_future(ask(client, waiting, max_tokens=1))
+            await until(lambda: service.fifo.waiting, what="the request behind it in line")
+            await until(lambda: len(asked) > before, timeout=2, what="its prompt asked") if asked_ahead else None
+            while_waiting = len(asked) - before
+        finally:
+            held.release.set()
+        await holder
+        answer = await behind
+        return answer, while_waiting, len(asked) - before - while_waiting
+
+    # "a" is parked as the unrelated chat takes the slot; "b" arrives while that chat's turn holds the line
+    answer, while_waiting, in_its_turn = await behind_a_held_turn(other_opening(), agent("b"), True)
+    assert (while_waiting, in_its_turn) == (1, 0), "asked once, as it arrived, while the line was held"
+    assert asked[-1]["messages"][-1] == agent("b")[-1]
+    stats = parking(client).stats
+    assert stats.restores_by_tokens == 1, stats
+    shared = await shared_tokens(client, agent("a"), agent("b"))
+    assert answer["timings"]["cache_n"] >= shared // BLOCK * BLOCK, (answer["timings"], shared)
+    # control: "b" goes on in the slot that holds it, behind its own held turn: no switch, no ask
+    b2 = agent("b") + [{"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
+                       {"role": "user", "content": "Next."}]
+    b3 = b2 + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "And then?"}]
+    answer, while_waiting, in_its_turn = await behind_a_held_turn(b2, b3, False)
+    assert (while_waiting, in_its_turn) == (0, 0)
     await client.close()
