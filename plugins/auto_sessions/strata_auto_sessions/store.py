@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import threading
 import time
 from pathlib import Path
 from stat import S_ISREG
 from typing import Any, Protocol
+from collections.abc import Callable
 
 from strata_serve import PRIVATE_FILE_MODE, make_private_dir, span
 
@@ -39,6 +41,8 @@ from strata_auto_sessions.blocks import Chain
 from strata_auto_sessions.parked_blocks import ParkedBlocks
 from strata_auto_sessions.sidecar import SIDECAR_VERSION, DamagedSidecar, Sidecar
 from strata_auto_sessions.staging import Staging, staged_link
+
+log = logging.getLogger("strata_auto_sessions")
 
 #: What this module exports: its own names and those of the modules the store is made of
 #: that plugins and tests import from here.
@@ -228,7 +232,8 @@ class SessionStore:
             manifest = self.blocks.manifest(key, sibling)
             if manifest is not None and self.staging.link_kept(key, sibling, manifest.identity, self.directory / name):
                 return name  # its newest state, kept whole in memory since it was saved
-        self.blocks.join_into(key, sibling, self.directory / name)
+        blocks = self.blocks
+        self._join(name, lambda dest: blocks.join_into(key, sibling, dest))
         return name
 
     def joined_chain(self, chain: Chain) -> str:
@@ -239,8 +244,30 @@ class SessionStore:
         """
         assert self.blocks is not None
         name = fresh_temp_name("by-tokens", ".bin")
-        self.blocks.join_chain(chain, self.directory / name)
+        blocks = self.blocks
+        self._join(name, lambda dest: blocks.join_chain(chain, dest))
         return name
+
+    def _join(self, name: str, write: Callable[[Path], object]) -> None:
+        """Have ``write`` join a file restored under ``name``: in memory behind a link of
+        that name when saves are staged (the file lives until the engine has read it, and
+        never reaches the disk), else in the slot directory. A join in memory that fails
+        for room (tmpfs full) is made again in the slot directory."""
+        dest = self.directory / name
+        if self.staging is not None and self.staging.on:
+            self.staging.link(dest)
+            if self.staging.owns(dest):
+                try:
+                    write(Path(os.readlink(dest)))
+                    return
+                except OSError as exc:
+                    self.discard(name)
+                    log.info("[strata] auto sessions: a join in memory failed (%s): joined in the slot directory",
+                             exc)
+                except BaseException:
+                    self.discard(name)
+                    raise
+        write(dest)
 
     def intact(self, key: str, sidecar: Sidecar) -> bool:
         """The file is the one that was saved: same size, same sampled digest (read again

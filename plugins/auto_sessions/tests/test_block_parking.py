@@ -3,6 +3,7 @@ disk, what comes back, what is kept whole, and what pruning and ``sessions rm`` 
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 from pathlib import Path
@@ -14,6 +15,7 @@ from click.testing import CliRunner
 import strata_auto_sessions.store as store_module
 from strata_auto_sessions.parked_blocks import BLOCKS_DIR, ParkedBlocks
 from strata_serve import CutState
+from strata_serve.api import SERVICE
 from strata_serve.cli import cli
 from strata_serve.engine.llama_server.state_format import LlamaStateFormat
 from strata_serve.testing import ask
@@ -334,3 +336,65 @@ async def test_a_save_in_blocks_reaches_the_disk_with_its_new_blocks_and_manifes
         assert manifest.parent in synced and all(path.parent in synced for path in objects)
     else:
         assert manifest not in synced and not any(path in synced for path in objects)
+
+
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "on-disk"])
+async def test_a_joined_state_is_made_in_memory_and_never_reaches_the_slot_directory(auto_client, tmp_path, staged):
+    """The file a restore joins from blocks lives only until the engine has read it: with
+    saves staged in memory it is made there, behind a link in the slot directory (its
+    bytes never reach the disk); with staging off (the control), in the slot directory.
+    Both restores: the conversation's own blocks, and another's found by tokens."""
+    slots = tmp_path / "slots"
+    client = await auto_client(engine={"slot_save_path": str(slots)}, idle_save_s=0, **HOW_PARKED["joined"])
+    store = parking(client).store
+    assert store.staging is not None and store.staging.on
+    store.staging.on = staged
+    engine = client.app[SERVICE].engine
+    plain, read = engine.restore, []
+
+    async def restore(filename, slot=0):
+        path = slots / filename
+        read.append((path.is_symlink(), path.resolve().parent == store.staging.directory))
+        return await plain(filename, slot)
+
+    engine.restore = restore
+    a = agent("alpha", 60)
+    first = await ask(client, a, max_tokens=2)
+    await ask(client, [{"role": "user", "content": "Unrelated: " + words("zz", 80)}], max_tokens=1)
+    await ask(client, turn(a, first, "Go on."), max_tokens=1)  # its own blocks, joined
+    await ask(client, [{"role": "user", "content": "Unrelated too: " + words("yy", 80)}], max_tokens=1)
+    await ask(client, agent("beta", 60), max_tokens=1)  # "alpha"'s opening, found by tokens
+    stats = parking(client).stats
+    assert stats.restores == 2 and stats.restores_by_tokens == 1, stats
+    assert read == [(staged, staged)] * 2, read
+    assert not list(slots.glob("tmp-*")) and not list(store.staging.directory.glob("tmp-*"))
+    await client.close()
+
+
+async def test_a_join_in_memory_that_finds_no_room_is_made_in_the_slot_directory(auto_client, tmp_path, caplog):
+    """tmpfs full (ENOSPC) while joining: the join is made again in the slot directory, and
+    the restore goes on."""
+    slots = tmp_path / "slots"
+    client = await auto_client(engine={"slot_save_path": str(slots)}, idle_save_s=0, **HOW_PARKED["joined"])
+    store = parking(client).store
+    plain = store.blocks.join_into
+    full = []
+
+    def join_into(key, sibling, dest):
+        if dest.parent == store.staging.directory:
+            full.append(dest)
+            dest.write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return plain(key, sibling, dest)
+
+    store.blocks.join_into = join_into
+    a = agent("alpha", 60)
+    first = await ask(client, a, max_tokens=2)
+    await ask(client, [{"role": "user", "content": "Unrelated: " + words("zz", 80)}], max_tokens=1)
+    back = await ask(client, turn(a, first, "Go on."), max_tokens=1)
+    stats = parking(client).stats
+    assert len(full) == 1 and stats.restores == 1 and stats.restore_failures == 0, stats
+    assert back["timings"]["cache_n"] >= first["timings"]["prompt_n"], back["timings"]
+    assert any("a join in memory failed" in r.getMessage() for r in caplog.records)
+    assert not list(slots.glob("tmp-*")) and not list(store.staging.directory.glob("tmp-*")), "nothing left"
+    await client.close()
