@@ -81,6 +81,45 @@ def test_the_cells_of_another_slot_join_into_a_file_any_slot_restores():
     assert joined(of_slot_1) == state_file(TOKENS, n_stream=2, streams_with_cells=(0,), seq_id=0)
 
 
+WINDOWED = {name: shape for name, shape in SHAPES.items() if name != "rows of other sizes"}
+
+
+def windowed_file(tokens: list[int], window: int = 16, **shape) -> bytes:
+    """A sliding-window model's file: the base cache, then a window cache (one layer of
+    its own) holding the last ``window`` cells."""
+    n = len(tokens)
+    return state_file(tokens, memory=kv_cache(n, **shape)
+                      + kv_cache(min(window, n), positions=range(max(n - window, 0), n), n_layer=1, k_row=6,
+                                 v_row=10, salt="w", **shape))
+
+
+@pytest.mark.parametrize("shape", WINDOWED.values(), ids=list(WINDOWED))
+def test_a_sliding_window_state_keeps_its_window_and_joins_back_whole(shape):
+    """The window cache holds the last window's cells only: it is kept as the state's
+    window, not in blocks; the blocks are those of the base cache alone."""
+    data = windowed_file(TOKENS, **shape)
+    state = cut(data)
+    assert state.window is not None and state.window.cells == 16 and state.window.tokens == tuple(TOKENS[21:])
+    assert '"window":' in state.layout.decode()
+    plain = cut(state_file(TOKENS, **shape))
+    assert [b.data for b in state.blocks] == [b.data for b in plain.blocks] and state.tail == plain.tail
+    assert b"".join(bytes(p) for p in join_bytes(state.layout, [*state.blocks, state.tail], n_stream=state.n_stream,
+                                                  window=state.window)) == data
+
+
+def test_a_window_joins_only_at_the_end_it_was_cut_at():
+    state = cut(windowed_file(TOKENS))
+    assert state.window is not None
+    with pytest.raises(ValueError, match="joins with its window"):
+        join_bytes(state.layout, [*state.blocks, state.tail])
+    with pytest.raises(ValueError, match="another end"):
+        join_bytes(state.layout, state.blocks[:2], window=state.window)
+    with pytest.raises(ValueError, match="without one"):
+        join_bytes(cut(state_file(TOKENS)).layout, state.blocks, window=state.window)
+    short = cut(windowed_file(TOKENS, window=64))  # a state shorter than its window: every cell
+    assert short.window is not None and short.window.cells == len(TOKENS)
+
+
 def test_a_last_token_without_a_cell_stays_in_the_tail():
     """After generation the slot holds one token more than its cells: the last one was not read yet."""
     data = state_file(TOKENS, n_cells=36)
@@ -95,7 +134,8 @@ REFUSED = {
     "media": state_file(TOKENS, media=1),
     "streams": state_file(TOKENS, n_stream=2, streams_with_cells=(0, 1)),
     "cells": state_file(TOKENS, positions=[p + 4 for p in range(37)]),
-    "swa": state_file(TOKENS, memory=kv_cache(37) + kv_cache(16, positions=range(21, 37))),
+    # a window cache that does not end where the state ends
+    "swa": state_file(TOKENS, memory=kv_cache(37) + kv_cache(16, positions=range(20, 36))),
     "recurrent": state_file(TOKENS, memory=recurrent_memory()),
     "layout": state_file(TOKENS)[:-3],
     "empty": state_file([], n_cells=0),
@@ -261,19 +301,38 @@ async def test_smollm2_joined_file_restores_what_the_whole_file_restored(llama_s
     await equivalence(server, prefix_blocks=4, prompt=PROMPT * 3)
 
 
-async def test_a_sliding_window_model_is_refused_even_with_swa_full(llama_server_factory, tmp_path):
-    """The iswa cache writes its window cache after the base cache, holding only the last
-    window's cells (``is_masked_swa`` in ``state_write``), with ``--swa-full`` too: its rows
-    depend on where the state ends, so no prefix of it is a block."""
-    model = write_demo_model(tmp_path / "swa.gguf", sliding_window=64)
-    for flags in (["--swa-full"], []):
-        server = await llama_server_factory(model=model, extra_args=flags)
-        await ask(server, 0)
-        await server.save("whole.bin", 0)
-        refused = server.state_format.cut(server.info.slot_save_path / "whole.bin", BLOCK)  # type: ignore[union-attr,operator]
-        assert isinstance(refused, StateRefusal) and refused.reason == "swa", (flags, refused)
-        await server.stop()
+@pytest.fixture(scope="module")
+def swa_model(tmp_path_factory) -> Path:
+    """A sliding-window model (Gemma 2's architecture: every other layer sees 64 tokens)."""
+    return write_demo_model(tmp_path_factory.mktemp("models") / "swa.gguf", size="quant", sliding_window=64)
 
+
+@pytest.mark.parametrize("fa", ["on", "off"])
+async def test_a_sliding_window_state_joined_with_its_window_restores_what_the_whole_file_restored(
+        llama_server_factory, swa_model, fa):
+    """With ``--swa-full``: the iswa cache writes its window cache after the base cache,
+    holding only the last window's cells (``is_masked_swa`` in ``state_write``). The base
+    cache is cut into blocks, the window kept whole; joined, they restore exactly what the
+    whole file restored. The window belongs to the state's end: a prefix of the blocks has
+    no window to join with."""
+    server = await llama_server_factory(model=swa_model, extra_args=["--swa-full", "-fa", fa])
+    first = await ask(server, 0)
+    await server.save("whole.bin", 0)
+    slot_dir = server.info.slot_save_path
+    assert slot_dir is not None and server.state_format is not None
+    state = server.state_format.cut(slot_dir / "whole.bin", BLOCK)
+    assert isinstance(state, CutState), state
+    assert state.window is not None and state.window.cells == 64 and len(state.blocks) >= 5
+    server.state_format.join(state.layout, [*state.blocks, state.tail], slot_dir / "joined.bin",
+                             n_stream=state.n_stream, window=state.window)
+    assert (slot_dir / "joined.bin").read_bytes() == (slot_dir / "whole.bin").read_bytes()
+    whole_tokens, from_whole = await restored(server, "whole.bin", 0, PROMPT)
+    joined_tokens, from_joined = await restored(server, "joined.bin", 0, PROMPT)
+    assert joined_tokens == whole_tokens == len(state.tokens)
+    assert from_whole["cache_n"] >= first["prompt_n"] - 1
+    assert from_joined == from_whole
+    with pytest.raises(ValueError, match="joins with its window"):
+        server.state_format.join(state.layout, state.blocks[:3], slot_dir / "prefix.bin", n_stream=state.n_stream)
 
 
 async def test_an_engine_that_shifts_its_context_is_refused_by_its_flags(llama_server_factory):

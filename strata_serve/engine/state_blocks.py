@@ -8,8 +8,11 @@ file the engine restores. The first ``k`` blocks joined alone are the state of t
 
 The bytes of a block depend only on the tokens up to its end and on the state's
 ``layout`` (what the bytes mean: the cache's types, row sizes, how values are laid out),
-which a store of blocks puts into their names. What the format does not cover it refuses
-with a :class:`StateRefusal` naming the reason; such a state is kept whole.
+which a store of blocks puts into their names. Some bytes belong to the state's end
+alone: a sliding-window model's window cache holds only the cells of the last window, so
+it is kept as the state's ``window``, and such a state joins only whole, with its window.
+What the format does not cover it refuses with a :class:`StateRefusal` naming the
+reason; such a state is kept whole.
 """
 
 from __future__ import annotations
@@ -57,6 +60,9 @@ class CutState:
     tokens: tuple[int, ...] = ()
     #: The engine's bytes of the state, the blocks' and the tail's (from the blocks when not given).
     state_bytes: int = -1
+    #: Bytes that belong to the state's end alone, for the tokens just before it (a
+    #: sliding-window model's window cache): the state joins only whole, with them.
+    window: StateBlock | None = None
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -92,10 +98,13 @@ class StateFormat(Protocol):
         format does not cover or a file it cannot read (never an exception)."""
         ...
 
-    def join(self, layout: bytes, blocks: Sequence[StateBlock], dest: Path, *, n_stream: int = 1) -> int:
+    def join(self, layout: bytes, blocks: Sequence[StateBlock], dest: Path, *, n_stream: int = 1,
+             window: StateBlock | None = None) -> int:
         """Write ``blocks`` (whole blocks, the last one possibly partial), cut under
-        ``layout``, as one state file at ``dest``; returns the bytes written.
+        ``layout``, as one state file at ``dest``, with the ``window`` cut with them when
+        the layout has one; returns the bytes written.
 
-        :raises ValueError: when the blocks do not fit the layout or one another.
+        :raises ValueError: when the blocks do not fit the layout or one another, or a
+            window is missing, given where the layout has none, or cut at another end.
         """
         ...

@@ -15,7 +15,7 @@ import pytest
 from strata_auto_sessions.blocks import BlockStore, CorruptBlock
 from strata_auto_sessions.blocks.objects import publish
 from strata_serve import LlamaServer, tenant_key
-from tests.state_files import state_file
+from tests.state_files import kv_cache, state_file
 
 FORMAT = LlamaServer.state_format
 assert FORMAT is not None
@@ -107,6 +107,33 @@ def test_a_prompt_that_continues_a_whole_conversation_gets_its_tail_too(tmp_path
     # a prompt that leaves the tail's tokens gets the blocks alone
     shorter = store.longest_prefix(None, tokens[:41] + [9, 9, 9])
     assert shorter is not None and shorter.tokens == 40 and shorter.tail is None
+
+
+def windowed(tmp_path: Path, tokens: list[int], name: str = "staged.bin", window: int = 12) -> Path:
+    """A sliding-window model's slot file: the base cache, then the last ``window`` cells' window cache."""
+    n = len(tokens)
+    memory = kv_cache(n) + kv_cache(min(window, n), positions=range(max(n - window, 0), n), n_layer=1, salt="w")
+    path = tmp_path / name
+    path.write_bytes(state_file(tokens, memory=memory))
+    return path
+
+
+def test_a_sliding_window_state_shares_its_blocks_and_restores_only_whole(tmp_path):
+    """Its window cache belongs to the state's end: kept with its manifest, found by a prompt
+    only where the whole state prefixes it, never as a shorter chain of its blocks."""
+    store = store_at(tmp_path / "store")
+    a, b = conversation(1), conversation(2)
+    store.save("a", windowed(tmp_path, a))
+    second = store.save("b", windowed(tmp_path, b))
+    assert second.blocks_written == 2, "the opening's blocks are a's"
+    ma = store.manifest("a")
+    assert ma is not None and ma.window is not None and ma.window in ma.objects()
+    store.materialize(store.chain_of("a"), tmp_path / "a.bin")
+    assert (tmp_path / "a.bin").read_bytes() == windowed(tmp_path, a, "again.bin").read_bytes()
+    grown = store.longest_prefix(None, a + [7, 7, 7])
+    assert grown is not None and grown.tokens == len(a) and grown.window == ma.window and grown.source == "a"
+    assert store.longest_prefix(None, OPENING + [7] * 9) is None, "a's opening alone has no window"
+    assert store.matched("a", a + [7]) == len(a) and store.matched("a", a[:30]) == 0
 
 
 def test_two_tenants_never_share_a_block(tmp_path):

@@ -142,6 +142,35 @@ async def test_an_swa_model_with_swa_full_parks_and_its_restore_is_reused(strata
     assert reply["timings"]["cache_n"] > 600, "the restored state was reused"
 
 
+@pytest.mark.parametrize("stage_keep_mb", [0, None], ids=["joined", "kept"])
+async def test_an_swa_model_with_swa_full_parks_in_blocks_and_restores_whole_from_them(
+        strata_client_factory, auto_settings, swa_model, stage_keep_mb):
+    """With ``--swa-full`` a sliding-window state parks in blocks: the base cache in blocks
+    (an opening two conversations share is stored once), the window cache kept with the
+    manifest. Restored whole (joined from the blocks, or read from the newest state kept in
+    memory), it is reused as the whole file's was."""
+    shared = "Shared opening: " + " ".join(f"rule{n} keep the tests green" for n in range(40))
+    a = [{"role": "user", "content": shared + " First task: the parser."}]
+    b = [{"role": "user", "content": shared + " Second task: the docs."}]
+    client = await strata_client_factory(strata_auto_sessions, settings=auto_settings(
+        swa_engine(swa_model, "--swa-full"), stage_keep_mb=stage_keep_mb))
+    await ask(client, a)
+    await ask(client, b)  # the switch saves a
+    await ask(client, conversation("other"))  # saves b: its opening's blocks are a's
+    reply = await ask(client, a)  # a restored whole; "other" saved
+    stats = parking(client).stats
+    assert stats.block_saves == stats.saves == 3 and stats.blocks_refused_swa == 0 and stats.save_skips_swa == 0, stats
+    assert stats.restores == 1 and stats.restores_by_tokens == 0, stats
+    assert stats.restores_kept_whole == (0 if stage_keep_mb == 0 else 1), stats
+    assert reply["timings"]["cache_n"] > 600, "the restored state was reused"
+    store = parking(client).store.blocks.store
+    manifests = {m.key: m for m in store.manifests()}
+    assert len(manifests) == 3 and all(m.window is not None for m in manifests.values())
+    ma, mb = (manifests[f"{key_of(client, x)}#0"] for x in (a, b))
+    assert len(set(ma.chain) & set(mb.chain)) >= 8, "the shared opening's blocks are stored once"
+    assert ma.window != mb.window
+
+
 async def test_an_swa_model_without_swa_full_neither_saves_nor_restores(strata_client_factory, auto_settings,
                                                                         swa_model, caplog):
     """The engine would load such a file and read the whole conversation again: nothing is

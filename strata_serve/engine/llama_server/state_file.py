@@ -19,13 +19,17 @@ anew, so a block holds neither the seq id nor the stream: blocks cut from one sl
 into a file any slot restores.
 
 Covered: one stream holding cells at positions 0..n-1 of the tokens (n the tokens, or one
-fewer when the last generated token was not read yet), without media. Refused, with the
-reason: another state version, media, cells in several streams, cells that are not that
-plain sequence, an engine that moves cells (``--context-shift``, ``--cache-reuse``:
-the file cannot show it), a sliding-window model's cache (``iswa`` writes a
-second cache holding only the window, whose rows depend on where the state ends, with or
-without ``--swa-full``), recurrent or hybrid memory, and any layout that does not read to
-the file's last byte.
+fewer when the last generated token was not read yet), without media. A sliding-window
+model's cache (``llama_kv_cache_iswa``) writes two caches: the base cache (every cell),
+then the window cache, which holds only the cells of the last window (``state_write``
+leaves out the cells ``is_masked_swa`` masks, with ``--swa-full`` too). Its cells are
+the window before the state's end: they belong to that end, so they are not cut into
+blocks but kept as the state's *window* (:attr:`CutState.window`), which a join writes
+back only at the end it was cut at. Refused, with the reason: another state version,
+media, cells in several streams, cells that are not that plain sequence (or a window
+cache that is not the cells before the end), an engine that moves cells
+(``--context-shift``, ``--cache-reuse``: the file cannot show it), recurrent or hybrid
+memory, and any layout that does not read to the file's last byte.
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ class _Layout:
     k: tuple[tuple[int, int], ...]  # per layer (type, row bytes)
     #: per layer (type, row bytes) or, transposed, (type, element bytes, rows)
     v: tuple[tuple[int, ...], ...]
+    #: A sliding-window model's window cache (its own layers), written after this one.
+    window: _Layout | None = None
 
     @property
     def cell_bytes(self) -> int:
@@ -74,25 +80,33 @@ class _Layout:
         return self.ext + k + v
 
     def record(self) -> bytes:
-        return json.dumps(
-            {"blocks": BLOCKS_VERSION, "state": STATE_VERSION, "ext": self.ext, "v_trans": self.v_trans,
-             "n_layer": self.n_layer, "n_rot_k": self.n_rot_k, "n_rot_v": self.n_rot_v,
-             "k": [list(x) for x in self.k], "v": [list(x) for x in self.v]},
-            sort_keys=True, separators=(",", ":"),
-        ).encode()
+        return json.dumps(self._fields(), sort_keys=True, separators=(",", ":")).encode()
+
+    def _fields(self) -> dict[str, object]:
+        fields: dict[str, object] = {
+            "blocks": BLOCKS_VERSION, "state": STATE_VERSION, "ext": self.ext, "v_trans": self.v_trans,
+            "n_layer": self.n_layer, "n_rot_k": self.n_rot_k, "n_rot_v": self.n_rot_v,
+            "k": [list(x) for x in self.k], "v": [list(x) for x in self.v]}
+        if self.window is not None:
+            fields["window"] = self.window._fields()
+        return fields
 
     @classmethod
     def from_record(cls, record: bytes) -> _Layout:
         try:
-            d = json.loads(record)
-            if d["blocks"] != BLOCKS_VERSION or d["state"] != STATE_VERSION:
-                raise ValueError(f"blocks cut by another format (blocks {d['blocks']}, state {d['state']})")
-            return cls(ext=int(d["ext"]), v_trans=int(d["v_trans"]), n_layer=int(d["n_layer"]),
-                       n_rot_k=int(d["n_rot_k"]), n_rot_v=int(d["n_rot_v"]),
-                       k=tuple(tuple(int(n) for n in x) for x in d["k"]),  # type: ignore[misc]
-                       v=tuple(tuple(int(n) for n in x) for x in d["v"]))
+            return cls._of(json.loads(record))
         except (KeyError, TypeError, json.JSONDecodeError) as e:
             raise ValueError(f"not a layout record: {e}") from None
+
+    @classmethod
+    def _of(cls, d: dict) -> _Layout:
+        if d["blocks"] != BLOCKS_VERSION or d["state"] != STATE_VERSION:
+            raise ValueError(f"blocks cut by another format (blocks {d['blocks']}, state {d['state']})")
+        return cls(ext=int(d["ext"]), v_trans=int(d["v_trans"]), n_layer=int(d["n_layer"]),
+                   n_rot_k=int(d["n_rot_k"]), n_rot_v=int(d["n_rot_v"]),
+                   k=tuple(tuple(int(n) for n in x) for x in d["k"]),  # type: ignore[misc]
+                   v=tuple(tuple(int(n) for n in x) for x in d["v"]),
+                   window=cls._of(d["window"]) if "window" in d else None)
 
 
 @dataclass(frozen=True)
@@ -117,6 +131,8 @@ class _Cache:
 class ParsedState:
     tokens: tuple[int, ...]
     cache: _Cache
+    #: A sliding-window model's window cache: the cells before the state's end.
+    window: _Cache | None = None
 
 
 class _Reader:
@@ -281,12 +297,18 @@ def parse(data: bytes | memoryview | mmap.mmap) -> ParsedState | StateRefusal:
                 except _Short:
                     continue
             if second.end == len(buf):
-                return StateRefusal("swa", "two KV caches (a sliding-window model's: the window's rows depend on "
-                               "where the state ends)")
+                return _windowed(tokens, cache, second)
         if _looks_recurrent(buf, mem):
             return StateRefusal("recurrent", "recurrent memory")
         return StateRefusal("layout", "not a KV cache this format reads to the file's end")
     cache = parsed[0]
+    refused = _not_plain(tokens, cache)
+    return refused if refused is not None else ParsedState(tokens=tokens, cache=cache)
+
+
+def _not_plain(tokens: tuple[int, ...], cache: _Cache) -> StateRefusal | None:
+    """Why ``cache`` is not one stream holding the cells of ``tokens`` at positions 0..n-1
+    (None: it is)."""
     if len(cache.streams) > 1:
         return StateRefusal("streams", f"cells in streams {list(cache.streams)}: one stream with cells is covered")
     if cache.stream is None or cache.layout is None:
@@ -298,7 +320,23 @@ def parse(data: bytes | memoryview | mmap.mmap) -> ParsedState | StateRefusal:
                  else "a cache that does not hold the tokens")
         return StateRefusal("cells", f"{n} cells for {len(tokens)} tokens, {found}: not the plain sequence of the"
                        " tokens (a trimmed cache)")
-    return ParsedState(tokens=tokens, cache=cache)
+    return None
+
+
+def _windowed(tokens: tuple[int, ...], cache: _Cache, window: _Cache) -> ParsedState | StateRefusal:
+    """A sliding-window model's state: the base cache, plain, then its window cache, in the
+    same stream, holding the cells just before the base cache's end."""
+    refused = _not_plain(tokens, cache)
+    if refused is not None:
+        return refused
+    assert cache.layout is not None
+    n, w = cache.n_cells, window.n_cells
+    if (len(window.streams) != 1 or window.stream != cache.stream or window.layout is None or w == 0
+            or window.layout.ext != cache.layout.ext or window.positions != tuple(range(n - w, n))):
+        return StateRefusal("swa", f"a window cache of {w} cells at {window.positions[:1]}..., not the cells "
+                            f"before the state's end ({n})")
+    layout = dataclasses.replace(cache.layout, window=window.layout)
+    return ParsedState(tokens=tokens, cache=dataclasses.replace(cache, layout=layout), window=window)
 
 
 def _block_data(buf: memoryview, cache: _Cache, a: int, b: int) -> bytes:
@@ -367,6 +405,11 @@ def cut_bytes(data: bytes | mmap.mmap, block_tokens: int) -> CutState | StateRef
     start = cache.n_cells // block_tokens * block_tokens
     tail = StateBlock(tokens=tokens[start:], data=_block_data(buf, cache, start, cache.n_cells),
                       cells=cache.n_cells - start)
+    window, window_bytes = None, 0
+    if parsed.window is not None and parsed.window.layout is not None:
+        w, n = parsed.window.n_cells, cache.n_cells
+        window = StateBlock(tokens=tokens[n - w:n], data=_block_data(buf, parsed.window, 0, w), cells=w)
+        window_bytes = w * parsed.window.layout.cell_bytes
     return CutState(layout=cache.layout.record(), n_stream=cache.n_stream, block_tokens=block_tokens,
                     blocks=_Blocks(buf, cache, tokens, block_tokens), tail=tail, tokens=tokens,
-                    state_bytes=cache.n_cells * cache.layout.cell_bytes)
+                    state_bytes=cache.n_cells * cache.layout.cell_bytes + window_bytes, window=window)

@@ -24,13 +24,13 @@ __all__ = ["LlamaStateFormat", "join_bytes", "shifting_flag", "write_parts"]
 _WRITEV_PARTS = 1024
 
 
-def _cell_records(layout: _Layout, blocks: Sequence[StateBlock], n: int) -> bytes:
-    """The cells' records of a joined file: position ``i``, one sequence, the block's extras
-    for the cell, seq id 0 (a single-sequence restore discards it)."""
+def _cell_records(layout: _Layout, blocks: Sequence[StateBlock], n: int, first: int = 0) -> bytes:
+    """The cells' records of a joined cache: positions from ``first`` on, one sequence, the
+    block's extras for the cell, seq id 0 (a single-sequence restore discards it)."""
     if not layout.ext:
         records = bytearray(12 * n)
         ints = memoryview(records).cast("i")
-        ints[0::3] = array.array("i", range(n))
+        ints[0::3] = array.array("i", range(first, first + n))
         ints[1::3] = array.array("i", [1]) * n
         if sys.byteorder != "little":
             swapped = array.array("i", records)
@@ -39,7 +39,7 @@ def _cell_records(layout: _Layout, blocks: Sequence[StateBlock], n: int) -> byte
         return bytes(records)
     head, seq_id = struct.Struct("<iI"), struct.pack("<i", 0)
     parts: list[bytes | memoryview] = []
-    pos = 0
+    pos = first
     for block in blocks:
         view = memoryview(block.data)
         for i in range(block.cells):
@@ -68,29 +68,54 @@ def _transposed(views: Sequence[memoryview], cells: Sequence[int], offsets: list
     return b"".join(list(chain.from_iterable(zip(*rows, strict=True))))
 
 
-def join_bytes(layout_record: bytes, blocks: Sequence[StateBlock], *, n_stream: int = 1) -> list[bytes | memoryview]:
+def join_bytes(layout_record: bytes, blocks: Sequence[StateBlock], *, n_stream: int = 1,
+               window: StateBlock | None = None) -> list[bytes | memoryview]:
     """The parts of the file ``blocks`` make, in order (written out by :meth:`LlamaStateFormat.join`):
     a few headers, each block's K and V rows as views of its data, each transposed layer
-    of V in one piece."""
+    of V in one piece; then, for a sliding-window model, its ``window`` cache, which must
+    end where the blocks end (it was cut at that end)."""
     layout = _Layout.from_record(layout_record)
     if not 1 <= n_stream <= 256:
         raise ValueError(f"n_stream {n_stream}")
+    _check_fit(layout, blocks)
+    tokens = [t for block in blocks for t in block.tokens]
+    n = sum(block.cells for block in blocks)
+    if n == 0:
+        raise ValueError("no cells to join")
+    if (layout.window is None) != (window is None):
+        raise ValueError("a sliding-window state joins with its window, and only it" if window is None
+                         else "a window given for a state without one")
+    packed = [TOKENS_MARKER, TOKENS_VERSION, len(tokens), *tokens, 0]
+    out: list[bytes | memoryview] = [
+        struct.pack("<III", STATE_MAGIC, STATE_VERSION, len(packed)),
+        struct.pack(f"<{len(packed)}i", *packed),
+        *_cache_parts(layout, blocks, n_stream),
+    ]
+    if window is not None and layout.window is not None:
+        if window.cells > n or tuple(tokens[n - window.cells:n]) != tuple(window.tokens):
+            raise ValueError(f"a window of {window.cells} cells cut at another end than these blocks' ({n} cells)")
+        _check_fit(layout.window, [window])
+        out += _cache_parts(layout.window, [window], n_stream, first=n - window.cells)
+    return out
+
+
+def _check_fit(layout: _Layout, blocks: Sequence[StateBlock]) -> None:
     per_cell = layout.cell_bytes
     for i, block in enumerate(blocks):
         if len(block.data) != block.cells * per_cell:
             raise ValueError(f"block {i}: {len(block.data)} bytes for {block.cells} cells of {per_cell} bytes")
         if i < len(blocks) - 1 and block.cells != len(block.tokens):
             raise ValueError(f"block {i} lacks cells for some of its tokens, and is not the last")
-    tokens = [t for block in blocks for t in block.tokens]
+
+
+def _cache_parts(layout: _Layout, blocks: Sequence[StateBlock], n_stream: int,
+                 first: int = 0) -> list[bytes | memoryview]:
+    """One KV cache's ``state_write`` for the cells of ``blocks``, in the first stream, at
+    positions from ``first`` on."""
     n = sum(block.cells for block in blocks)
-    if n == 0:
-        raise ValueError("no cells to join")
-    packed = [TOKENS_MARKER, TOKENS_VERSION, len(tokens), *tokens, 0]
     out: list[bytes | memoryview] = [
-        struct.pack("<III", STATE_MAGIC, STATE_VERSION, len(packed)),
-        struct.pack(f"<{len(packed)}i", *packed),
         struct.pack("<II", n_stream, n),
-        _cell_records(layout, blocks, n),
+        _cell_records(layout, blocks, n, first),
         struct.pack("<IIII", layout.v_trans, layout.n_layer, layout.n_rot_k, layout.n_rot_v),
     ]
     # where each block's K and V sections start within its data
@@ -182,8 +207,9 @@ class LlamaStateFormat:
             return StateRefusal("unreadable", f"{path}: {getattr(e, 'strerror', None) or e}")
         return cut_bytes(data, block_tokens)
 
-    def join(self, layout: bytes, blocks: Sequence[StateBlock], dest: Path, *, n_stream: int = 1) -> int:
-        parts = join_bytes(layout, blocks, n_stream=n_stream)
+    def join(self, layout: bytes, blocks: Sequence[StateBlock], dest: Path, *, n_stream: int = 1,
+             window: StateBlock | None = None) -> int:
+        parts = join_bytes(layout, blocks, n_stream=n_stream, window=window)
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             return write_parts(fd, parts)

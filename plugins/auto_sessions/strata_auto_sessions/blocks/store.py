@@ -71,14 +71,17 @@ class Manifest:
     tail_tokens: list[int]
     tokens: int
     saved_at: float = 0.0
+    #: A sliding-window model's window object (the window cache's cells before the state's
+    #: end, :attr:`CutState.window`): the state restores only whole, at that end.
+    window: str | None = None
 
     def objects(self) -> list[str]:
-        return [*self.chain, *([self.tail] if self.tail else [])]
+        return [*self.chain, *([self.tail] if self.tail else []), *([self.window] if self.window else [])]
 
     @property
     def identity(self) -> tuple[object, ...]:
         """What tells this state from any other (its objects are named by their content)."""
-        return (self.root, self.tokens, tuple(self.chain), self.tail)
+        return (self.root, self.tokens, tuple(self.chain), self.tail, self.window)
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,9 @@ class Chain:
     tokens: int
     #: The manifest the chain was found in (touched when it is restored).
     source: str | None = None
+    #: The source's window object, for a sliding-window model's state (then the chain is
+    #: that manifest's whole state).
+    window: str | None = None
 
 
 @dataclass(frozen=True)
@@ -252,27 +258,32 @@ class BlockStore:
                     new_blocks += 1
                     written += n
                     added[name] = n
-            tail_name = None
-            if cut.tail.tokens:
-                raw = objects.encode_parts(cut.tail, self.compression)
-                digest = hashlib.sha256(b"tail\0" + root.encode())
-                for part in raw:
-                    digest.update(part)
-                tail_name = digest.hexdigest()
-                if not self.has(tail_name) and (n := self._publish_raw(tail_name, raw)):
-                    written += n
-                    added[tail_name] = n
+            tail_name = self._publish_end(b"tail", root, cut.tail, added) if cut.tail.tokens else None
+            window_name = self._publish_end(b"window", root, cut.window, added) if cut.window else None
+            written += sum(added[name] for name in (tail_name, window_name) if name in added)
             if added:
                 self.objects_changed(added)
             manifest = Manifest(
                 key=manifest_key, tenant=tenant, format_version=self.format.version, layout=cut.layout.decode(),
                 n_stream=cut.n_stream, block_tokens=cut.block_tokens, root=root, chain=names, tail=tail_name,
-                tail_tokens=list(cut.tail.tokens), tokens=len(cut.tokens), saved_at=time.time(),
+                tail_tokens=list(cut.tail.tokens), tokens=len(cut.tokens), saved_at=time.time(), window=window_name,
             )
             written += self._write_manifest(manifest)
         paths = (*(self._object_path(name) for name in added), self._manifest_path(manifest_key))
         return SaveReport(key=manifest_key, tokens=len(cut.tokens), blocks=len(names), blocks_written=new_blocks,
                           bytes_written=written, state_bytes=cut.state_bytes, paths=paths)
+
+    def _publish_end(self, kind: bytes, root: str, block: StateBlock, added: dict[str, int]) -> str:
+        """Store a state's tail or window (named by ``kind``, the root and its bytes) unless
+        the store has it; its name (``added`` gets it with its bytes when written)."""
+        raw = objects.encode_parts(block, self.compression)
+        digest = hashlib.sha256(kind + b"\0" + root.encode())
+        for part in raw:
+            digest.update(part)
+        name = digest.hexdigest()
+        if not self.has(name) and (n := self._publish_raw(name, raw)):
+            added[name] = n
+        return name
 
     def _publish(self, name: str, block: StateBlock) -> int:
         return self._publish_raw(name, objects.encode_parts(block, self.compression))
@@ -350,6 +361,11 @@ class BlockStore:
                     break
                 names.append(name)
             matched = len(names) * sample.block_tokens
+            if sample.window is not None:
+                found = self._whole_state(of_root, names, tokens)
+                if found is not None and (best is None or found.tokens > best.tokens):
+                    best = found
+                continue
             tail, source, tail_tokens = None, None, 0
             for m in of_root:
                 if m.chain == names and m.tail and tokens[matched:matched + len(m.tail_tokens)] == m.tail_tokens \
@@ -362,6 +378,20 @@ class BlockStore:
                 best = Chain(layout=sample.layout, n_stream=sample.n_stream, block_tokens=sample.block_tokens,
                              names=names, tail=tail, tokens=total, source=source)
         return best
+
+    def _whole_state(self, manifests: list[Manifest], names: list[str], tokens: Sequence[int]) -> Chain | None:
+        """Of sliding-window states (restored only whole, at the end their window was cut at),
+        the longest whose whole state prefixes the prompt (``names``: the prompt's stored
+        blocks along it)."""
+        best: Manifest | None = None
+        for m in manifests:
+            whole = len(m.chain) * m.block_tokens
+            if (names[:len(m.chain)] == m.chain and (best is None or m.tokens > best.tokens)
+                    and (not m.tail or (list(tokens[whole:whole + len(m.tail_tokens)]) == m.tail_tokens
+                                        and self.has(m.tail)))
+                    and m.window is not None and self.has(m.window)):
+                best = m
+        return None if best is None else self._chain(best)
 
     def matched(self, key: str, tokens: Sequence[int]) -> int:
         """How many of ``tokens``, from the first, ``key``'s stored state holds (its blocks
@@ -378,15 +408,19 @@ class BlockStore:
         if whole == len(m.chain) and m.tail_tokens \
                 and list(tokens[matched:matched + len(m.tail_tokens)]) == m.tail_tokens:
             matched += len(m.tail_tokens)
+        if m.window is not None and matched < m.tokens:
+            return 0  # a sliding-window state restores only whole
         return matched
 
     def chain_of(self, key: str) -> Chain | None:
         """The whole of ``key``'s stored state, as a chain; None when the store has no manifest for it."""
         m = self.manifest(key)
-        if m is None:
-            return None
+        return None if m is None else self._chain(m)
+
+    @staticmethod
+    def _chain(m: Manifest) -> Chain:
         return Chain(layout=m.layout, n_stream=m.n_stream, block_tokens=m.block_tokens, names=list(m.chain),
-                     tail=m.tail, tokens=m.tokens, source=m.key)
+                     tail=m.tail, tokens=m.tokens, source=m.key, window=m.window)
 
     def materialize(self, chain: Chain, dest: Path) -> int:
         """Join ``chain``'s blocks (and its tail) into an engine file at ``dest``; returns its bytes.
@@ -396,9 +430,10 @@ class BlockStore:
         with self._lock:
             names = [*chain.names, *([chain.tail] if chain.tail else [])]
             blocks = [self._read(name, mapped=i < MAPPED_BLOCKS) for i, name in enumerate(names)]
+            window = self._read(chain.window) if chain.window else None
             if chain.source is not None:
                 self._touch(chain.source)
-        return self.format.join(chain.layout.encode(), blocks, Path(dest), n_stream=chain.n_stream)
+        return self.format.join(chain.layout.encode(), blocks, Path(dest), n_stream=chain.n_stream, window=window)
 
     def _read(self, name: str, *, mapped: bool = False) -> StateBlock:
         """The stored block ``name``, checked against its digest unless this process
