@@ -21,7 +21,7 @@ from strata_serve import EngineError, EngineUnavailable, Outcome, StrataRequest,
 from strata_auto_sessions import fallback
 from strata_auto_sessions.config import NAME, from_slot
 from strata_auto_sessions.blocks import Chain
-from strata_auto_sessions.parked_blocks import CorruptBlock
+from strata_auto_sessions.parked_blocks import CorruptBlock, ParkedBlocks
 from strata_auto_sessions.parts import Parts
 from strata_auto_sessions.prompts import continues
 from strata_auto_sessions.store import LockTimeout, Refusal, Sidecar, incompatibility
@@ -59,10 +59,15 @@ async def restore(parts: Parts, key: str, request: StrataRequest, service: Servi
         return False
 
 
+#: :func:`_chain_by_tokens`' answer for a conversation whose own state must not be
+#: restored: a sliding-window state the prompt leaves before its end.
+WITHHELD: Literal["withheld"] = "withheld"
+
+
 async def _restore_locked(parts: Parts, key: str, request: StrataRequest, service: Service,
                           choice: Choice | None) -> bool:
     chain = await _chain_by_tokens(parts, key, request, service, choice)
-    if chain is not None:
+    if isinstance(chain, Chain):
         return await _restore_chain(parts, key, request, service, choice, chain)
     with span("auto_sessions.restore_checks"):
         chosen = _file_to_restore(parts, key, request, service, choice)
@@ -71,6 +76,12 @@ async def _restore_locked(parts: Parts, key: str, request: StrataRequest, servic
         source, sibling, path = chosen  # whose file is restored: the conversation's own, or a fallback's
         sidecar = _restorable(parts, source, sibling, path)
     if sidecar is None:
+        return False
+    if chain == WITHHELD and source == key:
+        parts.stats.restores_refused_swa += 1
+        log.info("[strata] auto sessions: not restoring %s: its prompt leaves its sliding-window state before "
+                 "the state's end, and the engine would read on from a window that lacks the cells masked when "
+                 "it was saved; the request is answered by a full prefill", key)
         return False
     if not _engine_restores(parts, request, service):
         return False
@@ -117,10 +128,13 @@ def _count_restore(parts: Parts, tokens: int, n_read: int, ms: float) -> None:
 
 
 async def _chain_by_tokens(parts: Parts, key: str, request: StrataRequest, service: Service,
-                           choice: Choice | None) -> Chain | None:
+                           choice: Choice | None) -> Chain | Literal["withheld"] | None:
     """With blocks: the stored chain that holds the most of the request's prompt, when it
     holds more than the conversation's own state (``choice.source``) and more than the slot
-    holds already, and is worth a restore (:meth:`~strata_auto_sessions.policy.Costs.worth`); None: restore as named.
+    holds already, and is worth a restore (:meth:`~strata_auto_sessions.policy.Costs.worth`); None: restore as named;
+    :data:`WITHHELD`: restore nothing, the own state being a sliding-window state the
+    prompt leaves more than a token before its end (its window lacks the cells the
+    engine would read on from: docs/state-blocks.md, "A sliding-window model's window").
 
     A conversation kept as a whole file, a prompt the engine cannot tokenize alone (media,
     an API it does not render), and a failed tokenizing all leave the choice to the key.
@@ -147,16 +161,28 @@ async def _chain_by_tokens(parts: Parts, key: str, request: StrataRequest, servi
         return None
     with span("auto_sessions.longest_prefix"):
         chain = await asyncio.to_thread(blocks.longest_prefix, request.tenant, tokens)
-        own = await asyncio.to_thread(blocks.matched, key, sibling, tokens) if sibling is not None else 0
+        own, window_left = (await asyncio.to_thread(_own_match, blocks, key, sibling, tokens)
+                            if sibling is not None else (0, False))
         # What the slot holds already (the conversation just parked from it), which the
         # engine reuses without a restore.
         kept = 0
         if in_slot.key is not None and not in_slot.empty and in_slot.file_current and in_slot.tenant == request.tenant:
             kept = await asyncio.to_thread(blocks.matched, in_slot.key, in_slot.sibling, tokens)
     if chain is None or chain.tokens <= max(own, kept):
-        return None
+        return WITHHELD if window_left else None
     worth, _why = parts.costs.worth(chain.tokens)
-    return chain if worth else None
+    return chain if worth else (WITHHELD if window_left else None)
+
+
+def _own_match(blocks: ParkedBlocks, key: str, sibling: int, tokens: list[int]) -> tuple[int, bool]:
+    """How many of ``tokens`` the conversation's own state holds (0 when it may not be
+    restored), and whether it is a sliding-window state they leave more than a token
+    before its end (restoring it would have the engine read on from a window lacking cells)."""
+    manifest = blocks.manifest(key, sibling)
+    own = blocks.matched(key, sibling, tokens)
+    if manifest is not None and manifest.window is not None and own < manifest.tokens - 1:
+        return 0, True
+    return own, False
 
 
 async def _restore_chain(parts: Parts, key: str, request: StrataRequest, service: Service,

@@ -17,6 +17,7 @@ import strata_ram_cache_stats
 from strata_auto_sessions.fingerprint import fingerprint, same_model
 from strata_serve.api import SERVICE
 from strata_serve.cli import cli
+from strata_serve.demo_model import write_demo_model
 from strata_serve.models import packaged_model_path
 from strata_serve.testing import ask, conversation
 
@@ -134,9 +135,10 @@ async def test_an_swa_model_with_swa_full_parks_and_its_restore_is_reused(strata
     client = await strata_client_factory(strata_auto_sessions,
                                          settings=auto_settings(swa_engine(swa_model, "--swa-full")))
     assert parking(client).fingerprint["sliding_window"] == 64
-    await ask(client, a)
+    answer = await ask(client, a)
     await ask(client, b)  # the switch saves a
-    reply = await ask(client, a)  # and restores it
+    reply = await ask(client, a + [{"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
+                                   {"role": "user", "content": "Go on."}])  # and restores it
     stats = parking(client).stats
     assert stats.saves >= 1 and stats.restores == 1 and stats.save_skips_swa == 0
     assert reply["timings"]["cache_n"] > 600, "the restored state was reused"
@@ -154,10 +156,11 @@ async def test_an_swa_model_with_swa_full_parks_in_blocks_and_restores_whole_fro
     b = [{"role": "user", "content": shared + " Second task: the docs."}]
     client = await strata_client_factory(strata_auto_sessions, settings=auto_settings(
         swa_engine(swa_model, "--swa-full"), stage_keep_mb=stage_keep_mb))
-    await ask(client, a)
+    answer = await ask(client, a)
     await ask(client, b)  # the switch saves a
     await ask(client, conversation("other"))  # saves b: its opening's blocks are a's
-    reply = await ask(client, a)  # a restored whole; "other" saved
+    reply = await ask(client, a + [{"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
+                                   {"role": "user", "content": "Go on."}])  # a restored whole; "other" saved
     stats = parking(client).stats
     assert stats.block_saves == stats.saves == 3 and stats.blocks_refused_swa == 0 and stats.save_skips_swa == 0, stats
     assert stats.restores == 1 and stats.restores_by_tokens == 0, stats
@@ -169,6 +172,37 @@ async def test_an_swa_model_with_swa_full_parks_in_blocks_and_restores_whole_fro
     ma, mb = (manifests[f"{key_of(client, x)}#0"] for x in (a, b))
     assert len(set(ma.chain) & set(mb.chain)) >= 8, "the shared opening's blocks are stored once"
     assert ma.window != mb.window
+
+
+async def test_a_sliding_window_state_the_prompt_leaves_before_its_end_is_not_restored(
+        strata_client_factory, auto_settings, tmp_path, caplog):
+    """A regenerate after a switch: the prompt is the one before the last answer, so it
+    leaves the parked state (which holds that answer) 15 tokens before its end. The
+    engine would read on from the restored window, which lacks the cells masked when it
+    was saved, and take it as complete (``--swa-full``): the answer's probabilities moved
+    (-2.80 against -2.62 for the first token, its runners-up swapped). So the state is not
+    restored: the full prefill gives the first answer's probabilities again. Control: the
+    next turn, which continues the state, restores it."""
+    model = write_demo_model(tmp_path / "swa.gguf", size="quant", sliding_window=64)
+    a = [{"role": "user", "content": "Tell me: " + " ".join(f"w{n} sea" for n in range(150))}]
+    client = await strata_client_factory(strata_auto_sessions, settings=auto_settings(
+        swa_engine(model, "--swa-full")))
+    first = await ask(client, a, max_tokens=16, temperature=0, n_probs=3)
+    await ask(client, conversation("other"))  # a is parked
+    caplog.clear()
+    again = await ask(client, a, max_tokens=16, temperature=0, n_probs=3)  # regenerate
+    stats = parking(client).stats
+    assert stats.restores == 0 and stats.restores_refused_swa == 1, stats
+    assert any("leaves its sliding-window state before" in line for line in log_lines(caplog))
+
+    def top(answer):
+        return [(p["id"], round(p["logprob"], 2)) for p in answer["choices"][0]["logprobs"]["content"][0]["top_logprobs"]]
+
+    assert top(again) == top(first), "a full prefill answers as the first time"
+    await ask(client, conversation("other"))  # the regenerated state is parked
+    turn = await ask(client, a + [{"role": "assistant", "content": again["choices"][0]["message"]["content"]},
+                                  {"role": "user", "content": "Go on."}], max_tokens=1)
+    assert parking(client).stats.restores == 1 and turn["timings"]["cache_n"] >= again["timings"]["prompt_n"]
 
 
 async def test_an_swa_model_without_swa_full_neither_saves_nor_restores(strata_client_factory, auto_settings,

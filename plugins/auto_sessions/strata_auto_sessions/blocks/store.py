@@ -408,8 +408,6 @@ class BlockStore:
         if whole == len(m.chain) and m.tail_tokens \
                 and list(tokens[matched:matched + len(m.tail_tokens)]) == m.tail_tokens:
             matched += len(m.tail_tokens)
-        if m.window is not None and matched < m.tokens:
-            return 0  # a sliding-window state restores only whole
         return matched
 
     def chain_of(self, key: str) -> Chain | None:
