@@ -10,8 +10,9 @@ keying step (:mod:`strata_serve.keying`, through ``Service.conversation_key``) s
 ``conversation_key`` and ``conversation_named`` from the keying plugin's answer; the
 service's request path (``service.py``) sets its placement, ``slot`` and ``pinned``,
 and what its slot held (``found_in_slot``, ``state_source``); a restore made for it
-(``Service.restore_slot``, ``slot_calls.py``) sets ``restored_tokens``. Plugins read them,
-and keep their own data in ``state``.
+(``Service.restore_slot``, ``slot_calls.py``) sets ``restored_tokens``; the prompt's tokens,
+once asked, are kept by ``tokens_ahead.py`` (``Service.prompt_tokens`` reads them). Plugins
+read them, and keep their own data in ``state``.
 """
 
 from __future__ import annotations

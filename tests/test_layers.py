@@ -32,6 +32,7 @@ REQUEST_WRITERS = {
     "found_in_slot": {"strata_serve/service.py"},
     "state_source": {"strata_serve/service.py"},
     "restored_tokens": {"strata_serve/slot_calls.py"},
+    "_tokens": {"strata_serve/tokens_ahead.py"},
 }
 
 
