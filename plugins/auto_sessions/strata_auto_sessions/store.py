@@ -169,6 +169,8 @@ class SessionStore:
         #: Where the engine's saves land while they are cut, and the newest states are
         #: kept whole (with blocks only; :mod:`strata_auto_sessions.staging`); None: none.
         self.staging: Staging | None = None
+        #: A join in memory failed once (said once in the log).
+        self._join_fell_back = False
         self._lock = DirectoryLock(directory)
         #: The server lock (:meth:`claim`).
         self._claim = ServerClaim(directory)
@@ -255,18 +257,20 @@ class SessionStore:
         for room (tmpfs full) is made again in the slot directory."""
         dest = self.directory / name
         if self.staging is not None and self.staging.on:
-            self.staging.link(dest)
-            if self.staging.owns(dest):
-                try:
+            try:
+                self.staging.link(dest)
+                if self.staging.owns(dest):
                     write(Path(os.readlink(dest)))
                     return
-                except OSError as exc:
-                    self.discard(name)
-                    log.info("[strata] auto sessions: a join in memory failed (%s): joined in the slot directory",
-                             exc)
-                except BaseException:
-                    self.discard(name)
-                    raise
+            except OSError as exc:
+                self.discard(name)
+                (log.debug if self._join_fell_back else log.info)(
+                    "[strata] auto sessions: a join in memory failed (%s): joined in the slot directory (said "
+                    "once)", exc)
+                self._join_fell_back = True
+            except BaseException:
+                self.discard(name)
+                raise
         write(dest)
 
     def intact(self, key: str, sidecar: Sidecar) -> bool:
