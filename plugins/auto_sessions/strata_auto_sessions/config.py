@@ -121,7 +121,8 @@ class AutoSessionsConfig(BaseModel):
     #: Tokens a block holds (64: measured best by bench/blocks.py, bench/results/blocks.md).
     block_tokens: int = Field(64, ge=1, le=1 << 20)
     #: With blocks: a directory in memory (tmpfs) the engine's saves are staged in while
-    #: they are cut, so the whole file never reaches the disk, and where the newest states
+    #: they are cut, so the whole file never reaches the disk (nor does a state joined from
+    #: blocks for a restore, made there too), and where the newest states
     #: are kept whole so that a switch back to them is as fast as a whole file's
     #: (docs/sessions.md, "Blocks"). None: a private directory under /dev/shm, for an
     #: engine strata-serve started (an engine it attached to saves to the slot directory).
