@@ -196,9 +196,12 @@ async def test_a_sliding_window_state_the_prompt_leaves_before_its_end_is_not_re
     assert any("leaves its sliding-window state before" in line for line in log_lines(caplog))
 
     def top(answer):
-        return [(p["id"], round(p["logprob"], 2)) for p in answer["choices"][0]["logprobs"]["content"][0]["top_logprobs"]]
+        return [(p["id"], p["logprob"]) for p in answer["choices"][0]["logprobs"]["content"][0]["top_logprobs"]]
 
-    assert top(again) == top(first), "a full prefill answers as the first time"
+    # a full prefill answers as the first time (within the rounding a batch's shape brings:
+    # 0.007 measured; the restored window moved the first by 0.19 and swapped the others)
+    assert [i for i, _ in top(again)] == [i for i, _ in top(first)], (top(again), top(first))
+    assert all(abs(x - y) < 0.03 for (_, x), (_, y) in zip(top(again), top(first), strict=True)), top(again)
     await ask(client, conversation("other"))  # the regenerated state is parked
     turn = await ask(client, a + [{"role": "assistant", "content": again["choices"][0]["message"]["content"]},
                                   {"role": "user", "content": "Go on."}], max_tokens=1)
