@@ -354,7 +354,7 @@ async def test_a_joined_state_is_made_in_memory_and_never_reaches_the_slot_direc
 
     async def restore(filename, slot=0):
         path = slots / filename
-        read.append((path.is_symlink(), path.resolve().parent == store.staging.directory))
+        read.append((path.is_symlink(), path.resolve().parent == store.staging.directory.resolve()))
         return await plain(filename, slot)
 
     engine.restore = restore
