@@ -16,11 +16,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from strata_serve import EngineError, EngineUnavailable, Outcome, StrataRequest, Verdict, api_of, first_result, span
+from strata_serve import (EngineError, EngineUnavailable, Outcome, StateRefusal, StrataRequest, Verdict, api_of,
+                          first_result, span)
 
 from strata_auto_sessions import fallback
 from strata_auto_sessions.config import NAME, from_slot
-from strata_auto_sessions.blocks import Chain
+from strata_auto_sessions.blocks import Chain, Manifest
 from strata_auto_sessions.parked_blocks import CorruptBlock, ParkedBlocks
 from strata_auto_sessions.parts import Parts
 from strata_auto_sessions.prompts import continues
@@ -59,11 +60,6 @@ async def restore(parts: Parts, key: str, request: StrataRequest, service: Servi
         return False
 
 
-#: :func:`_chain_by_tokens`' answer for a conversation whose own state must not be
-#: restored: a sliding-window state the prompt leaves before its end.
-WITHHELD: Literal["withheld"] = "withheld"
-
-
 async def _restore_locked(parts: Parts, key: str, request: StrataRequest, service: Service,
                           choice: Choice | None) -> bool:
     chain = await _chain_by_tokens(parts, key, request, service, choice)
@@ -77,11 +73,12 @@ async def _restore_locked(parts: Parts, key: str, request: StrataRequest, servic
         sidecar = _restorable(parts, source, sibling, path)
     if sidecar is None:
         return False
-    if chain == WITHHELD and source == key:
+    if await _leaves_window(parts, request, service, source, sibling, path, sidecar):
         parts.stats.restores_refused_swa += 1
-        log.info("[strata] auto sessions: not restoring %s: its prompt leaves its sliding-window state before "
+        log.info("[strata] auto sessions: not restoring %s%s: the prompt leaves its sliding-window state before "
                  "the state's end, and the engine would read on from a window that lacks the cells masked when "
-                 "it was saved; the request is answered by a full prefill", key)
+                 "it was saved; the request is answered by a full prefill", path.name,
+                 "" if source == key else f" for {key}")
         return False
     if not _engine_restores(parts, request, service):
         return False
@@ -128,13 +125,12 @@ def _count_restore(parts: Parts, tokens: int, n_read: int, ms: float) -> None:
 
 
 async def _chain_by_tokens(parts: Parts, key: str, request: StrataRequest, service: Service,
-                           choice: Choice | None) -> Chain | Literal["withheld"] | None:
+                           choice: Choice | None) -> Chain | None:
     """With blocks: the stored chain that holds the most of the request's prompt, when it
     holds more than the conversation's own state (``choice.source``) and more than the slot
-    holds already, and is worth a restore (:meth:`~strata_auto_sessions.policy.Costs.worth`); None: restore as named;
-    :data:`WITHHELD`: restore nothing, the own state being a sliding-window state the
-    prompt leaves more than a token before its end (its window lacks the cells the
-    engine would read on from: docs/state-blocks.md, "A sliding-window model's window").
+    holds already, and is worth a restore (:meth:`~strata_auto_sessions.policy.Costs.worth`); None: restore as named.
+    An own sliding-window state the prompt leaves more than a token before its end counts
+    as holding none of it (:func:`_leaves_window`).
 
     A conversation kept as a whole file, a prompt the engine cannot tokenize alone (media,
     an API it does not render), and a failed tokenizing all leave the choice to the key.
@@ -161,28 +157,75 @@ async def _chain_by_tokens(parts: Parts, key: str, request: StrataRequest, servi
         return None
     with span("auto_sessions.longest_prefix"):
         chain = await asyncio.to_thread(blocks.longest_prefix, request.tenant, tokens)
-        own, window_left = (await asyncio.to_thread(_own_match, blocks, key, sibling, tokens)
-                            if sibling is not None else (0, False))
+        own = await asyncio.to_thread(_own_match, blocks, key, sibling, tokens) if sibling is not None else 0
         # What the slot holds already (the conversation just parked from it), which the
         # engine reuses without a restore.
         kept = 0
         if in_slot.key is not None and not in_slot.empty and in_slot.file_current and in_slot.tenant == request.tenant:
             kept = await asyncio.to_thread(blocks.matched, in_slot.key, in_slot.sibling, tokens)
     if chain is None or chain.tokens <= max(own, kept):
-        return WITHHELD if window_left else None
+        return None
     worth, _why = parts.costs.worth(chain.tokens)
-    return chain if worth else (WITHHELD if window_left else None)
+    return chain if worth else None
 
 
-def _own_match(blocks: ParkedBlocks, key: str, sibling: int, tokens: list[int]) -> tuple[int, bool]:
-    """How many of ``tokens`` the conversation's own state holds (0 when it may not be
-    restored), and whether it is a sliding-window state they leave more than a token
-    before its end (restoring it would have the engine read on from a window lacking cells)."""
-    manifest = blocks.manifest(key, sibling)
-    own = blocks.matched(key, sibling, tokens)
-    if manifest is not None and manifest.window is not None and own < manifest.tokens - 1:
-        return 0, True
-    return own, False
+def _own_match(blocks: ParkedBlocks, key: str, sibling: int, tokens: list[int]) -> int:
+    """How many of ``tokens`` the conversation's own state holds: 0 when it may not be
+    restored (:func:`_leaves_window`)."""
+    matched = blocks.matched(key, sibling, tokens)
+    return 0 if _window_left(blocks.manifest(key, sibling), matched) else matched
+
+
+def _window_left(manifest: Manifest | None, matched: int) -> bool:
+    """Whether a state in blocks is a sliding-window one (``manifest.window``) that a
+    prompt it holds ``matched`` tokens of leaves more than a token before its end."""
+    return manifest is not None and manifest.window is not None and matched < manifest.tokens - 1
+
+
+async def _leaves_window(parts: Parts, request: StrataRequest, service: Service, source: str, sibling: int,
+                         path: Path, sidecar: Sidecar) -> bool:
+    """Whether ``source``'s state, about to be restored whole, is a sliding-window state
+    (``--swa-full``) the request's prompt leaves more than a token before its end.
+
+    Such a state holds its sliding layers' cells for the window before its end only. The
+    engine, with ``--swa-full``, takes a restored window as complete and reads the prompt
+    on from where it leaves the state: the window then lacks the cells masked when the
+    state was saved, and the answer changes (docs/state-blocks.md, "A sliding-window
+    model's window"). So it is not restored: not the conversation's own (a regenerate),
+    whole file or blocks, and not another's a fallback chose. A prompt whose tokens are
+    not known (media, an API the engine does not render, a failed tokenizing) is not judged.
+    """
+    fp = sidecar.fingerprint
+    if not fp.get("sliding_window") or not (fp.get("layout") or {}).get("swa_full"):
+        return False  # no window (a window kept alone is never saved: see saving)
+    try:
+        tokens = await service.prompt_tokens(request)  # asked once a request: the same answer as by blocks
+    except (EngineError, EngineUnavailable):
+        return False
+    if not tokens:
+        return False
+    with span("auto_sessions.window_check"):
+        return await asyncio.to_thread(_state_leaves_window, parts, service, source, sibling, path, tokens)
+
+
+def _state_leaves_window(parts: Parts, service: Service, source: str, sibling: int, path: Path,
+                         tokens: list[int]) -> bool:
+    store = parts.store
+    assert store is not None
+    blocks = getattr(store, "blocks", None)
+    if blocks is not None and not store.restorable(source, sibling):  # type: ignore[attr-defined]
+        return _window_left(blocks.manifest(source, sibling), blocks.matched(source, sibling, tokens))
+    state_format = service.engine.state_format
+    if state_format is None:
+        return False
+    # Cut in one-token blocks, which are read only when asked for: the file's tokens and
+    # its window, not its cells' data.
+    state = state_format.cut(path, 1)
+    if isinstance(state, StateRefusal) or state.window is None:
+        return False
+    matched = next((i for i, (a, b) in enumerate(zip(state.tokens, tokens)) if a != b),
+                   min(len(state.tokens), len(tokens)))
+    return matched < len(state.tokens) - 1
 
 
 async def _restore_chain(parts: Parts, key: str, request: StrataRequest, service: Service,

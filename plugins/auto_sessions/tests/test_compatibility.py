@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 import strata_auto_sessions
+import strata_prefix_restore
 import strata_ram_cache_stats
 from strata_auto_sessions.fingerprint import fingerprint, same_model
 from strata_serve.api import SERVICE
@@ -174,19 +175,21 @@ async def test_an_swa_model_with_swa_full_parks_in_blocks_and_restores_whole_fro
     assert ma.window != mb.window
 
 
+@pytest.mark.parametrize("blocks", [True, False], ids=["blocks", "whole-files"])
 async def test_a_sliding_window_state_the_prompt_leaves_before_its_end_is_not_restored(
-        strata_client_factory, auto_settings, tmp_path, caplog):
+        strata_client_factory, auto_settings, tmp_path, caplog, blocks):
     """A regenerate after a switch: the prompt is the one before the last answer, so it
     leaves the parked state (which holds that answer) 15 tokens before its end. The
     engine would read on from the restored window, which lacks the cells masked when it
     was saved, and take it as complete (``--swa-full``): the answer's probabilities moved
     (-2.80 against -2.62 for the first token, its runners-up swapped). So the state is not
-    restored: the full prefill gives the first answer's probabilities again. Control: the
-    next turn, which continues the state, restores it."""
+    restored, parked in blocks or as a whole file: the full prefill gives the first
+    answer's probabilities again. Control: the next turn, which continues the state,
+    restores it."""
     model = write_demo_model(tmp_path / "swa.gguf", size="quant", sliding_window=64)
     a = [{"role": "user", "content": "Tell me: " + " ".join(f"w{n} sea" for n in range(150))}]
     client = await strata_client_factory(strata_auto_sessions, settings=auto_settings(
-        swa_engine(model, "--swa-full")))
+        swa_engine(model, "--swa-full"), blocks=blocks))
     first = await ask(client, a, max_tokens=16, temperature=0, n_probs=3)
     await ask(client, conversation("other"))  # a is parked
     caplog.clear()
@@ -205,7 +208,41 @@ async def test_a_sliding_window_state_the_prompt_leaves_before_its_end_is_not_re
     await ask(client, conversation("other"))  # the regenerated state is parked
     turn = await ask(client, a + [{"role": "assistant", "content": again["choices"][0]["message"]["content"]},
                                   {"role": "user", "content": "Go on."}], max_tokens=1)
-    assert parking(client).stats.restores == 1 and turn["timings"]["cache_n"] >= again["timings"]["prompt_n"]
+    stats = parking(client).stats
+    # "other" asked again is a regenerate of its own state too: withheld as well
+    assert stats.restores == 1 and stats.restores_refused_swa == 2, stats
+    assert turn["timings"]["cache_n"] >= again["timings"]["prompt_n"]
+    assert (stats.block_saves > 0) == blocks, stats
+
+
+@pytest.mark.parametrize("window", [64, None], ids=["sliding", "control-no-window"])
+async def test_another_conversations_sliding_window_state_is_not_restored_for_a_prompt_that_leaves_it(
+        strata_client_factory, strata_settings_factory, tmp_path, caplog, window):
+    """A new conversation sharing a parked one's opening, on whole files: the prefix
+    restore (a fallback plugin) chooses the parked state. A sliding-window state is
+    withheld, since the prompt leaves it where the two part, far before its end (the
+    engine would read on from a window lacking cells). Control: the same on a model
+    without a window restores the opening, and the engine reuses it."""
+    model = write_demo_model(tmp_path / "m.gguf", size="quant", sliding_window=window)
+    opening = "You follow these rules. " + " ".join(f"rule{n} keep calm" for n in range(120))
+    a = [{"role": "system", "content": opening}, {"role": "user", "content": "What is rule7?"}]
+    b = [{"role": "system", "content": opening}, {"role": "user", "content": "And rule9?"}]
+    settings = strata_settings_factory(plugins={"auto_sessions": {"min_tokens": 100, "blocks": False},
+                                                "prefix_restore": {"min_gain_s": 0}},
+                                       engine=swa_engine(model, "--swa-full"))
+    client = await strata_client_factory(strata_auto_sessions, strata_prefix_restore, settings=settings)
+    await ask(client, a, max_tokens=8)
+    await ask(client, conversation("other"))  # a is parked
+    reply = await ask(client, b, max_tokens=1)  # the fallback chooses a's state
+    stats = parking(client).stats
+    if window:
+        assert stats.restores == 0 and stats.restores_refused_swa == 1, stats
+        assert reply["timings"]["cache_n"] < 40, reply["timings"]
+        assert any(f"for {key_of(client, b)}: the prompt leaves its sliding-window state" in line
+                   for line in log_lines(caplog)), log_lines(caplog)
+    else:
+        assert stats.restores == 1 and stats.restores_refused_swa == 0, stats
+        assert reply["timings"]["cache_n"] > 300, reply["timings"]
 
 
 async def test_an_swa_model_without_swa_full_neither_saves_nor_restores(strata_client_factory, auto_settings,
