@@ -42,6 +42,11 @@ FILE_CURRENT = "strata + auto-sessions, RAM cache off, file current"
 #: Parking in blocks (the engine's saves staged in memory, the newest states kept whole
 #: there): returning at once, the outgoing save writes only its new blocks.
 BLOCKS_OFF = "strata + auto-sessions in blocks, RAM cache off"
+#: The returns of BLOCKS_OFF made after an idle save: the outgoing state was current (in
+#: blocks, and kept whole in memory), so the switch is a restore alone, as FILE_CURRENT's.
+BLOCKS_CURRENT = "strata + auto-sessions in blocks, RAM cache off, file current"
+#: Each setup whose returns are made again after an idle save, and that row's name.
+CURRENT_OF = {PARKED_OFF: FILE_CURRENT, BLOCKS_OFF: BLOCKS_CURRENT}
 #: auto-sessions' settings per setup, beyond those every strata setup has.
 PLUGIN_SETTINGS = {PARKED_OFF: {"blocks": False}, BLOCKS_OFF: {"blocks": True}}
 #: How long strata-serve waits idle before saving the held conversation, here.
@@ -115,7 +120,7 @@ async def one_setup(name: str, model: Path, work: Path, size: int, rounds: int) 
                 continue
             await back("a", n, "now")
             await back("b", n, "now")
-            if name == PARKED_OFF:
+            if name in CURRENT_OF:
                 for which in ("a", "b"):
                     saved = await idle_saves(session, url)
                     await wait_idle_save(session, url, saved)
@@ -128,7 +133,7 @@ async def one_setup(name: str, model: Path, work: Path, size: int, rounds: int) 
         "restore_ms": restores_ms["now"],
     }
     if returns["current"]:
-        found[FILE_CURRENT] = {
+        found[CURRENT_OF[name]] = {
             "first_prefill_s": first_a.ttft_s, "returns_s": [r.ttft_s for r in returns["current"]],
             "cache_n": [r.timings.get("cache_n", 0) for r in returns["current"]],
             "file_mb": found[name]["file_mb"], "restore_ms": restores_ms["current"],
@@ -192,6 +197,10 @@ def report(results: dict[str, Any]) -> list[str]:
             sentence += (f" The bare engine returning to A with nothing in between (no switch: the floor) took "
                          f"{floor:.3f} s ({full / floor:.0f}x faster than the re-read); the file-current return "
                          f"is {current - floor:+.3f} s from that floor ({current / floor:.2f}x its time).")
+        if BLOCKS_CURRENT in results[size]:
+            in_blocks = statistics.median(results[size][BLOCKS_CURRENT]["returns_s"])
+            sentence += (f" Parked in blocks, the file-current return took {in_blocks:.3f} s "
+                         f"({in_blocks / current:.2f}x the whole file's).")
         lines += ["", sentence]
     return lines
 
@@ -216,7 +225,7 @@ def plot(results: dict[str, Any], out: Path) -> str:
 
     sizes = sorted(int(s) for s in results)
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for name in [*SETUPS, FILE_CURRENT]:
+    for name in [*SETUPS, *CURRENT_OF.values()]:
         points = [(s, statistics.median(results[str(s)][name]["returns_s"])) for s in sizes
                   if name in results[str(s)]]
         if points:
