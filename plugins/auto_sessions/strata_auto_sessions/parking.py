@@ -161,7 +161,7 @@ class AutoSessions:
     def stop(self) -> None:
         """The server stops: it holds nothing any more, and lets go of the directory."""
         self.parts.in_use.write([])
-        staging = getattr(self.store, "staging", None)
+        staging = self.parts.staging
         if staging is not None:
             staging.close()
         if self.store is not None:
@@ -385,7 +385,7 @@ class AutoSessions:
         conversation, the engine's RAM cache does not hold it (nor take a new one), and no
         whole file of it is kept (the usual switch back restores that as it is)."""
         key, store = request.conversation_key, self.parts.store
-        if key is None or store is None or getattr(store, "blocks", None) is None:
+        if key is None or store is None or self.parts.blocks is None:
             return False
         if any(state.key == key and state.tenant == request.tenant and not state.empty for state in service.slots):
             return False  # most likely continued where it is
@@ -540,10 +540,12 @@ def _stage(store: ParkingStore, directory: Path, config: AutoSessionsConfig, ser
     """With blocks, stage the engine's saves in memory (:mod:`strata_auto_sessions.staging`),
     once the directory is this server's: the engine must reach the stage directory, which
     one strata-serve started does (or one the operator chose, ``stage_dir``)."""
-    if getattr(store, "blocks", None) is None or not (config.stage_dir is not None or service.engine.info.managed):
+    if not isinstance(store, SessionStore) or store.blocks is None:
+        return  # whole files: nothing is staged
+    if config.stage_dir is None and not service.engine.info.managed:
         return
     keep = default_keep_bytes() if config.stage_keep_mb is None else config.stage_keep_mb << 20
-    store.staging = Staging.open(directory, config.stage_dir, keep)  # type: ignore[attr-defined]
+    store.staging = Staging.open(directory, config.stage_dir, keep)
 
 
 async def _open(store: ParkingStore, directory: Path, config: AutoSessionsConfig) -> int:

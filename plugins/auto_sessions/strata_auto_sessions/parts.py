@@ -37,11 +37,13 @@ from typing import Any, Protocol
 
 from strata_auto_sessions.config import AutoSessionsConfig
 from strata_auto_sessions.in_use import InUseRecord
+from strata_auto_sessions.parked_blocks import ParkedBlocks
 from strata_auto_sessions.mode import ParkingMode, ParkingStatus
 from strata_auto_sessions.policy import Costs
 from strata_auto_sessions.siblings import SiblingIndex
+from strata_auto_sessions.staging import Staging
 from strata_auto_sessions.stats import AutoSessionsStats
-from strata_auto_sessions.store import ParkingStore
+from strata_auto_sessions.store import ParkingStore, SessionStore
 from strata_auto_sessions.syncing import BackgroundSyncs
 
 __all__ = ["HeldPrompts", "Parts", "RestoredSinceWritten", "Uploads"]
@@ -128,6 +130,19 @@ class Parts:
     saved_states: dict[int, tuple[Any, ...]] = field(default_factory=dict)
     #: The shared tier, told of each save (``plugins.auto_sessions.shared``), or None.
     uploads: Uploads | None = None
+
+    @property
+    def blocks(self) -> ParkedBlocks | None:
+        """Where the store parks conversations in blocks of tokens; None: as whole files
+        (``blocks = false``, or a store of a plugin's that is no
+        :class:`~strata_auto_sessions.store.SessionStore`: only those park blocks)."""
+        return self.store.blocks if isinstance(self.store, SessionStore) else None
+
+    @property
+    def staging(self) -> Staging | None:
+        """Where the engine's saves are staged in memory and the newest states kept whole
+        (:mod:`strata_auto_sessions.staging`); None: nowhere (whole files, or no stage)."""
+        return self.store.staging if isinstance(self.store, SessionStore) else None
 
     @property
     def mode(self) -> ParkingMode:

@@ -135,8 +135,7 @@ async def _chain_by_tokens(parts: Parts, key: str, request: StrataRequest, servi
     A conversation kept as a whole file, a prompt the engine cannot tokenize alone (media,
     an API it does not render), and a failed tokenizing all leave the choice to the key.
     """
-    store = parts.store
-    blocks = getattr(store, "blocks", None)
+    store, blocks = parts.store, parts.blocks
     api = api_of(request)
     if blocks is None or "tokens" not in service.engine.capabilities or api is None or not api.engine_path:
         return None
@@ -210,9 +209,8 @@ async def _leaves_window(parts: Parts, request: StrataRequest, service: Service,
 
 def _state_leaves_window(parts: Parts, service: Service, source: str, sibling: int, path: Path,
                          tokens: list[int]) -> bool:
-    store = parts.store
+    store, blocks = parts.store, parts.blocks
     assert store is not None
-    blocks = getattr(store, "blocks", None)
     if blocks is not None and not store.restorable(source, sibling):  # type: ignore[attr-defined]
         return _window_left(blocks.manifest(source, sibling), blocks.matched(source, sibling, tokens))
     state_format = service.engine.state_format
@@ -360,13 +358,14 @@ async def _load(parts: Parts, key: str, source: str, sibling: int, path: Path, r
 
 
 async def _join(parts: Parts, source: str, sibling: int, path: Path) -> str | None | Literal[False]:
-    """A conversation in blocks: its blocks joined into a temporary file in the slot
-    directory, its name (None: its whole file is there); False when a block is missing or
-    damaged (counted; the damaged block is gone, so a next save writes it again)."""
+    """A conversation in blocks: its blocks joined into a temporary file the engine reads
+    from the slot directory (made in memory where saves are staged, behind a link), its
+    name (None: its whole file is there); False when a block is missing or damaged
+    (counted; the damaged block is gone, so a next save writes it again)."""
     store = parts.store
-    if getattr(store, "blocks", None) is None or store.restorable(source, sibling):  # type: ignore[union-attr]
+    if parts.blocks is None or store.restorable(source, sibling):  # type: ignore[union-attr]
         return None  # a whole file: the engine reads it as it is
-    staging = getattr(store, "staging", None)
+    staging = parts.staging
     hits = staging.hits if staging is not None else 0
     try:
         with span("auto_sessions.join"):

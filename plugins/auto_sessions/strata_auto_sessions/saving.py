@@ -96,7 +96,7 @@ async def park_slot(parts: Parts, service: Service, slot: int = 0, *, reason: st
 def _count_blocks(parts: Parts) -> str:
     """What the save just committed did in the block store (``blocks = true``), counted;
     for its log line: where it went when in blocks."""
-    blocks = getattr(parts.store, "blocks", None)
+    blocks = parts.blocks
     report = blocks.last_save if blocks is not None else None
     if report is None:
         return ""
@@ -236,7 +236,7 @@ async def _save(parts: Parts, service: Service, slot: int, key: str, in_slot: Sl
             log.warning("[strata] auto sessions: saving %s given up: %s; it stays in the slot", key, exc)
             return Parked.ONLY_IN_SLOT
         except (EngineError, EngineUnavailable, OSError) as exc:
-            staging = getattr(parts.store, "staging", None)
+            staging = parts.staging
             if staging is not None and not isinstance(exc, OSError):
                 # The engine's save into memory failed: the next try goes to the slot
                 # directory. (An OSError is the commit's: the slot directory's disk.)
@@ -267,7 +267,7 @@ async def _commit(parts: Parts, temp: str, key: str, in_slot: SlotState, sidecar
         created=sidecar.created if sidecar else (in_slot.since or now), last_used=now,
         digest="", prompt=prompt, tenant=in_slot.tenant, version=SIDECAR_VERSION, sibling=in_slot.sibling,
     )
-    blocks = getattr(parts.store, "blocks", None)
+    blocks = parts.blocks
     if blocks is not None:
         blocks.last_save = None  # this commit's, when it is in blocks
     with span("auto_sessions.commit"):

@@ -350,19 +350,19 @@ class SharedParking:
         in blocks its manifest's (:func:`~strata_auto_sessions.shared.blocks.manifest_digest`)."""
         if sidecar.digest:
             return sidecar.digest
-        blocks = getattr(self.parts.store, "blocks", None)
+        blocks = self.parts.blocks
         manifest = None if blocks is None else blocks.manifest(sidecar.key, sidecar.sibling)
         return sidecar.digest if manifest is None else manifest_digest(manifest)
 
     def _parked_blocks(self) -> ParkedBlocks:
         """The slot directory's block store (there is one: a manifest was read from it)."""
-        blocks = getattr(self.parts.store, "blocks", None)
+        blocks = self.parts.blocks
         assert blocks is not None
         return blocks
 
     def _blocks_of(self, sidecar: Sidecar) -> ParkedBlocks | None:
         """The slot directory's block store, when it holds ``sidecar``'s conversation."""
-        blocks = getattr(self.parts.store, "blocks", None)
+        blocks = self.parts.blocks
         if blocks is None or blocks.manifest(sidecar.key, sidecar.sibling) is None:
             return None
         return blocks
@@ -752,7 +752,7 @@ class SharedParking:
         :raises SharedTierError: this server parks whole files (no block store), the
             manifest is not one of this format or not the state its head describes, or a
             block is missing or damaged: nothing is restored from it."""
-        blocks = getattr(self.parts.store, "blocks", None)
+        blocks = self.parts.blocks
         if blocks is None:
             raise SharedTierError(f"{manifest_object} is a conversation shared in blocks, and this server parks "
                                   "whole files (blocks = false): not fetched")
@@ -776,7 +776,7 @@ class SharedParking:
 
     def _put_blocks_in_place(self, name: str, manifest: Manifest, staged: list[tuple[str, Path]], json_temp: Path,
                              sidecar: Sidecar) -> None:
-        blocks = getattr(self.parts.store, "blocks", None)
+        blocks = self.parts.blocks
         assert blocks is not None
         os.chmod(json_temp, 0o600)
         put_in_store(blocks.store, manifest, manifest_key(sidecar.key, sidecar.sibling), staged)
@@ -788,7 +788,7 @@ class SharedParking:
         # sidecar whose digest the old file fails, never restored.
         os.chmod(bin_temp, 0o600)
         os.chmod(json_temp, 0o600)
-        blocks = getattr(self.parts.store, "blocks", None)
+        blocks = self.parts.blocks
         if blocks is not None:
             # Parking in blocks: the fetched file is cut, only the blocks this store lacks
             # are written (a state the format refuses is kept whole, as fetched).
