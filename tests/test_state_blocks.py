@@ -151,6 +151,22 @@ def test_a_state_the_format_does_not_cover_is_refused_with_its_reason(reason, tm
     assert isinstance(refused, StateRefusal) and refused.reason == reason, refused
 
 
+def test_a_files_tokens_are_read_from_its_head_alone(tmp_path):
+    """``tokens`` reads the head: a plain state's tokens and a windowed one's, and a file
+    cut short in its cells still gives them (its cells are not read). What the head cannot
+    give is refused with the head's reason, never raised."""
+    for data in (state_file(TOKENS), windowed_file(TOKENS), state_file(TOKENS)[:200]):
+        (tmp_path / "slot.bin").write_bytes(data)
+        assert FORMAT.tokens(tmp_path / "slot.bin") == tuple(TOKENS)
+    for reason in ("state_version", "tokens_format", "media", "unreadable"):
+        (tmp_path / "slot.bin").write_bytes(REFUSED[reason])
+        refused = FORMAT.tokens(tmp_path / "slot.bin")
+        assert isinstance(refused, StateRefusal) and refused.reason == reason, refused
+    (tmp_path / "short.bin").write_bytes(state_file(TOKENS)[:40])  # the token array cut short
+    assert FORMAT.tokens(tmp_path / "short.bin").reason == "unreadable"  # type: ignore[union-attr]
+    assert FORMAT.tokens(tmp_path / "gone.bin").reason == "unreadable"  # type: ignore[union-attr]
+
+
 def test_hybrid_memory_and_trimmed_caches_are_refused_too():
     assert parse(state_file(TOKENS, memory=kv_cache(37) + recurrent_memory())).reason == "recurrent"  # type: ignore[union-attr]
     assert parse(state_file(TOKENS, n_cells=30)).reason == "cells"  # type: ignore[union-attr]
@@ -331,6 +347,7 @@ async def test_a_sliding_window_state_joined_with_its_window_restores_what_the_w
     assert joined_tokens == whole_tokens == len(state.tokens)
     assert from_whole["cache_n"] >= first["prompt_n"] - 1
     assert from_joined == from_whole
+    assert server.state_format.tokens(slot_dir / "whole.bin") == state.tokens, "the head gives the cut's tokens"
     with pytest.raises(ValueError, match="joins with its window"):
         server.state_format.join(state.layout, state.blocks[:3], slot_dir / "prefix.bin", n_stream=state.n_stream)
 

@@ -98,6 +98,11 @@ class StateFormat(Protocol):
         format does not cover or a file it cannot read (never an exception)."""
         ...
 
+    def tokens(self, path: Path) -> tuple[int, ...] | StateRefusal:
+        """The tokens the state file at ``path`` holds, read from its head alone (its cells
+        are not read); a :class:`StateRefusal` for a file it cannot read (never an exception)."""
+        ...
+
     def join(self, layout: bytes, blocks: Sequence[StateBlock], dest: Path, *, n_stream: int = 1,
              window: StateBlock | None = None) -> int:
         """Write ``blocks`` (whole blocks, the last one possibly partial), cut under

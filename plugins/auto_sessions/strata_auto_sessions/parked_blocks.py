@@ -53,6 +53,9 @@ class ReadOnlyFormat:
     def cut(self, path: Path, block_tokens: int) -> CutState | StateRefusal:
         return StateRefusal("unreadable", "no engine here to read the state")
 
+    def tokens(self, path: Path) -> tuple[int, ...] | StateRefusal:
+        return StateRefusal("unreadable", "no engine here to read the state")
+
     def join(self, layout: bytes, blocks: Sequence[StateBlock], dest: Path, *, n_stream: int = 1,
              window: StateBlock | None = None) -> int:
         raise ValueError("no engine here to write a state")

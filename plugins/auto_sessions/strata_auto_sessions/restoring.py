@@ -216,14 +216,11 @@ def _state_leaves_window(parts: Parts, service: Service, source: str, sibling: i
     state_format = service.engine.state_format
     if state_format is None:
         return False
-    # Cut in one-token blocks, which are read only when asked for: the file's tokens and
-    # its window, not its cells' data.
-    state = state_format.cut(path, 1)
-    if isinstance(state, StateRefusal) or state.window is None:
+    held = state_format.tokens(path)  # a whole file: windowed, as its fingerprint says
+    if isinstance(held, StateRefusal):
         return False
-    matched = next((i for i, (a, b) in enumerate(zip(state.tokens, tokens)) if a != b),
-                   min(len(state.tokens), len(tokens)))
-    return matched < len(state.tokens) - 1
+    matched = next((i for i, (a, b) in enumerate(zip(held, tokens)) if a != b), min(len(held), len(tokens)))
+    return matched < len(held) - 1
 
 
 async def _restore_chain(parts: Parts, key: str, request: StrataRequest, service: Service,

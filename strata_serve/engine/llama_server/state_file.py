@@ -265,19 +265,29 @@ def _read_tokens(r: _Reader) -> tuple[int, ...] | StateRefusal:
     return tuple(packed[3:3 + count])
 
 
-def parse(data: bytes | memoryview | mmap.mmap) -> ParsedState | StateRefusal:
-    """Read a slot file's layout (no bytes copied); a :class:`StateRefusal` for what is not covered."""
-    buf = memoryview(data)
-    r = _Reader(buf)
+def _read_head(r: _Reader) -> tuple[int, ...] | StateRefusal:
+    """The file's magic, its state version and its tokens, read from ``r``'s start."""
     try:
         magic, version = r.take("<I"), r.take("<I")
         if magic != STATE_MAGIC:
             return StateRefusal("unreadable", f"magic {magic:#x}, not a slot file")
         if version != STATE_VERSION:
             return StateRefusal("state_version", f"state version {version} (this format reads {STATE_VERSION})")
-        tokens = _read_tokens(r)
+        return _read_tokens(r)
     except _Short as e:
         return StateRefusal("unreadable", str(e))
+
+
+def read_tokens(data: bytes | memoryview | mmap.mmap) -> tuple[int, ...] | StateRefusal:
+    """A slot file's tokens, from its head alone (its cells are not read)."""
+    return _read_head(_Reader(memoryview(data)))
+
+
+def parse(data: bytes | memoryview | mmap.mmap) -> ParsedState | StateRefusal:
+    """Read a slot file's layout (no bytes copied); a :class:`StateRefusal` for what is not covered."""
+    buf = memoryview(data)
+    r = _Reader(buf)
+    tokens = _read_head(r)
     if isinstance(tokens, StateRefusal):
         return tokens
     mem = r.off

@@ -15,7 +15,7 @@ from itertools import chain
 from pathlib import Path
 
 from strata_serve.engine.llama_server.state_file import (BLOCKS_VERSION, STATE_MAGIC, STATE_VERSION, TOKENS_MARKER,
-                                                         TOKENS_VERSION, _Layout, cut_bytes)
+                                                         TOKENS_VERSION, _Layout, cut_bytes, read_tokens)
 from strata_serve.engine.state_blocks import CutState, StateBlock, StateRefusal
 
 __all__ = ["LlamaStateFormat", "join_bytes", "shifting_flag", "write_parts"]
@@ -157,6 +157,16 @@ def write_parts(fd: int, parts: Sequence[bytes | memoryview]) -> int:
     return written
 
 
+def _mapped(path: Path) -> mmap.mmap | bytes | StateRefusal:
+    """The file at ``path``, mapped, not read: only what is looked at is read from it."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) if size else b""
+    except (OSError, ValueError) as e:
+        return StateRefusal("unreadable", f"{path}: {getattr(e, 'strerror', None) or e}")
+
+
 def shifting_flag(args: Sequence[str], env: Mapping[str, str]) -> str | None:
     """The flag (or variable) of ``args``/``env`` by which llama-server moves cells to other
     positions, if any: ``--context-shift`` (drops tokens from the middle and renumbers the
@@ -198,14 +208,12 @@ class LlamaStateFormat:
         if self.shifting:
             return StateRefusal("shifted", f"the engine runs with {self.shifting}: a state's cells may have been "
                                 "moved beside other tokens, which no file shows")
-        try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                # mapped, not read: only the blocks a store lacks are copied out of it
-                data = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) if size else b""
-        except (OSError, ValueError) as e:
-            return StateRefusal("unreadable", f"{path}: {getattr(e, 'strerror', None) or e}")
-        return cut_bytes(data, block_tokens)
+        data = _mapped(path)
+        return data if isinstance(data, StateRefusal) else cut_bytes(data, block_tokens)
+
+    def tokens(self, path: Path) -> tuple[int, ...] | StateRefusal:
+        data = _mapped(path)
+        return data if isinstance(data, StateRefusal) else read_tokens(data)
 
     def join(self, layout: bytes, blocks: Sequence[StateBlock], dest: Path, *, n_stream: int = 1,
              window: StateBlock | None = None) -> int:
