@@ -9,6 +9,7 @@ import contextlib
 import fcntl
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from collections.abc import AsyncIterator, Iterator
@@ -27,27 +28,31 @@ class DirectoryInUse(Exception):
 
 
 class DirectoryLock:
-    """An exclusive ``flock`` on the directory itself, reentrant in this process."""
+    """An exclusive ``flock`` on the directory itself, reentrant in this process: shared by
+    the event loop's tasks and the threads they hand work to (a commit, a join), each
+    holder counted under a mutex, the ``flock`` let go when the last one leaves."""
 
     def __init__(self, directory: Path):
         self.directory = directory
         self._depth = 0
         self._fd: int | None = None
+        #: Guards ``_depth`` and ``_fd``, never held while waiting for the ``flock``.
+        self._mutex = threading.Lock()
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
         """An exclusive ``flock`` on the slot directory itself (reentrant in this process),
-        waited for as long as it takes: for ``strata-serve sessions``, never on the event
-        loop (the server takes it with :meth:`lock_without_blocking`)."""
-        if self._depth == 0:
+        waited for as long as it takes: for ``strata-serve sessions`` and for a thread a
+        holder on the event loop hands work to, never on the event loop (the server takes
+        it with :meth:`lock_without_blocking`)."""
+        if not self._share():
             fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
             except BaseException:
                 os.close(fd)
                 raise
-            self._fd = fd
-        self._depth += 1
+            self._held(fd)
         try:
             yield
         finally:
@@ -56,33 +61,46 @@ class DirectoryLock:
     @contextlib.asynccontextmanager
     async def lock_without_blocking(self, timeout_s: float) -> AsyncIterator[None]:
         """The same lock, taken without blocking the event loop: tried (``LOCK_NB``) until
-        it is free, sleeping in between, for at most ``timeout_s``. A task of this process
-        that holds it already shares it (as :meth:`lock` does).
+        it is free, sleeping in between, for at most ``timeout_s``. A task or thread of
+        this process that holds it already shares it (as :meth:`lock` does).
 
         :raises LockTimeout: when another process (a server whose engine hangs in a
             restore, a ``strata-serve sessions`` command) held it all that time.
         """
-        if self._depth == 0:
+        deadline = time.monotonic() + timeout_s
+        while not self._share():
             fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
             try:
                 with span("auto_sessions.lock"):
-                    taken = await self._take_lock(fd, timeout_s)
+                    taken = await self._take_lock(fd, deadline, timeout_s)
             except BaseException:
                 os.close(fd)
                 raise
             if taken:
-                self._fd = fd
-            else:
-                os.close(fd)  # another task of this process took it meanwhile: shared
-        self._depth += 1
+                self._held(fd)
+                break
+            os.close(fd)  # a task or thread of this process took it meanwhile: shared, if it still holds it
         try:
             yield
         finally:
             self._unlock()
 
-    async def _take_lock(self, fd: int, timeout_s: float) -> bool:
-        """True once ``fd`` holds the lock; False when a task of this process took it meanwhile."""
-        deadline = time.monotonic() + timeout_s
+    def _share(self) -> bool:
+        """One more holder, when this process holds the lock already."""
+        with self._mutex:
+            if self._depth:
+                self._depth += 1
+                return True
+            return False
+
+    def _held(self, fd: int) -> None:
+        """``fd`` took the ``flock``: the first holder (no other can hold it meanwhile)."""
+        with self._mutex:
+            self._fd = fd
+            self._depth += 1
+
+    async def _take_lock(self, fd: int, deadline: float, timeout_s: float) -> bool:
+        """True once ``fd`` holds the lock; False when a task or thread of this process took it meanwhile."""
         pause = 0.005
         while True:
             try:
@@ -98,11 +116,13 @@ class DirectoryLock:
             pause = min(pause * 2, 0.05)
 
     def _unlock(self) -> None:
-        self._depth -= 1
-        if self._depth == 0 and self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
+        with self._mutex:
+            self._depth -= 1
+            if self._depth or self._fd is None:
+                return
+            fd, self._fd = self._fd, None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
 
 
 class ServerClaim:

@@ -81,8 +81,10 @@ class ParkedBlocks:
         self.store = store
         #: Saves kept whole because the format refused their state, by reason.
         self.refusals: Counter[str] = Counter()
-        #: What the last save did (read by the saving step for its counters).
-        self.last_save: SaveReport | None = None
+        #: What each conversation's last save did, until the saving step takes it for its
+        #: counters (:meth:`take_report`): by conversation, saves of several slots being
+        #: committed at once, each in a thread.
+        self._reports: dict[tuple[str, int], SaveReport] = {}
 
     @classmethod
     def open(cls, directory: Path, state_format: Any, *, fingerprint: dict[str, Any], block_tokens: int,
@@ -104,7 +106,7 @@ class ParkedBlocks:
         (only the blocks the store lacks are written); a refused state is left whole,
         its reason counted and logged the first time."""
         report = self.store.save(manifest_key(key, sibling), staged)
-        self.last_save = report
+        self._reports[(key, sibling)] = report
         if report.refused is not None:
             reason = report.refused.reason
             if not self.refusals[reason]:
@@ -112,6 +114,10 @@ class ParkedBlocks:
                          "said once for this reason", report.refused)
             self.refusals[reason] += 1
         return report
+
+    def take_report(self, key: str, sibling: int) -> SaveReport | None:
+        """What the conversation's last :meth:`save` did, once (None: none since taken)."""
+        return self._reports.pop((key, sibling), None)
 
     # -- reading -------------------------------------------------------------------------
 

@@ -17,7 +17,8 @@ from strata_auto_sessions.in_use import in_use
 from strata_auto_sessions.parts import Parts
 from strata_auto_sessions.pruning import prune, prune_siblings, refresh_usage
 from strata_auto_sessions.restoring import failure_verdict
-from strata_auto_sessions.store import SIDECAR_VERSION, LockTimeout, Sidecar
+from strata_auto_sessions.blocks import SaveReport
+from strata_auto_sessions.store import SIDECAR_VERSION, LockTimeout, SessionStore, Sidecar
 
 if TYPE_CHECKING:
     from strata_serve import Service
@@ -50,6 +51,8 @@ class _Saved(NamedTuple):
     tokens: int
     bytes: int
     ms: float
+    #: What the save did in the block store (None: a whole file, or no blocks).
+    blocks: SaveReport | None = None
 
 
 async def park_slot(parts: Parts, service: Service, slot: int = 0, *, reason: str,
@@ -93,11 +96,9 @@ async def park_slot(parts: Parts, service: Service, slot: int = 0, *, reason: st
     return Parked.SAVED
 
 
-def _count_blocks(parts: Parts) -> str:
-    """What the save just committed did in the block store (``blocks = true``), counted;
-    for its log line: where it went when in blocks."""
-    blocks = parts.blocks
-    report = blocks.last_save if blocks is not None else None
+def _count_blocks(parts: Parts, report: SaveReport | None) -> str:
+    """What a save committed did in the block store (``blocks = true``), counted; for its
+    log line: where it went when in blocks."""
     if report is None:
         return ""
     if report.refused is not None:
@@ -208,7 +209,7 @@ def _counted(parts: Parts, saved: _Saved) -> str:
     parts.stats.saved_tokens += saved.tokens
     parts.stats.saved_bytes += saved.bytes
     parts.stats.save_ms += saved.ms
-    return _count_blocks(parts)
+    return _count_blocks(parts, saved.blocks)
 
 
 async def _save(parts: Parts, service: Service, slot: int, key: str, in_slot: SlotState) -> _Saved | Parked:
@@ -228,7 +229,7 @@ async def _save(parts: Parts, service: Service, slot: int, key: str, in_slot: Sl
                 _discard(parts, temp)
                 log.info("[strata] auto sessions: not keeping %s: the engine's slot was empty", key)
                 return Parked.NOTHING_TO_KEEP
-            kept = await _commit(parts, temp, key, in_slot, sidecar, prompt, n_saved, n_written)
+            kept, report = await _commit(parts, temp, key, in_slot, sidecar, prompt, n_saved, n_written)
             break
         except LockTimeout as exc:  # the commit's: the engine's calls take no lock
             _discard(parts, temp)
@@ -251,13 +252,15 @@ async def _save(parts: Parts, service: Service, slot: int, key: str, in_slot: Sl
     if kept is False:
         await _removed_by_hand(parts, key, slot, service)
         return Parked.NOTHING_TO_KEEP
-    return _Saved(n_saved, n_written, ms)
+    return _Saved(n_saved, n_written, ms, report)
 
 
 async def _commit(parts: Parts, temp: str, key: str, in_slot: SlotState, sidecar: Sidecar | None,
-                  prompt: dict[str, Any] | None, n_saved: int, n_written: int) -> bool | None:
+                  prompt: dict[str, Any] | None, n_saved: int,
+                  n_written: int) -> tuple[bool | None, SaveReport | None]:
     """Put the saved ``temp`` in place as ``key``'s file, beside its new sidecar (under the
-    directory's lock): False when ``key`` was removed by hand since its state began."""
+    directory's lock): False when ``key`` was removed by hand since its state began; with
+    what it did in the block store, when in blocks."""
     assert parts.store is not None
     now = time.time()
     written = Sidecar(
@@ -269,14 +272,22 @@ async def _commit(parts: Parts, temp: str, key: str, in_slot: SlotState, sidecar
     )
     blocks = parts.blocks
     if blocks is not None:
-        blocks.last_save = None  # this commit's, when it is in blocks
+        blocks.take_report(key, in_slot.sibling)  # an earlier one, whose save failed after the cut
     with span("auto_sessions.commit"):
         async with parts.store.lock_without_blocking(parts.config.lock_wait_s):
-            kept = parts.store.commit(temp, key, written)
+            if isinstance(parts.store, SessionStore):
+                # In a thread: cutting a state and writing its new blocks takes time (a
+                # first save of a long context, seconds), and the event loop serves the
+                # other requests' answers, health checks and metrics meanwhile. The
+                # directory's lock is shared with the thread, and the block store locks
+                # its own. (A store of a plugin's is called as the protocol says: here.)
+                kept: bool | None = await asyncio.to_thread(parts.store.commit, temp, key, written)
+            else:
+                kept = parts.store.commit(temp, key, written)
     if kept is not False:
         parts.siblings.written(key, written)
         parts.restored.written(key, in_slot.sibling)  # its last use: now
-    return kept
+    return kept, None if blocks is None else blocks.take_report(key, in_slot.sibling)
 
 
 def _touch_if_used(parts: Parts, key: str, sibling: int) -> None:

@@ -183,6 +183,12 @@ class SessionStore:
         #: :meth:`sync_written` (freeing a file's blocks takes milliseconds on some disks).
         self._retired: list[Path] = []
         self._unsynced_lock = threading.Lock()
+        #: ``(key, sibling)`` of each conversation a commit is putting in place now (in a
+        #: thread, beside the event loop): its manifest, its file and its sidecar are
+        #: written one after the other, and a prune meanwhile must not take the ones
+        #: already there for a save a crash cut short.
+        self._committing: set[tuple[str, int]] = set()
+        self._committing_lock = threading.Lock()
         #: Sidecars read and digests checked, while their files are unchanged.
         self._known = KnownFiles()
 
@@ -475,16 +481,23 @@ class SessionStore:
         :raises OSError: when the file on disk is not the size the engine reported
             (a full disk can leave a short file behind a reported success).
         """
+        ident = (key, sidecar.sibling)
         with self.lock():
-            pending = self.removed_by_hand()
-            if key in pending:
-                if pending[key] >= sidecar.created:
-                    self.discard(temp_name)
-                    return False
-                del pending[key]
-                _write_private_json(self.directory / REMOVED_NAME, pending)
-            self._commit(temp_name, key, sidecar)
-            return True
+            with self._committing_lock:
+                self._committing.add(ident)
+            try:
+                pending = self.removed_by_hand()
+                if key in pending:
+                    if pending[key] >= sidecar.created:
+                        self.discard(temp_name)
+                        return False
+                    del pending[key]
+                    _write_private_json(self.directory / REMOVED_NAME, pending)
+                self._commit(temp_name, key, sidecar)
+                return True
+            finally:
+                with self._committing_lock:
+                    self._committing.discard(ident)
 
     def _commit(self, temp_name: str, key: str, sidecar: Sidecar) -> None:
         temp = self.directory / temp_name
@@ -715,11 +728,15 @@ class SessionStore:
             total += added
             kept += 1
             counted |= names
+        with self._committing_lock:
+            committing = set(self._committing)  # being put in place: left alone
         for key, sidecar_path, sidecar in self._own("json"):
+            if (key, sidecar.sibling) in committing:
+                continue
             if not self.bin_path(key, sidecar.sibling).exists() and not self._in_blocks(key, sidecar.sibling):
                 sidecar_path.unlink(missing_ok=True)
         if self.blocks is not None:
-            self.blocks.free_unheld(self._with_sidecars())
+            self.blocks.free_unheld(self._with_sidecars() | committing)
         return removed
 
     def prune_siblings(self, key: str, keep: int, spare: frozenset[int] = frozenset()) -> list[tuple[int, int]]:

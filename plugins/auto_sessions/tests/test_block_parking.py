@@ -3,6 +3,7 @@ disk, what comes back, what is kept whole, and what pruning and ``sessions rm`` 
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 import logging
@@ -397,4 +398,36 @@ async def test_a_join_in_memory_that_finds_no_room_is_made_in_the_slot_directory
     assert back["timings"]["cache_n"] >= first["timings"]["prompt_n"], back["timings"]
     assert any("a join in memory failed" in r.getMessage() and r.levelno == logging.INFO for r in caplog.records)
     assert not list(slots.glob("tmp-*")) and not list(store.staging.directory.glob("tmp-*")), "nothing left"
+    await client.close()
+
+
+async def test_a_save_cuts_its_state_off_the_event_loop(auto_client, tmp_path, monkeypatch):
+    """A save's commit (cutting the state, writing its new blocks) runs in a thread: while
+    it is under way the server answers other requests (here ``/health``). The block
+    store's save is held until the health check was answered; run on the event loop, it
+    would hold the loop itself, the check could not be answered, and the hold would end
+    only at its 10 s deadline, unreleased. The save then completes as usual."""
+    import threading
+
+    client = await auto_client(engine={"slot_save_path": str(tmp_path / "slots")}, blocks=True, idle_save_s=0)
+    blocks = parking(client).store.blocks
+    entered, release, released = threading.Event(), threading.Event(), []
+    real_save = blocks.save
+
+    def held_save(*args, **kwargs):
+        entered.set()
+        released.append(release.wait(10))
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(blocks, "save", held_save)
+    await ask(client, agent("a"), max_tokens=2)
+    switch = asyncio.create_task(ask(client, agent("b"), max_tokens=2))  # "a" is saved on the way
+    assert await asyncio.to_thread(entered.wait, 10), "the switch's save began"
+    health = await client.get("/health")
+    assert health.status == 200
+    release.set()
+    await switch
+    assert released == [True], "the health check was answered while the save was held"
+    stats = parking(client).stats
+    assert stats.saves == 1 and stats.block_saves == 1 and stats.save_failures == 0, stats
     await client.close()
