@@ -279,8 +279,10 @@ async def _commit(parts: Parts, temp: str, key: str, in_slot: SlotState, sidecar
                 # In a thread: cutting a state and writing its new blocks takes time (a
                 # first save of a long context, seconds), and the event loop serves the
                 # other requests' answers, health checks and metrics meanwhile. The
-                # directory's lock is shared with the thread, and the block store locks
-                # its own. (A store of a plugin's is called as the protocol says: here.)
+                # directory's lock is shared with the thread, the block store locks its
+                # own, and a prune meanwhile leaves this conversation alone. (A store of
+                # a plugin's is called on the loop, as ever: its protocol says nothing of
+                # threads.)
                 kept: bool | None = await asyncio.to_thread(parts.store.commit, temp, key, written)
             else:
                 kept = parts.store.commit(temp, key, written)
