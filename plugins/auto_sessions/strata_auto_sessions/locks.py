@@ -29,7 +29,7 @@ class DirectoryInUse(Exception):
 
 class DirectoryLock:
     """An exclusive ``flock`` on the directory itself, reentrant in this process: shared by
-    the event loop's tasks and the threads they hand work to (a commit, a join), each
+    the event loop's tasks and the threads they hand work to (a save's commit), each
     holder counted under a mutex, the ``flock`` let go when the last one leaves."""
 
     def __init__(self, directory: Path):
