@@ -10,7 +10,14 @@ strata-serve in one run, and is given as a ratio:
   through strata-serve, the layer's CPU took from the engine's threads;
 - a 1-token request: p50 latency, streamed and not, a new connection for each;
 - eight clients, each its own short chat (a ~60-token opening, 8 tokens out, 8 turns),
-  all at once: requests/s over the whole round.
+  all at once: requests/s over the whole round, and the layer's CPU per request.
+
+Streams and the eight clients go through a third way too: a bare relay
+(:func:`bench.profile.bare_relay_process`, an aiohttp server that passes each request to
+the same engine and its answer back, nothing else: no line, no hooks), in its own process.
+Its ratio to the engine alone is what any Python layer between client and engine costs on
+this machine, measured in the same run; strata-serve's ratio to it is what strata-serve
+adds beyond that.
 
 ``python -m bench.engine_alone [--quick] [--tiny]`` prints the figures; ``bench.run``
 puts its table in ``bench/results/README.md``.
@@ -31,6 +38,7 @@ import aiohttp
 
 from bench.harness import chat, client_session, follow_up, percentile
 from bench.layer_cost import _one, cpu_seconds, strata_process
+from bench.profile import bare_relay_process
 
 #: strata-serve with its defaults: auto-sessions with its own.
 DEFAULTS: dict[str, Any] = {"auto_sessions": {}}
@@ -43,6 +51,35 @@ def opening(client: int, words: int = 45) -> list[dict[str, str]]:
     """A client's own first message: about 60 tokens, unlike every other client's from its first word."""
     picked = [WORDS[(client * 7 + n * (client + 3)) % len(WORDS)] for n in range(words)]
     return [{"role": "user", "content": f"Client {client} asks: " + " ".join(picked) + ". Go on."}]
+
+
+#: An eight-token answer takes well under a second; one not given in this long never comes.
+ANSWER_WITHIN_S = 60.0
+#: auto-sessions' ``idle_save_s`` at its default: an idle conversation is saved this long after its answer.
+IDLE_SAVE_S = 2.0
+
+
+async def settle(session: aiohttp.ClientSession, url: str, timeout_s: float = 60.0) -> None:
+    """Until strata-serve's work after its last answer is done: its idle save, which would
+    otherwise run during the engine's own round, taking from it; and, on llama-server, a
+    slot save sent while requests wait for the slot is run at one's turn and leaves those
+    behind it waiting until another request comes (its queue pops one waiting task each
+    time a slot is released, and a save releases none): eight clients asking the engine
+    directly then waited forever. Done when the spans strata-serve counted (``GET /stats``,
+    ``phases``) stop changing, after the idle save's delay."""
+    await asyncio.sleep(IDLE_SAVE_S)
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while True:
+        async with session.get(url + "/stats") as resp:
+            phases = (await resp.json()).get("phases", {}) if resp.status == 200 else {}
+        counted = sum(phases.get("count", {}).values())
+        if counted == last:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"strata-serve at {url} was still at work {timeout_s:g} s after its last answer")
+        last = counted
+        await asyncio.sleep(0.5)
 
 
 def sizes(quick: bool) -> dict[str, int]:
@@ -66,37 +103,47 @@ async def measure(model: Path, work: Path, *, streams: int, stream_tokens: int, 
     short = [{"role": "user", "content": "Say something about rivers."}]
     async with strata_process(model, work, ctx=CTX_SIZE, plugins=DEFAULTS, source=source,
                               engine=engine) as (strata_url, engine_url, pid), \
+            bare_relay_process(engine_url, work) as (relay_url, relay_pid), \
             client_session() as session:
         urls = {"engine": engine_url, "strata": strata_url}
-        for url in urls.values():
+        three = {**urls, "relay": relay_url}
+        pids = {"strata": pid, "relay": relay_pid}
+        for url in three.values():
             await chat(session, url, short)  # warm: the prompt is cached from here on
 
         def order(n: int) -> tuple[str, str]:
             return ("engine", "strata") if n % 2 else ("strata", "engine")
 
+        def order3(n: int) -> list[str]:
+            names = list(three)
+            return names[n % 3:] + names[:n % 3]  # each first in turn
+
         # Streaming: tokens/s over the whole call, and the layer's CPU per token.
-        tps: dict[str, list[float]] = {"engine": [], "strata": []}
-        decode: dict[str, list[float]] = {"engine": [], "strata": []}  # the engine's own tokens/s
-        cpu, tokens = 0.0, 0
+        tps: dict[str, list[float]] = {name: [] for name in three}
+        decode: dict[str, list[float]] = {name: [] for name in three}  # the engine's own tokens/s
+        cpu, tokens = {"strata": 0.0, "relay": 0.0}, {"strata": 0, "relay": 0}
         for n in range(streams):
-            for name in order(n):
-                before = cpu_seconds(pid)
-                reply = await chat(session, urls[name], short, max_tokens=stream_tokens, ignore_eos=True)
+            for name in order3(n):
+                before = cpu_seconds(pids[name]) if name in pids else 0.0
+                reply = await chat(session, three[name], short, max_tokens=stream_tokens, ignore_eos=True)
                 predicted = reply.timings.get("predicted_n", 0)
                 tps[name].append(predicted / reply.total_s)
                 decode[name].append(reply.timings.get("predicted_per_second", 0.0))
-                if name == "strata":
-                    cpu += cpu_seconds(pid) - before
-                    tokens += predicted
+                if name in pids:
+                    cpu[name] += cpu_seconds(pids[name]) - before
+                    tokens[name] += predicted
         found["stream_tps"] = tps
         found["stream_ratios"] = [s / e for s, e in zip(tps["strata"], tps["engine"])]
         found["stream_ratio"] = statistics.median(tps["strata"]) / statistics.median(tps["engine"])
+        found["relay_stream_ratio"] = statistics.median(tps["relay"]) / statistics.median(tps["engine"])
         # The engine's decoding speed as it reports it: lower through strata-serve when the
         # layer's CPU per token takes from the engine's threads (2 cores), not the relay's delay.
         found["stream_decode_tps"] = decode
         alone = statistics.median(decode["engine"])
         found["stream_decode_ratio"] = statistics.median(decode["strata"]) / alone if alone else None
-        found["cpu_s_per_1000_tokens"] = cpu / tokens * 1000 if tokens else None
+        found["relay_stream_decode_ratio"] = statistics.median(decode["relay"]) / alone if alone else None
+        found["cpu_s_per_1000_tokens"] = cpu["strata"] / tokens["strata"] * 1000 if tokens["strata"] else None
+        found["relay_cpu_s_per_1000_tokens"] = cpu["relay"] / tokens["relay"] * 1000 if tokens["relay"] else None
 
         # A 1-token request, a new connection each (client_session closes every one).
         for kind in ("stream", "json"):
@@ -113,20 +160,35 @@ async def measure(model: Path, work: Path, *, streams: int, stream_tokens: int, 
         async def client(url: str, number: int, block: int) -> int:
             messages = opening(number + 100 * block)
             for turn in range(turns):
-                reply = await chat(session, url, messages, max_tokens=8, ignore_eos=True)
+                try:
+                    reply = await asyncio.wait_for(chat(session, url, messages, max_tokens=8, ignore_eos=True),
+                                                   ANSWER_WITHIN_S)
+                except TimeoutError:
+                    arm = next(name for name, known in three.items() if known == url)
+                    raise RuntimeError(f"{arm}: client {number}'s turn {turn + 1} was not answered in "
+                                       f"{ANSWER_WITHIN_S:g} s") from None
                 messages = follow_up(messages, reply.text, f"Turn {turn + 2}: and then?")
             return turns
 
-        rps: dict[str, list[float]] = {"engine": [], "strata": []}
+        await settle(session, strata_url)  # the 1-token requests' idle save
+        rps: dict[str, list[float]] = {name: [] for name in three}
+        cpu_ms: dict[str, list[float]] = {"strata": [], "relay": []}  # the layer's CPU per request
         for n in range(blocks):
-            for name in order(n):
+            for name in order3(n):
+                before = cpu_seconds(pids[name]) if name in pids else 0.0
                 began = time.perf_counter()
-                done = await asyncio.gather(*(client(urls[name], c, 2 * n + (name == "strata"))
+                done = await asyncio.gather(*(client(three[name], c, 3 * n + list(three).index(name))
                                               for c in range(clients)))
                 rps[name].append(sum(done) / (time.perf_counter() - began))
+                if name in pids:
+                    cpu_ms[name].append((cpu_seconds(pids[name]) - before) / sum(done) * 1000)
+                if name == "strata":
+                    await settle(session, strata_url)
         found["clients_rps"] = rps
         found["clients_ratios"] = [s / e for s, e in zip(rps["strata"], rps["engine"])]
         found["clients_ratio"] = statistics.median(rps["strata"]) / statistics.median(rps["engine"])
+        found["relay_clients_ratio"] = statistics.median(rps["relay"]) / statistics.median(rps["engine"])
+        found["clients_cpu_ms"] = {name: statistics.median(values) for name, values in cpu_ms.items()}
     return found
 
 
@@ -136,33 +198,51 @@ def _range(values: list[float], digits: int) -> str:
 
 def report(found: dict[str, Any], model: str) -> list[str]:
     s = found["sizes"]
-    stream_e, stream_s = (statistics.median(found["stream_tps"][n]) for n in ("engine", "strata"))
-    rps_e, rps_s = (statistics.median(found["clients_rps"][n]) for n in ("engine", "strata"))
+    stream, rps = found["stream_tps"], found["clients_rps"]
+    stream_e, stream_s = (statistics.median(stream[n]) for n in ("engine", "strata"))
+    rps_e, rps_s = (statistics.median(rps[n]) for n in ("engine", "strata"))
     one = found["one_token_stream_p50_ms"]
     plain = found["one_token_json_p50_ms"]
+    relayed = "relay" in stream and stream["relay"]  # runs before the bare relay was measured lack it
+
+    def relay(text: str) -> str:
+        return text if relayed else "-"
+
+    cpu = found.get("clients_cpu_ms", {})
     return [
         "",
         f"## Against its own engine alone, {model}",
         "",
         "`strata-serve run` with its defaults (its installed plugins) in its own process; the same engine "
-        "it started, asked directly, alternating with it in this one run. Streaming: "
+        "it started, asked directly, alternating with it in this one run; and a bare relay (an aiohttp server "
+        "passing each request to that engine, nothing else) in turn with both. Streaming: "
         f"{s['streams']} streams of {s['stream_tokens']} tokens each way, tokens/s over the whole call. A 1-token "
         f"request: {s['requests']} each way, a new connection each. {s['clients']} clients at once, each its own "
         f"chat (a ~60-token opening, 8 tokens out, {s['turns']} turns), {s['blocks']} round(s) each way. In "
-        "brackets: strata-serve / the engine, and the lowest-highest ratio of the interleaved pairs.",
+        "brackets: the way measured / the engine, and the lowest-highest ratio of strata-serve's interleaved "
+        "pairs. The bare relay's column is what any Python layer costs here; the 1-token request's is in "
+        "`bench.profile`'s table.",
         "",
-        "| measure | strata-serve / engine alone |",
-        "|---|---|",
+        "| measure | strata-serve / engine alone | bare relay / engine alone |",
+        "|---|---|---|",
         f"| streaming tokens/s | {found['stream_ratio']:.3f} ({stream_s:.1f} / {stream_e:.1f}"
-        f"{_range(found['stream_ratios'], 3)}) |",
-        f"| the engine's own decode tokens/s in those streams | {found['stream_decode_ratio'] or 0:.3f} |",
+        f"{_range(found['stream_ratios'], 3)}) | "
+        + relay(f"{found.get('relay_stream_ratio', 0):.3f} ({statistics.median(stream['relay'] or [0]):.1f} / "
+                f"{stream_e:.1f})") + " |",
+        f"| the engine's own decode tokens/s in those streams | {found['stream_decode_ratio'] or 0:.3f} | "
+        + relay(f"{found.get('relay_stream_decode_ratio') or 0:.3f}") + " |",
         f"| 1-token request p50, streamed | {found['one_token_stream_added_p50_ms']:+.2f} ms "
-        f"({one['strata']:.2f} / {one['engine']:.2f} ms) |",
+        f"({one['strata']:.2f} / {one['engine']:.2f} ms) | - |",
         f"| 1-token request p50, JSON | {found['one_token_json_added_p50_ms']:+.2f} ms "
-        f"({plain['strata']:.2f} / {plain['engine']:.2f} ms) |",
+        f"({plain['strata']:.2f} / {plain['engine']:.2f} ms) | - |",
         f"| {s['clients']} clients, requests/s | {found['clients_ratio']:.3f} ({rps_s:.2f} / {rps_e:.2f}"
-        f"{_range(found['clients_ratios'], 3)}) |",
-        f"| layer CPU s per 1,000 streamed tokens | {found['cpu_s_per_1000_tokens'] or 0:.3f} |",
+        f"{_range(found['clients_ratios'], 3)}) | "
+        + relay(f"{found.get('relay_clients_ratio', 0):.3f} ({statistics.median(rps['relay'] or [0]):.2f} / "
+                f"{rps_e:.2f})") + " |",
+        f"| layer CPU ms per request, {s['clients']} clients | {cpu.get('strata', 0):.2f} | "
+        + relay(f"{cpu.get('relay', 0):.2f}") + " |",
+        f"| layer CPU s per 1,000 streamed tokens | {found['cpu_s_per_1000_tokens'] or 0:.3f} | "
+        + relay(f"{found.get('relay_cpu_s_per_1000_tokens') or 0:.3f}") + " |",
     ]
 
 
