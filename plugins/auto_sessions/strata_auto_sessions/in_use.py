@@ -8,6 +8,7 @@ sessions rm``, which runs in another process, reads them from beside the files
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from strata_auto_sessions.store import ParkingStore
@@ -30,15 +31,24 @@ def in_use(service: Service, *keys: str | None) -> frozenset[str]:
 
 class InUseRecord:
     """What was last recorded beside the files as in use (``store.record_held``); its one
-    writer, written only when it changes."""
+    writer, written only when it changes.
+
+    ``left_in_ram``: the conversations left to the engine's RAM cache
+    (:mod:`strata_auto_sessions.engine_ram`), recorded too. They are the server's and may
+    have no file yet, so ``sessions rm`` must find them (it drops their save at the stop);
+    and with them, a switch between conversations the server already holds changes nothing
+    to record: short chats taking turns through the RAM cache cost no write per request.
+    """
 
     def __init__(self, store: ParkingStore | None):
         self.store = store
         self._recorded: list[str] | None = None
+        self.left_in_ram: Callable[[], Iterable[str]] = tuple
 
     def record(self, service: Service) -> None:
-        """Record the conversations the slots hold or the requests run, saved or not."""
-        keys = sorted(in_use(service))
+        """Record the conversations the slots hold or the requests run, and those left to
+        the engine's RAM cache, saved or not."""
+        keys = sorted(in_use(service).union(self.left_in_ram()))
         if keys != self._recorded:
             self.write(keys)
 

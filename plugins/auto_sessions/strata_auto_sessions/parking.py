@@ -147,7 +147,8 @@ class AutoSessions:
         if config.ram_first and config.shared is None and budget is not None and len(service.slots) == 1:
             # With a shared tier, the other servers need every state on the tier; with
             # several slots, the engine caches what each one leaves, in turns not seen here.
-            parking.engine_ram = EngineRam(budget)
+            parking.engine_ram = ram = EngineRam(budget)
+            parking.parts.in_use.left_in_ram = lambda: (ident[1] for ident, _ in ram.conversations())
         log.info("[strata] auto sessions: on, files in %s (%d file(s), %s); a conversation is worth a file "
                  "from %s", directory, parking.stats.files_on_disk, size_text(parking.stats.bytes_on_disk),
                  describe(config))

@@ -19,6 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 import strata_auto_sessions
+from strata_auto_sessions.naming import HELD_NAME
 from strata_auto_sessions.parked_blocks import ParkedBlocks
 from strata_auto_sessions.store import SessionStore, Sidecar, file_key
 from strata_serve.api import SERVICE
@@ -370,6 +371,37 @@ async def test_rm_of_a_held_conversation_not_yet_saved_by_key(auto_client, caplo
     assert again["timings"]["cache_n"] < 40, "nothing of it was kept"
     code, output = await asyncio.to_thread(sessions, directory, "rm", "nosuch")
     assert code == 1 and "no session 'nosuch'" in output, "only what the server holds or parked is removable"
+
+
+async def test_rm_of_a_conversation_left_to_the_engines_ram_cache_drops_it_at_the_stop(auto_client, caplog):
+    """Left to the engine's RAM cache, a conversation has no file and no slot, yet it is the
+    server's: the in-use record names it, so rm finds it, and the stop, which saves every
+    conversation left in RAM, drops it. And a switch between conversations the server
+    already holds (in its slot or in the engine's RAM) has nothing new to record: no write."""
+    caplog.set_level(logging.INFO, logger="strata_auto_sessions")
+    client = await auto_client(engine={"cache_ram_mib": 256}, idle_save_s=600)
+    a, b, c = conversation("ram-rm-a"), conversation("ram-rm-b"), conversation("ram-rm-c")
+    for messages in (a, b, c):
+        await ask(client, messages)
+    stats, directory = parking(client).stats, slot_dir(client)
+    assert stats.ram_switches == 2, "b and c were switched from through the engine's RAM cache"
+    key_a, key_b, key_c = (key_of(client, messages) for messages in (a, b, c))
+    assert is_parked(directory, key_a), "the first switch saved a (it measures a state's size)"
+    assert not is_parked(directory, key_b), "b is in the engine's RAM alone"
+    record = directory / HELD_NAME
+    assert sorted(json.loads(record.read_text())["keys"]) == sorted([key_a, key_b, key_c])
+    written = record.stat().st_ino  # each write puts a new file in place
+    await ask(client, more(a, "and a again?"))  # c leaves for RAM, a comes back from it
+    assert stats.ram_switches == 3 and stats.ram_hits == 1
+    assert record.stat().st_ino == written, "the same three conversations: nothing was written"
+
+    code, output = await asyncio.to_thread(sessions, directory, "rm", key_b)
+    assert code == 0, output
+    assert f"removed {key_b}: held by the running server, not saved yet" in output, output
+    await client.close()  # the stop brings each conversation left in RAM back and saves it
+    assert is_parked(directory, key_c), "the stop saved what was left in RAM"
+    assert not is_parked(directory, key_b), "but not the one removed by hand"
+    assert any(f"{key_b} was removed by hand" in line for line in log_lines(caplog))
 
 
 async def test_rm_of_a_tenant_takes_its_held_conversation_not_yet_saved(strata_client_factory,
