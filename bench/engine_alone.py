@@ -203,7 +203,7 @@ def report(found: dict[str, Any], model: str) -> list[str]:
     rps_e, rps_s = (statistics.median(rps[n]) for n in ("engine", "strata"))
     one = found["one_token_stream_p50_ms"]
     plain = found["one_token_json_p50_ms"]
-    relayed = "relay" in stream and stream["relay"]  # runs before the bare relay was measured lack it
+    relayed = bool(stream.get("relay"))  # runs before the bare relay was measured lack it
 
     def relay(text: str) -> str:
         return text if relayed else "-"
@@ -227,7 +227,7 @@ def report(found: dict[str, Any], model: str) -> list[str]:
         "|---|---|---|",
         f"| streaming tokens/s | {found['stream_ratio']:.3f} ({stream_s:.1f} / {stream_e:.1f}"
         f"{_range(found['stream_ratios'], 3)}) | "
-        + relay(f"{found.get('relay_stream_ratio', 0):.3f} ({statistics.median(stream['relay'] or [0]):.1f} / "
+        + relay(f"{found.get('relay_stream_ratio', 0):.3f} ({statistics.median(stream.get('relay') or [0]):.1f} / "
                 f"{stream_e:.1f})") + " |",
         f"| the engine's own decode tokens/s in those streams | {found['stream_decode_ratio'] or 0:.3f} | "
         + relay(f"{found.get('relay_stream_decode_ratio') or 0:.3f}") + " |",
@@ -237,9 +237,10 @@ def report(found: dict[str, Any], model: str) -> list[str]:
         f"({plain['strata']:.2f} / {plain['engine']:.2f} ms) | - |",
         f"| {s['clients']} clients, requests/s | {found['clients_ratio']:.3f} ({rps_s:.2f} / {rps_e:.2f}"
         f"{_range(found['clients_ratios'], 3)}) | "
-        + relay(f"{found.get('relay_clients_ratio', 0):.3f} ({statistics.median(rps['relay'] or [0]):.2f} / "
+        + relay(f"{found.get('relay_clients_ratio', 0):.3f} ({statistics.median(rps.get('relay') or [0]):.2f} / "
                 f"{rps_e:.2f})") + " |",
-        f"| layer CPU ms per request, {s['clients']} clients | {cpu.get('strata', 0):.2f} | "
+        f"| layer CPU ms per request, {s['clients']} clients | "
+        + (f"{cpu['strata']:.2f}" if "strata" in cpu else "-") + " | "
         + relay(f"{cpu.get('relay', 0):.2f}") + " |",
         f"| layer CPU s per 1,000 streamed tokens | {found['cpu_s_per_1000_tokens'] or 0:.3f} | "
         + relay(f"{found.get('relay_cpu_s_per_1000_tokens') or 0:.3f}") + " |",

@@ -384,7 +384,7 @@ async def test_rm_of_a_conversation_left_to_the_engines_ram_cache_drops_it_at_th
     for messages in (a, b, c):
         await ask(client, messages)
     stats, directory = parking(client).stats, slot_dir(client)
-    assert stats.ram_switches == 2, "b and c were switched from through the engine's RAM cache"
+    assert stats.ram_switches == 2, "a and b left the slot through the engine's RAM cache"
     key_a, key_b, key_c = (key_of(client, messages) for messages in (a, b, c))
     assert is_parked(directory, key_a), "the first switch saved a (it measures a state's size)"
     assert not is_parked(directory, key_b), "b is in the engine's RAM alone"
