@@ -8,11 +8,12 @@ strata-serve in one run, and is given as a ratio:
 - streaming: streams of 150 tokens (``ignore_eos``), tokens/s over the whole call, and
   the engine's own decode speed in them (``predicted_per_second``): where that is lower
   through strata-serve, the layer's CPU took from the engine's threads;
-- a 1-token request: p50 latency, streamed and not, a new connection for each;
+- a 1-token request: p50 latency, streamed and not, a new connection for each, with a
+  90% interval for what strata-serve adds (a bootstrap over this run's requests);
 - eight clients, each its own short chat (a ~60-token opening, 8 tokens out, 8 turns),
   all at once: requests/s over the whole round, and the layer's CPU per request.
 
-Streams and the eight clients go through a third way too: a bare relay
+Every measure goes through a third way too: a bare relay
 (:func:`bench.profile.bare_relay_process`, an aiohttp server that passes each request to
 the same engine and its answer back, nothing else: no line, no hooks), in its own process.
 Its ratio to the engine alone is what any Python layer between client and engine costs on
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import tempfile
 import time
@@ -85,7 +87,22 @@ async def settle(session: aiohttp.ClientSession, url: str, timeout_s: float = 60
 def sizes(quick: bool) -> dict[str, int]:
     if quick:
         return {"streams": 2, "stream_tokens": 32, "requests": 10, "blocks": 1, "clients": 8, "turns": 2}
-    return {"streams": 16, "stream_tokens": 150, "requests": 40, "blocks": 3, "clients": 8, "turns": 8}
+    # 150 1-token requests each way: with 40, two runs on one machine put the added p50
+    # 0.7 ms apart, more than the goal's margin.
+    return {"streams": 16, "stream_tokens": 150, "requests": 150, "blocks": 5, "clients": 8, "turns": 8}
+
+
+def added_interval(through: list[float], alone: list[float], rounds: int = 2000,
+                   seed: int = 39) -> tuple[float, float]:
+    """A 90% interval (ms) for how much ``through``'s p50 exceeds ``alone``'s: each resampled
+    with replacement, ``rounds`` times (a bootstrap; seeded, so a run's figures repeat). It
+    says whether a p50 over a goal is more than this run's own spread."""
+    picks = random.Random(seed)
+    added = sorted(
+        (statistics.median(picks.choices(through, k=len(through)))
+         - statistics.median(picks.choices(alone, k=len(alone)))) * 1000
+        for _ in range(rounds))
+    return added[int(rounds * 0.05)], added[int(rounds * 0.95) - 1]
 
 
 async def _plain(session: aiohttp.ClientSession, url: str, messages: list[dict]) -> float:
@@ -110,9 +127,6 @@ async def measure(model: Path, work: Path, *, streams: int, stream_tokens: int, 
         pids = {"strata": pid, "relay": relay_pid}
         for url in three.values():
             await chat(session, url, short)  # warm: the prompt is cached from here on
-
-        def order(n: int) -> tuple[str, str]:
-            return ("engine", "strata") if n % 2 else ("strata", "engine")
 
         def order3(n: int) -> list[str]:
             names = list(three)
@@ -147,14 +161,15 @@ async def measure(model: Path, work: Path, *, streams: int, stream_tokens: int, 
 
         # A 1-token request, a new connection each (client_session closes every one).
         for kind in ("stream", "json"):
-            times: dict[str, list[float]] = {"engine": [], "strata": []}
+            times: dict[str, list[float]] = {name: [] for name in three}
             for n in range(requests):
-                for name in order(n):
-                    times[name].append((await chat(session, urls[name], short)).total_s if kind == "stream"
-                                       else await _plain(session, urls[name], short))
-            found[f"one_token_{kind}_p50_ms"] = {name: percentile(t, 50) * 1000 for name, t in times.items()}
-            found[f"one_token_{kind}_added_p50_ms"] = (found[f"one_token_{kind}_p50_ms"]["strata"]
-                                                      - found[f"one_token_{kind}_p50_ms"]["engine"])
+                for name in order3(n):
+                    times[name].append((await chat(session, three[name], short)).total_s if kind == "stream"
+                                       else await _plain(session, three[name], short))
+            p50 = found[f"one_token_{kind}_p50_ms"] = {name: percentile(t, 50) * 1000 for name, t in times.items()}
+            found[f"one_token_{kind}_added_p50_ms"] = p50["strata"] - p50["engine"]
+            found[f"relay_one_token_{kind}_added_p50_ms"] = p50["relay"] - p50["engine"]
+            found[f"one_token_{kind}_added_interval_ms"] = added_interval(times["strata"], times["engine"])
 
         # Eight clients, each its own chat, all at once.
         async def client(url: str, number: int, block: int) -> int:
@@ -196,6 +211,19 @@ def _range(values: list[float], digits: int) -> str:
     return f", {min(values):.{digits}f}-{max(values):.{digits}f}" if len(values) > 1 else ""
 
 
+def _interval(found: dict[str, Any], kind: str) -> str:
+    interval = found.get(f"one_token_{kind}_added_interval_ms")  # runs before it was measured lack it
+    return f"; 90% interval {interval[0]:+.2f} to {interval[1]:+.2f} ms" if interval else ""
+
+
+def _added(found: dict[str, Any], kind: str) -> str:
+    """The bare relay's added p50 for the 1-token request ('-' in runs before it was measured)."""
+    added = found.get(f"relay_one_token_{kind}_added_p50_ms")
+    if added is None:
+        return "-"
+    return f"{added:+.2f} ms ({found[f'one_token_{kind}_p50_ms']['relay']:.2f} ms)"
+
+
 def report(found: dict[str, Any], model: str) -> list[str]:
     s = found["sizes"]
     stream, rps = found["stream_tps"], found["clients_rps"]
@@ -217,11 +245,11 @@ def report(found: dict[str, Any], model: str) -> list[str]:
         "it started, asked directly, alternating with it in this one run; and a bare relay (an aiohttp server "
         "passing each request to that engine, nothing else) in turn with both. Streaming: "
         f"{s['streams']} streams of {s['stream_tokens']} tokens each way, tokens/s over the whole call. A 1-token "
-        f"request: {s['requests']} each way, a new connection each. {s['clients']} clients at once, each its own "
+        f"request: {s['requests']} each way, a new connection each; the interval is a bootstrap's 90% for the "
+        f"added p50. {s['clients']} clients at once, each its own "
         f"chat (a ~60-token opening, 8 tokens out, {s['turns']} turns), {s['blocks']} round(s) each way. In "
         "brackets: the way measured / the engine, and the lowest-highest ratio of strata-serve's interleaved "
-        "pairs. The bare relay's column is what any Python layer costs here; the 1-token request's is in "
-        "`bench.profile`'s table.",
+        "pairs. The bare relay's column is what any Python layer costs here.",
         "",
         "| measure | strata-serve / engine alone | bare relay / engine alone |",
         "|---|---|---|",
@@ -232,9 +260,11 @@ def report(found: dict[str, Any], model: str) -> list[str]:
         f"| the engine's own decode tokens/s in those streams | {found['stream_decode_ratio'] or 0:.3f} | "
         + relay(f"{found.get('relay_stream_decode_ratio') or 0:.3f}") + " |",
         f"| 1-token request p50, streamed | {found['one_token_stream_added_p50_ms']:+.2f} ms "
-        f"({one['strata']:.2f} / {one['engine']:.2f} ms) | - |",
+        f"({one['strata']:.2f} / {one['engine']:.2f} ms{_interval(found, 'stream')}) | "
+        + _added(found, "stream") + " |",
         f"| 1-token request p50, JSON | {found['one_token_json_added_p50_ms']:+.2f} ms "
-        f"({plain['strata']:.2f} / {plain['engine']:.2f} ms) | - |",
+        f"({plain['strata']:.2f} / {plain['engine']:.2f} ms{_interval(found, 'json')}) | "
+        + _added(found, "json") + " |",
         f"| {s['clients']} clients, requests/s | {found['clients_ratio']:.3f} ({rps_s:.2f} / {rps_e:.2f}"
         f"{_range(found['clients_ratios'], 3)}) | "
         + relay(f"{found.get('relay_clients_ratio', 0):.3f} ({statistics.median(rps.get('relay') or [0]):.2f} / "
