@@ -80,7 +80,27 @@ async def test_quick_benchmark_writes_its_tables(tmp_path):
     assert "## Against its own engine alone, tiny model" in report and "| 8 clients, requests/s |" in report
     assert all(len(alone["stream_tps"][n]) == 2 and min(alone["stream_tps"][n]) > 0 for n in ("engine", "strata"))
     assert all(len(alone["clients_rps"][n]) == 1 for n in ("engine", "strata"))
+    # The 1-token request went all three ways, with an interval for what strata-serve added.
+    for kind in ("stream", "json"):
+        assert set(alone[f"one_token_{kind}_p50_ms"]) == {"engine", "strata", "relay"}
+        low, high = alone[f"one_token_{kind}_added_interval_ms"]
+        assert low <= high
+    assert "90% interval" in report
     print(f"bench-quick took {results['seconds']['total']:.0f} s")
+
+
+def test_the_added_p50_interval_holds_a_shift_and_only_it():
+    from bench.engine_alone import added_interval
+
+    alone = [0.010 + 0.00002 * n for n in range(50)]  # 10.00-10.98 ms
+    # Every request 1 ms slower: whatever is resampled, the added p50 is about 1 ms.
+    low, high = added_interval([t + 0.001 for t in alone], alone)
+    assert 0.5 < low <= high < 1.5
+    # The same requests both ways: 0 is inside, half a millisecond is not.
+    low, high = added_interval(list(alone), alone)
+    assert low < 0 < high < 0.5
+    # Seeded: a run's figures repeat.
+    assert added_interval(list(alone), alone) == (low, high)
 
 
 # -- the soak ---------------------------------------------------------------------------------
