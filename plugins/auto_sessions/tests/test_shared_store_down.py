@@ -122,6 +122,8 @@ async def test_a_frozen_store_leaves_parking_local_and_uploads_land_once_it_is_b
     # Its head is written before the upload is counted: the count is taken once it ended.
     assert await auto.shared.settled(BACK_S), "A's upload ended"
     uploads, restores = stats.shared_uploads, stats.restores
+    # B is in the slot, never parked (no idle save): the store holds no head of it.
+    assert await auto.shared.tier.head(auto.store.bin_name(key_of(client, b))) is None
 
     assert store.process is not None
     os.kill(store.process.pid, signal.SIGSTOP)  # connections are taken, nothing is answered
@@ -139,13 +141,15 @@ async def test_a_frozen_store_leaves_parking_local_and_uploads_land_once_it_is_b
 
     os.kill(store.process.pid, signal.SIGCONT)
     # B's state and A's newer one, parked while the store was frozen, land: the heads name
-    # the local files (A's head moves from its first state to its second). Not counted by
+    # the local files (A's head moves from its first state to its second). B had no head
+    # before the freeze, so its head is an upload made after it. Not told by the count of
     # uploads: A's new state may pass for the one its head holds (the same prompt and
     # tokens, and the same blocks, or for a whole file the same sampled digest), and a call
-    # given up on while the store was frozen may still be carried out once it runs again.
-    # B had no head before the freeze: one upload at least was made after it.
+    # given up on may still be carried out by the store. Seen once in CI: B's head was
+    # written, no upload was counted (a call of B's upload given up while the thawed store
+    # worked through the calls queued during the freeze; the next try found B's state
+    # shared already).
     await until(lambda: heads_hold(client, [a, b]), BACK_S, "the uploads did not land once the store was back")
-    assert stats.shared_uploads > uploads
     assert auto.shared.refused is None
 
 
