@@ -15,6 +15,7 @@ before, and its ``pre_request`` and ``post_request`` run in that turn, in order.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,19 @@ if TYPE_CHECKING:
 
 #: The hooks whose implementations act around a request: each of their plugins must agree.
 ACTING_HOOKS = ("pre_request", "post_request")
+
+
+@dataclass
+class InLine:
+    """A request waiting for its turn on an engine that runs one request at a time: the
+    request at the engine sends it ahead once that answer has begun (its ``ahead``), when
+    it needs no switch; ``closed`` once its turn came or its client left."""
+
+    request: StrataRequest
+    send: Callable[[Outcome], Awaitable[None]]
+    place: asyncio.Future[int]
+    ahead: Ahead | None = None
+    closed: bool = False
 
 
 @dataclass

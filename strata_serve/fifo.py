@@ -53,6 +53,10 @@ class ServiceFIFO:
     def waiting(self) -> int:
         return sum(1 for w, _ in self._waiters if not w.done())
 
+    def head(self) -> asyncio.Future[int] | None:
+        """The place of the first request waiting (its turn comes next, on one slot)."""
+        return next((w for w, _ in self._waiters if not w.done()), None)
+
     @property
     def idle(self) -> bool:
         return self.holders == 0 and self.waiting == 0

@@ -195,7 +195,9 @@ def may_go_ahead(request: StrataRequest, held: SlotState, service: Service) -> b
     """(sync) Whether ``request`` may reach the engine before the answer running now ends.
 
     Asked on an engine that runs one request at a time, for a request arriving while the
-    request before it is at the engine and no other waits. Answer True only when your
+    request before it is at the engine and no other waits; and for the first request
+    waiting in line once the engine has begun its answer to the request at the engine (a
+    stream's status has come). Answer True only when your
     ``post_request`` for the request running now and your ``pre_request`` for ``request``
     need nothing done to the slot before the engine reads ``request`` (no save, restore
     or erase; nothing the engine must see first): the slot still holds ``held``'s

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from strata_serve.config import ConfigError, Settings
 from strata_serve.engine.base import Engine, SlotErased, SlotRestored, SlotSaved
 from strata_serve.fifo import IdleWork, QueueFull, ServiceFIFO, ShuttingDown
-from strata_serve.ahead import Ahead, may_go_ahead
+from strata_serve.ahead import Ahead, InLine, may_go_ahead
 from strata_serve.shutdown import Stopping
 from strata_serve.slot_calls import SlotCalls
 from strata_serve.hook_types import EngineError, Outcome, StrataRequest, Verdict
@@ -62,6 +62,11 @@ class Service(SlotCalls, Stopping):
         #: time; and the one sent to the engine ahead of its turn behind it, if any.
         self._at_engine: StrataRequest | None = None
         self._ahead: StrataRequest | None = None
+        #: What the request at the engine has been answered so far (its HTTP status once the
+        #: engine began its answer).
+        self._at_engine_outcome: Outcome | None = None
+        #: The requests waiting in line that the turn before may send ahead, by their place.
+        self._in_line: dict[asyncio.Future[int], InLine] = {}
         self.closing = False
         self.started_at = time.time()
         self._tasks: set[asyncio.Task] = set()
@@ -167,11 +172,70 @@ class Service(SlotCalls, Stopping):
         claim = claim_for(request, self.engine, len(self.slots), one_at_a_time=lane)
         request.pinned = claim.pinned
         ahead = self._sent_ahead(request, claim, send)
-        if ahead is None:
-            return await self._turn(request, claim, send, deliver, arrived, None)
-        # At the engine already: the request keeps its turn to its end, whatever its client
-        # does meanwhile (the slot's picture and the plugins' steps must see it through).
-        return await _shielded(self._turn(request, claim, send, deliver, arrived, ahead))
+        if ahead is not None:
+            # At the engine already: the request keeps its turn to its end, whatever its client
+            # does meanwhile (the slot's picture and the plugins' steps must see it through).
+            return await _shielded(self._turn(request, claim, send, deliver, arrived, ahead))
+        if len(self.slots) == 1 and not self.fifo.idle and not self.closing:
+            return await self._wait_in_line(request, claim, send, deliver, arrived)
+        return await self._turn(request, claim, send, deliver, arrived, None)
+
+    async def _wait_in_line(self, request: StrataRequest, claim: Claim, send: Callable[[Outcome], Awaitable[None]],
+                            deliver: Callable[[], Awaitable[None]] | None, arrived: float) -> Outcome:
+        """A request that waits for its turn behind others, on an engine that runs one at a
+        time: the request before it may send it to the engine ahead of its turn
+        (:meth:`_send_next_ahead`). Until then, its client leaving takes it out of the line;
+        once sent, its turn runs to its end as one sent ahead at its arrival does."""
+        place = self.fifo.line_up(claim)
+        in_line = self._in_line[place] = InLine(request, send, place)
+        turn = asyncio.ensure_future(self._turn(request, claim, send, deliver, arrived, None, in_line))
+        self._send_next_ahead()  # it may be first in line behind an answer begun already
+        cancelled = False
+        try:
+            while True:
+                try:
+                    outcome = await asyncio.shield(turn)
+                    break
+                except asyncio.CancelledError:
+                    if turn.done():
+                        raise
+                    if in_line.ahead is None:
+                        in_line.closed = True
+                        turn.cancel()
+                        await asyncio.wait({turn})
+                        _ = turn.cancelled() or turn.exception()  # a cancelled wait is this one's
+                        raise
+                    cancelled = True
+        finally:
+            in_line.closed = True
+            self._in_line.pop(place, None)
+        if cancelled:
+            raise asyncio.CancelledError()
+        return outcome
+
+    def answer_began(self) -> None:
+        """The engine began its answer to the request at the engine (an API's relay says so
+        once the answer's status is known): the next in line may be sent to it now."""
+        self._send_next_ahead()
+
+    def _send_next_ahead(self) -> None:
+        """The first request in line sent to the engine ahead of its turn, as one that arrives
+        when no one waits is (:meth:`_sent_ahead`), once the engine has begun its answer to
+        the request before it: it has that request then, and runs the two in order."""
+        at_engine = self._at_engine_outcome
+        if (at_engine is None or at_engine.http_status != 200 or len(self.slots) != 1
+                or self._ahead is not None or self.closing or not self.engine.ready):
+            return
+        head = self.fifo.head()
+        in_line = self._in_line.get(head) if head is not None else None
+        if in_line is None or in_line.closed or not may_go_ahead(self.pm, in_line.request, self.slots[0], self):
+            return
+        request = in_line.request
+        request.slot, request.sent_ahead = 0, True
+        self._ahead = request
+        outcome = Outcome(status="error", error="not sent")
+        log.debug("[strata] request %d, first in line, goes to the engine ahead of its turn", request.id)
+        in_line.ahead = Ahead(outcome, asyncio.ensure_future(in_line.send(outcome)), in_line.place)
 
     def _sent_ahead(self, request: StrataRequest, claim: Claim,
                     send: Callable[[Outcome], Awaitable[None]]) -> Ahead | None:
@@ -193,11 +257,16 @@ class Service(SlotCalls, Stopping):
         return Ahead(outcome, asyncio.ensure_future(send(outcome)), place)
 
     async def _turn(self, request: StrataRequest, claim: Claim, send: Callable[[Outcome], Awaitable[None]],
-                    deliver: Callable[[], Awaitable[None]] | None, arrived: float, ahead: Ahead | None) -> Outcome:
+                    deliver: Callable[[], Awaitable[None]] | None, arrived: float, ahead: Ahead | None,
+                    in_line: InLine | None = None) -> Outcome:
         multi = len(self.slots) > 1
         lane = self.side_lane
         timeline = request.timeline
-        async with self.fifo.hold(claim, lined_up=None if ahead is None else ahead.place) as granted:
+        place = ahead.place if ahead is not None else in_line.place if in_line is not None else None
+        async with self.fifo.hold(claim, lined_up=place) as granted:
+            if in_line is not None:
+                in_line.closed = True
+                ahead = in_line.ahead
             timeline.add("queue", (time.perf_counter() - arrived) * 1000)
             with span("ready"):
                 limit = await self._ready_and_placed(request, granted, ahead, multi)
@@ -231,7 +300,9 @@ class Service(SlotCalls, Stopping):
                 # the engine stood idle, for strata-serve's work between the two.
                 timeline.add("gap", (time.perf_counter() - self._line_free_at) * 1000)
             sent = False
-            self._ahead, self._at_engine = None, request
+            self._ahead, self._at_engine, self._at_engine_outcome = None, request, outcome
+            if ahead is not None:
+                self._send_next_ahead()  # its answer may have begun already
             try:
                 await (send(outcome) if ahead is None else ahead.task)
                 sent = True
@@ -244,7 +315,7 @@ class Service(SlotCalls, Stopping):
                 outcome.error = str(exc)
                 raise
             finally:
-                self._at_engine = None
+                self._at_engine = self._at_engine_outcome = None
                 if one_line:
                     self._line_free_at = time.perf_counter()
                 self._answered(request, outcome, before)

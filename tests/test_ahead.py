@@ -9,13 +9,17 @@ sent ahead of its turn.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
+
+import pytest
 
 import strata_serve
 from strata_serve.api import SERVICE
 from strata_serve.engine.base import EngineUnavailable
-from strata_serve.memory_engine import MemoryEngine
+from strata_serve.memory_engine import MemoryEngine, MemoryStream
 from strata_serve.testing import chat_body, until, until_idle
 
 CHAT = ("/v1/chat/completions", "/v1/completions")
@@ -53,6 +57,14 @@ class Steps:
         self.agree = agree
         self.events: list[tuple[str, str]] = []
         self.asked: list[tuple[str | None, str | None]] = []
+        #: The task serving each request, by its last message.
+        self.tasks: dict[str, asyncio.Task] = {}
+
+    @strata_serve.hookimpl
+    def on_arrival(self, request):
+        task = asyncio.current_task()
+        assert task is not None
+        self.tasks[request.body["messages"][-1]["content"]] = task
 
     @strata_serve.hookimpl
     def may_go_ahead(self, request, held):
@@ -186,3 +198,149 @@ async def test_a_request_sent_ahead_whose_turn_finds_the_engine_gone_leaves_noth
     # recorded it: the slot holds nothing a plugin may save under a name.
     assert engine.ran == ["first", "second"]
     assert service.slots[0].key is None and service.slots[0].tokens is None
+
+
+# -- the first in line, sent ahead once the answer before it has begun ------------------------
+
+class StatusFirst(MemoryEngine):
+    """The in-memory engine running one request at a time, each answer held until the test
+    lets one more go (``let_one_go``). A stream's status comes as soon as the request reaches
+    it, as llama-server's headers do; its events once it ran."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.line = asyncio.Lock()
+        self.allowed = asyncio.Semaphore(0)
+        self.arrived: list[str] = []
+        self.ran: list[str] = []
+
+    def let_one_go(self) -> None:
+        self.allowed.release()
+
+    async def request(self, method: str, path: str, json: Any = None, **kwargs: Any) -> tuple[int, Any]:
+        if method != "POST" or path not in CHAT:
+            return await super().request(method, path, json, **kwargs)
+        text = json["messages"][-1]["content"]
+        self.arrived.append(text)
+        async with self.line:
+            await self.allowed.acquire()
+            self.ran.append(text)
+            return await super().request(method, path, json, **kwargs)
+
+    @contextlib.asynccontextmanager
+    async def stream(self, path: str, json: Any) -> AsyncIterator[Any]:
+        answer = asyncio.ensure_future(self.request("POST", path, {**json, "stream": False}))
+        await asyncio.sleep(0)  # it has reached the engine
+        try:
+            yield _Later(answer)
+        finally:
+            answer.cancel()
+
+
+class _Later:
+    """A stream whose status is known at once and whose events come once the answer is made."""
+
+    status = 200
+
+    def __init__(self, answer: asyncio.Future[tuple[int, Any]]) -> None:
+        self._answer = answer
+
+    async def body(self) -> Any:
+        return (await self._answer)[1]
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        status, answer = await self._answer
+        async for chunk in MemoryStream(status, answer).chunks():
+            yield chunk
+
+
+@pytest.fixture
+def held_engine():
+    """A :class:`StatusFirst` engine; a test that fails with answers still held lets them
+    all go before its server stops (it is torn down before the client, named after it)."""
+    engine = StatusFirst()
+    yield engine
+    for _ in range(100):
+        engine.let_one_go()
+
+
+async def _in_line(client, engine: StatusFirst, names: list[str]) -> dict[str, asyncio.Task]:
+    """Streamed requests, one after another: the first at the engine, the second sent ahead
+    at its arrival (no one waited), the others waiting in line behind it."""
+    tasks = {}
+    for n, name in enumerate(names):
+        tasks[name] = asyncio.create_task(client.post("/v1/chat/completions",
+                                                      json=chat_body(name, max_tokens=3, stream=True)))
+        if n < 2:
+            await until(lambda n=n: engine.arrived == names[:n + 1], what=f"{name} at the engine")
+        else:
+            # the second waits for its turn too (at the engine already)
+            await until(lambda n=n: client.app[SERVICE].fifo.waiting == n, what=f"{name} waiting in line")
+    return tasks
+
+
+async def test_the_first_in_line_reaches_the_engine_once_the_answer_before_it_began(strata_client_factory,
+                                                                                     held_engine):
+    engine, steps = held_engine, Steps(agree=True)
+    client = await strata_client_factory(steps, engine=engine)
+    service = client.app[SERVICE]
+    names = ["first", "second", "third", "fourth"]
+    tasks = await _in_line(client, engine, names)
+    assert engine.arrived == ["first", "second"], "one request at a time goes ahead"
+    engine.let_one_go()  # the first answer; the second's turn comes, its answer began at once
+    await until(lambda: engine.arrived == names[:3], what="the third at the engine before the second's answer")
+    assert engine.ran == ["first"], "the second's answer is still held"
+    engine.let_one_go()
+    await until(lambda: engine.arrived == names, what="the fourth at the engine before the third's answer")
+    assert engine.ran == ["first", "second"]
+    engine.let_one_go()
+    engine.let_one_go()
+    replies = [await tasks[name] for name in names]
+    assert [reply.status for reply in replies] == [200] * 4
+    texts = [await reply.text() for reply in replies]
+    assert all("[DONE]" in text for text in texts)
+    await until_idle(service)
+    # The engine ran them in their order, and each request's plugin steps ran in its own turn.
+    assert engine.ran == names
+    assert steps.events == [(step, name) for name in names for step in ("pre", "post")]
+    held = service.slots[0]
+    assert held.key == replies[-1].headers["X-Strata-Conversation"] and held.tokens == len(engine.slot)
+
+
+async def test_a_request_in_line_whose_client_leaves_before_it_went_ahead_never_reaches_the_engine(
+        strata_client_factory, held_engine):
+    engine, steps = held_engine, Steps(agree=True)
+    client = await strata_client_factory(steps, engine=engine)
+    service = client.app[SERVICE]
+    tasks = await _in_line(client, engine, ["first", "second", "third", "fourth"])
+    tasks["third"].cancel()
+    await until(lambda: service.fifo.waiting == 2, what="the third out of the line")
+    for _ in range(3):
+        engine.let_one_go()
+    assert [(await tasks[name]).status for name in ("first", "second", "fourth")] == [200] * 3
+    await until_idle(service)
+    assert engine.arrived == engine.ran == ["first", "second", "fourth"]
+    assert ("pre", "third") not in steps.events and ("post", "third") not in steps.events
+
+
+async def test_a_request_sent_ahead_from_the_line_keeps_its_turn_when_its_client_leaves(strata_client_factory,
+                                                                                       held_engine):
+    engine, steps = held_engine, Steps(agree=True)
+    client = await strata_client_factory(steps, engine=engine)
+    service = client.app[SERVICE]
+    names = ["first", "second", "third", "fourth"]
+    tasks = await _in_line(client, engine, names)
+    engine.let_one_go()
+    await until(lambda: engine.arrived == names[:3], what="the third at the engine, ahead")
+    # Its client leaves: the server cancels the request's task (as `strata-serve run` does,
+    # aiohttp's handler_cancellation; the test server does not).
+    steps.tasks["third"].cancel()
+    for _ in range(3):
+        engine.let_one_go()
+    assert [(await tasks[name]).status for name in ("first", "second", "fourth")] == [200] * 3
+    await until_idle(service)
+    assert steps.tasks["third"].cancelled(), "cancelled once its turn ended"
+    # The third's turn came in its place, with its plugin steps, whatever its client did.
+    assert engine.ran == names
+    assert steps.events == [(step, name) for name in names for step in ("pre", "post")]
+    assert service.slots[0].tokens == len(engine.slot)

@@ -262,6 +262,7 @@ async def _relay_json(service: Service, api: Api, body: dict[str, Any], outcome:
     api_format = api.format
     status, answer = await service.engine.request("POST", api.engine_path, json=body, op="completion")
     outcome.http_status = status
+    service.answer_began()
     if isinstance(answer, dict) and 200 <= status < 300:
         usage = api_format.usage(answer)
         numbers = api_format.engine_numbers(answer, service.engine.numbers_key)
@@ -365,6 +366,7 @@ async def _relay_stream(
     api_format = api.format
     async with service.engine.stream(api.engine_path, strata_request.body) as upstream:
         outcome.http_status = upstream.status
+        service.answer_began()  # the engine has this request: the next in line may follow it there
         if upstream.status != 200:
             answer = await upstream.body()
             outcome.error = f"engine answered HTTP {upstream.status}"
