@@ -188,30 +188,20 @@ class Service(SlotCalls, Stopping):
         once sent, its turn runs to its end as one sent ahead at its arrival does."""
         place = self.fifo.line_up(claim)
         in_line = self._in_line[place] = InLine(request, send, place)
-        turn = asyncio.ensure_future(self._turn(request, claim, send, deliver, arrived, None, in_line))
+        turn = self._turn(request, claim, send, deliver, arrived, None, in_line)
         self._send_next_ahead()  # it may be first in line behind an answer begun already
-        cancelled = False
+
+        def not_sent() -> bool:
+            if in_line.ahead is not None:
+                return False
+            in_line.closed = True  # cancelled before it was sent: it never goes
+            return True
+
         try:
-            while True:
-                try:
-                    outcome = await asyncio.shield(turn)
-                    break
-                except asyncio.CancelledError:
-                    if turn.done():
-                        raise
-                    if in_line.ahead is None:
-                        in_line.closed = True
-                        turn.cancel()
-                        await asyncio.wait({turn})
-                        _ = turn.cancelled() or turn.exception()  # a cancelled wait is this one's
-                        raise
-                    cancelled = True
+            return await _shielded(turn, unless=not_sent)
         finally:
             in_line.closed = True
             self._in_line.pop(place, None)
-        if cancelled:
-            raise asyncio.CancelledError()
-        return outcome
 
     def answer_began(self) -> None:
         """The engine began its answer to the request at the engine (an API's relay says so
@@ -529,10 +519,11 @@ class Service(SlotCalls, Stopping):
             self.slots.finished(request.slot, None)  # cut off: ask the engine when it matters
 
 
-async def _shielded(step: Awaitable[Any]) -> Any:
+async def _shielded(step: Awaitable[Any], unless: Callable[[], bool] | None = None) -> Any:
     """Await ``step`` shielded: it runs to its end even if the awaiting task is cancelled meanwhile.
 
-    The cancel is re-raised once the step has finished.
+    The cancel is re-raised once the step has finished. ``unless``, asked at a cancel:
+    True cancels the step after all (the cancel is raised once it has ended).
     """
     inner = asyncio.ensure_future(step)
     cancelled = False
@@ -542,6 +533,11 @@ async def _shielded(step: Awaitable[Any]) -> Any:
             break
         except asyncio.CancelledError:
             if inner.done():
+                raise
+            if unless is not None and unless():
+                inner.cancel()
+                await asyncio.wait({inner})
+                _ = inner.cancelled() or inner.exception()  # its failure is the cancel's
                 raise
             cancelled = True
     if cancelled:

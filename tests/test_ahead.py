@@ -42,10 +42,13 @@ class OneAtATime(MemoryEngine):
         text = json["messages"][-1]["content"]
         self.arrived.append(text)
         async with self.line:
-            if not self.ran:
-                await self.go.wait()
+            await self.wait_to_run()
             self.ran.append(text)
             return await super().request(method, path, json, **kwargs)
+
+    async def wait_to_run(self) -> None:
+        if not self.ran:
+            await self.go.wait()
 
 
 class Steps:
@@ -202,30 +205,20 @@ async def test_a_request_sent_ahead_whose_turn_finds_the_engine_gone_leaves_noth
 
 # -- the first in line, sent ahead once the answer before it has begun ------------------------
 
-class StatusFirst(MemoryEngine):
+class StatusFirst(OneAtATime):
     """The in-memory engine running one request at a time, each answer held until the test
     lets one more go (``let_one_go``). A stream's status comes as soon as the request reaches
     it, as llama-server's headers do; its events once it ran."""
 
     def __init__(self) -> None:
-        super().__init__(None)
-        self.line = asyncio.Lock()
+        super().__init__()
         self.allowed = asyncio.Semaphore(0)
-        self.arrived: list[str] = []
-        self.ran: list[str] = []
 
     def let_one_go(self) -> None:
         self.allowed.release()
 
-    async def request(self, method: str, path: str, json: Any = None, **kwargs: Any) -> tuple[int, Any]:
-        if method != "POST" or path not in CHAT:
-            return await super().request(method, path, json, **kwargs)
-        text = json["messages"][-1]["content"]
-        self.arrived.append(text)
-        async with self.line:
-            await self.allowed.acquire()
-            self.ran.append(text)
-            return await super().request(method, path, json, **kwargs)
+    async def wait_to_run(self) -> None:
+        await self.allowed.acquire()
 
     @contextlib.asynccontextmanager
     async def stream(self, path: str, json: Any) -> AsyncIterator[Any]:
@@ -264,6 +257,17 @@ def held_engine():
         engine.let_one_go()
 
 
+NAMES = ["first", "second", "third", "fourth"]
+
+
+async def _four_in_line(strata_client_factory, engine: StatusFirst):
+    """A server on ``engine``, a plugin agreeing to every request going ahead, and four
+    streamed requests (:data:`NAMES`) lined up as :func:`_in_line` says."""
+    steps = Steps(agree=True)
+    client = await strata_client_factory(steps, engine=engine)
+    return client.app[SERVICE], steps, await _in_line(client, engine, NAMES)
+
+
 async def _in_line(client, engine: StatusFirst, names: list[str]) -> dict[str, asyncio.Task]:
     """Streamed requests, one after another: the first at the engine, the second sent ahead
     at its arrival (no one waited), the others waiting in line behind it."""
@@ -281,11 +285,8 @@ async def _in_line(client, engine: StatusFirst, names: list[str]) -> dict[str, a
 
 async def test_the_first_in_line_reaches_the_engine_once_the_answer_before_it_began(strata_client_factory,
                                                                                      held_engine):
-    engine, steps = held_engine, Steps(agree=True)
-    client = await strata_client_factory(steps, engine=engine)
-    service = client.app[SERVICE]
-    names = ["first", "second", "third", "fourth"]
-    tasks = await _in_line(client, engine, names)
+    engine, names = held_engine, NAMES
+    service, steps, tasks = await _four_in_line(strata_client_factory, engine)
     assert engine.arrived == ["first", "second"], "one request at a time goes ahead"
     engine.let_one_go()  # the first answer; the second's turn comes, its answer began at once
     await until(lambda: engine.arrived == names[:3], what="the third at the engine before the second's answer")
@@ -309,10 +310,8 @@ async def test_the_first_in_line_reaches_the_engine_once_the_answer_before_it_be
 
 async def test_a_request_in_line_whose_client_leaves_before_it_went_ahead_never_reaches_the_engine(
         strata_client_factory, held_engine):
-    engine, steps = held_engine, Steps(agree=True)
-    client = await strata_client_factory(steps, engine=engine)
-    service = client.app[SERVICE]
-    tasks = await _in_line(client, engine, ["first", "second", "third", "fourth"])
+    engine = held_engine
+    service, steps, tasks = await _four_in_line(strata_client_factory, engine)
     tasks["third"].cancel()
     await until(lambda: service.fifo.waiting == 2, what="the third out of the line")
     for _ in range(3):
@@ -325,11 +324,8 @@ async def test_a_request_in_line_whose_client_leaves_before_it_went_ahead_never_
 
 async def test_a_request_sent_ahead_from_the_line_keeps_its_turn_when_its_client_leaves(strata_client_factory,
                                                                                        held_engine):
-    engine, steps = held_engine, Steps(agree=True)
-    client = await strata_client_factory(steps, engine=engine)
-    service = client.app[SERVICE]
-    names = ["first", "second", "third", "fourth"]
-    tasks = await _in_line(client, engine, names)
+    engine, names = held_engine, NAMES
+    service, steps, tasks = await _four_in_line(strata_client_factory, engine)
     engine.let_one_go()
     await until(lambda: engine.arrived == names[:3], what="the third at the engine, ahead")
     # Its client leaves: the server cancels the request's task (as `strata-serve run` does,
