@@ -330,6 +330,7 @@ async def test_a_request_sent_ahead_from_the_line_keeps_its_turn_when_its_client
     await until(lambda: engine.arrived == names[:3], what="the third at the engine, ahead")
     # Its client leaves: the server cancels the request's task (as `strata-serve run` does,
     # aiohttp's handler_cancellation; the test server does not).
+    print("DEBUG client call done:", tasks["third"].done())
     steps.tasks["third"].cancel()
     for _ in range(3):
         engine.let_one_go()
