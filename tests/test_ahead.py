@@ -328,9 +328,10 @@ async def test_a_request_sent_ahead_from_the_line_keeps_its_turn_when_its_client
     service, steps, tasks = await _four_in_line(strata_client_factory, engine)
     engine.let_one_go()
     await until(lambda: engine.arrived == names[:3], what="the third at the engine, ahead")
-    # Its client leaves: the server cancels the request's task (as `strata-serve run` does,
-    # aiohttp's handler_cancellation; the test server does not).
-    print("DEBUG client call done:", tasks["third"].done())
+    # Its client leaves, and the server cancels the request's task. The client's call has
+    # returned already (the answer's headers came with its status), so the task is
+    # cancelled here, as the server does.
+    await until(lambda: tasks["third"].done(), what="the third's headers at its client")
     steps.tasks["third"].cancel()
     for _ in range(3):
         engine.let_one_go()
