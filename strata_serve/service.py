@@ -188,8 +188,8 @@ class Service(SlotCalls, Stopping):
         once sent, its turn runs to its end as one sent ahead at its arrival does."""
         place = self.fifo.line_up(claim)
         in_line = self._in_line[place] = InLine(request, send, place)
-        turn = self._turn(request, claim, send, deliver, arrived, None, in_line)
-        self._send_next_ahead()  # it may be first in line behind an answer begun already
+        # Its turn is a task from here: whatever happens below, the place it took is used and given back.
+        turn = asyncio.ensure_future(self._turn(request, claim, send, deliver, arrived, None, in_line))
 
         def not_sent() -> bool:
             if in_line.ahead is not None:
@@ -198,6 +198,7 @@ class Service(SlotCalls, Stopping):
             return True
 
         try:
+            self._send_next_ahead()  # it may be first in line behind an answer begun already
             return await _shielded(turn, unless=not_sent)
         finally:
             in_line.closed = True
