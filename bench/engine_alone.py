@@ -87,8 +87,8 @@ async def settle(session: aiohttp.ClientSession, url: str, timeout_s: float = 60
 def sizes(quick: bool) -> dict[str, int]:
     if quick:
         return {"streams": 2, "stream_tokens": 32, "requests": 10, "blocks": 1, "clients": 8, "turns": 2}
-    # 150 1-token requests each way: with 40, two runs on one machine put the added p50
-    # 0.7 ms apart, more than the goal's margin.
+    # 150 1-token requests each way: with 40 to 80, runs of one tree on one machine put the
+    # added p50 up to 0.7 ms apart, more than the goal's margin.
     return {"streams": 16, "stream_tokens": 150, "requests": 150, "blocks": 5, "clients": 8, "turns": 8}
 
 
