@@ -221,12 +221,7 @@ class Service(SlotCalls, Stopping):
         in_line = self._in_line.get(head) if head is not None else None
         if in_line is None or in_line.closed or not may_go_ahead(self.pm, in_line.request, self.slots[0], self):
             return
-        request = in_line.request
-        request.slot, request.sent_ahead = 0, True
-        self._ahead = request
-        outcome = Outcome(status="error", error="not sent")
-        log.debug("[strata] request %d, first in line, goes to the engine ahead of its turn", request.id)
-        in_line.ahead = Ahead(outcome, asyncio.ensure_future(in_line.send(outcome)), in_line.place)
+        in_line.ahead = self._send_ahead(in_line.request, in_line.send, in_line.place)
 
     def _sent_ahead(self, request: StrataRequest, claim: Claim,
                     send: Callable[[Outcome], Awaitable[None]]) -> Ahead | None:
@@ -239,12 +234,16 @@ class Service(SlotCalls, Stopping):
             return None
         if not may_go_ahead(self.pm, request, self.slots[0], self):
             return None
-        place = self.fifo.line_up(claim)  # its place, from now: no one passes it
+        return self._send_ahead(request, send, self.fifo.line_up(claim))  # its place, from now: no one passes it
+
+    def _send_ahead(self, request: StrataRequest, send: Callable[[Outcome], Awaitable[None]],
+                    place: asyncio.Future[int]) -> Ahead:
+        """Send ``request``, which holds ``place`` in the line, to the engine now."""
         request.slot, request.sent_ahead = 0, True
         self._ahead = request
         outcome = Outcome(status="error", error="not sent")
         log.debug("[strata] request %d goes to the engine ahead of its turn (request %d is answering)",
-                  request.id, self._at_engine.id)
+                  request.id, self._at_engine.id if self._at_engine is not None else -1)
         return Ahead(outcome, asyncio.ensure_future(send(outcome)), place)
 
     async def _turn(self, request: StrataRequest, claim: Claim, send: Callable[[Outcome], Awaitable[None]],
