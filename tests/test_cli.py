@@ -52,12 +52,18 @@ def _uvloop_installed() -> bool:
 ])
 def test_run_serves_then_stops_cleanly_on_sigterm(tmp_path, strata_demo_model, event_loop):
     port = free_port("127.0.0.1")
+    # The engine's port named too, and another: left to pick its own, the engine was once
+    # given this very port (both free when asked), and the server could not bind it.
+    engine_port = port
+    while engine_port == port:
+        engine_port = free_port("127.0.0.1")
     log_file = tmp_path / "server.log"
     with open(log_file, "w") as log, subprocess.Popen(
         [sys.executable, "-m", "strata_serve.cli", "run", "--model", str(strata_demo_model),
          "--port", str(port), "--slot-save-path", str(tmp_path / "slots"), "--cache-ram", "0",
          "--ctx-size", "2048"],
-        stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1", "STRATA_SERVER__EVENT_LOOP": event_loop},
+        stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1", "STRATA_SERVER__EVENT_LOOP": event_loop,
+                         "STRATA_ENGINE__PORT": str(engine_port)},
     ) as proc:
         try:
             engine_pid = int(wait_for(log_file, r"engine ready at .* \(pid (\d+)\)").group(1))
