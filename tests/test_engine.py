@@ -420,3 +420,34 @@ def test_the_engine_key_is_passed_outside_the_command_line(tmp_path):
     assert "user-given-key" not in build_command(given, Path("/x/llama-server"), 9999)
     assert LlamaServer(given).api_key.get_secret_value() == "user-given-key"
     assert LlamaServer(settings).api_key != LlamaServer(settings).api_key, "a new secret per start"
+
+
+def test_an_engine_left_to_pick_its_port_never_takes_the_servers(tmp_path, monkeypatch):
+    """``strata-serve run`` binds its own port once its engine is up. The engine, left to
+    pick a free port before that, was once offered the server's (free until then), took it,
+    and the server could not listen. Here the system offers that port first."""
+    import types
+
+    from strata_serve.config import Settings
+    from strata_serve.default_plugins.llama_server import engine_backend
+    from strata_serve.engine.llama_server import command
+
+    real = command.socket.socket
+    with real() as probe:
+        probe.bind(("127.0.0.1", 0))
+        server_port = probe.getsockname()[1]
+    offers: list[int] = []
+
+    class Offering(real):  # the system's socket; the next port it offers is the server's, once
+        def getsockname(self):
+            return ("127.0.0.1", offers.pop()) if offers else super().getsockname()
+
+    monkeypatch.setattr(command, "socket", types.SimpleNamespace(socket=Offering))
+    settings = Settings(server={"port": server_port}, engine={"model": tmp_path / "m.gguf"})
+    offers.append(server_port)
+    assert LlamaServer(settings.engine).info.url.endswith(f":{server_port}"), "the control: offered, it is taken"
+    offers.append(server_port)
+    engine = engine_backend(settings)
+    assert not offers, "the server's port was offered"
+    assert not engine.info.url.endswith(f":{server_port}"), engine.info.url
+    assert engine.info.url.startswith("http://127.0.0.1:")

@@ -13,4 +13,6 @@ from strata_serve.engine.llama_server import LlamaServer
 
 @strata_serve.hookimpl(trylast=True)
 def engine_backend(settings: Settings) -> LlamaServer:
-    return LlamaServer(settings.engine)
+    # The server binds its port once the engine is up: the engine, left to pick its own, must
+    # not take that one meanwhile.
+    return LlamaServer(settings.engine, avoid_ports=frozenset({settings.server.port}) - {0})

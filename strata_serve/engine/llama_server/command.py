@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from pathlib import Path
 from typing import Any
@@ -14,10 +15,22 @@ from strata_serve.engine.base import StateLayout
 CORS_SHUT = "none"
 
 
-def free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+def free_port(host: str, avoid: frozenset[int] = frozenset()) -> int:
+    """A port free on ``host`` now, none of ``avoid``.
+
+    ``avoid`` holds a port that is free now and taken soon: the server's own, which it binds
+    only once its engine is up. Offered it, the engine would take it first, and the server
+    could not listen. Each port offered stays bound until one is chosen, so the system
+    offers another each time.
+    """
+    with contextlib.ExitStack() as held:
+        for _ in range(len(avoid) + 1):
+            sock = held.enter_context(socket.socket())
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+            if port not in avoid:
+                return port
+    raise OSError(f"no free port on {host} but {sorted(avoid)}")
 
 
 def build_command(settings: EngineSettings, binary: Path, port: int) -> list[str]:

@@ -66,6 +66,8 @@ class LlamaServer:
         self,
         settings: EngineSettings,
         on_start: Callable[[bool], Awaitable[None]] | None = None,
+        *,
+        avoid_ports: frozenset[int] = frozenset(),
     ):
         self.settings = settings
         self.managed = settings.url is None
@@ -86,7 +88,8 @@ class LlamaServer:
             self._api_key = SecretStr(secrets.token_urlsafe(32))
         if self.managed:
             self._binary = resolve_binary(settings.binary)
-            self._port = settings.port or free_port(settings.host)
+            # ``avoid_ports``: the server's own, free until it binds once this engine is up.
+            self._port = settings.port or free_port(settings.host, avoid_ports)
             url = f"http://{settings.host}:{self._port}"
         else:
             url = settings.url.rstrip("/")  # type: ignore[union-attr]
