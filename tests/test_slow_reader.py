@@ -162,3 +162,83 @@ async def test_a_plain_answer_nobody_reads_is_cut_after_the_write_timeout(strata
         assert length > 3_000_000 and 0 < len(body) < length
     finally:
         sock.close()
+
+
+class Sent:
+    """Notes, for each request, whether it was sent ahead of its turn, and its outcome; lets
+    every request go ahead (a plugin acting around requests that says nothing says no)."""
+
+    strata_name = "sent"
+
+    def __init__(self) -> None:
+        self.ended: dict[str, tuple[bool, Any]] = {}
+
+    @strata_serve.hookimpl
+    def may_go_ahead(self) -> bool:
+        return True
+
+    @strata_serve.hookimpl
+    def post_request(self, request: Any, outcome: Any) -> None:
+        self.ended[request.body["messages"][-1]["content"]] = (request.sent_ahead, outcome)
+
+
+async def test_a_stream_sent_ahead_from_the_line_whose_client_stops_reading_does_not_hold_the_fifo(
+        strata_client_factory, strata_settings_factory, caplog):
+    """The slow reader's request waits in line, and is sent to the engine ahead of its turn
+    by the request before it (strata_serve/service.py, ``_send_next_ahead``): its answer is
+    written from a task of its own, not its handler's, and is held for its client all the same."""
+    caplog.set_level(logging.DEBUG, logger="strata_serve.service")
+    sent = Sent()
+    settings = strata_settings_factory(server={"client_write_timeout_s": 120})
+    client = await strata_client_factory(sent, settings=settings)
+    service = client.app[SERVICE]
+
+    def went_ahead() -> int:
+        return sum("ahead of its turn" in record.getMessage() for record in caplog.records)
+
+    async def answering() -> bool:
+        return any(report.processing for report in await service.engine.slots())
+
+    # A story long enough to be told however busy the machine; its client leaves once the
+    # slow reader is in line.
+    story = await client.post("/v1/chat/completions", json=chat_body(
+        "Tell a long story about a river", max_tokens=3000, ignore_eos=True, stream=True))
+    assert story.status == 200
+    deadline = time.monotonic() + 60
+    while not await answering():
+        assert time.monotonic() < deadline, "the engine did not begin the story within 60 s"
+        await asyncio.sleep(0.05)
+    # One request goes ahead at its arrival, behind the story; the slow reader's, behind it,
+    # waits in line.
+    short = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body(
+        "A short question", max_tokens=8, stream=True)))
+    await until(lambda: went_ahead() == 1, 60)
+    slow = asyncio.create_task(slow_reader(client, large_answer(stream=True), read_headers=True))
+    await until(lambda: service.fifo.waiting == 2, 60)  # the short one, ahead, and the slow reader
+    assert went_ahead() == 1 and not story.content.at_eof(), "the slow reader waits in line"
+    story.close()
+    assert (await asyncio.wait_for(short, 60)).status == 200
+    sock = await asyncio.wait_for(slow, SLOW_TURN_BOUND_S)  # its headers came: the engine runs it
+    try:
+        assert went_ahead() == 2, "the slow reader was sent ahead from the line"
+        other = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body("Another client", max_tokens=4)))
+        # Its turn ends with the engine's answer, its client reading nothing.
+        await until(lambda: "Tell me a very long story about the sea" in sent.ended, SLOW_TURN_BOUND_S)
+        ahead, outcome = sent.ended["Tell me a very long story about the sea"]
+        assert ahead, "it was sent ahead of its turn"
+        assert outcome.status == "ok" and outcome.timings is not None and outcome.timings.generated == SLOW_TOKENS
+        reply = await asyncio.wait_for(other, OTHER_BOUND_S)
+        assert reply.status == 200, await reply.text()
+        await until(lambda: service.fifo.idle, 30)
+        # Once it reads again, it gets its whole stream, ended as a stream ends.
+        loop = asyncio.get_running_loop()
+        received = b""
+        async with asyncio.timeout(60):
+            while not received.endswith(b"0\r\n\r\n"):
+                data = await loop.sock_recv(sock, 1 << 16)
+                assert data, "the stream was cut"
+                received += data
+        assert b"data: [DONE]" in received
+        assert len(received) > 1_000_000  # far more than the socket buffers took
+    finally:
+        sock.close()
