@@ -105,8 +105,43 @@ def added_interval(through: list[float], alone: list[float], rounds: int = 2000,
     return added[int(rounds * 0.05)], added[int(rounds * 0.95) - 1]
 
 
-async def _plain(session: aiohttp.ClientSession, url: str, messages: list[dict]) -> float:
-    return await _one(session, url, messages, stream=False)
+async def _plain(session: aiohttp.ClientSession, url: str, messages: list[dict],
+                 parts: list[dict[str, float]] | None = None) -> float:
+    """A plain 1-token request's time; with ``parts``, its ``Server-Timing`` spans added to them."""
+    if parts is None:
+        return await _one(session, url, messages, stream=False)
+    began = time.perf_counter()
+    body = {"messages": messages, "max_tokens": 1, "temperature": 0}
+    async with session.post(url + "/v1/chat/completions", json=body) as resp:
+        await resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"{url}: HTTP {resp.status}")
+        timing = resp.headers.get("Server-Timing", "")
+    took = time.perf_counter() - began
+    spans = {name: float(ms) for name, _, ms in
+             (entry.strip().partition(";dur=") for entry in timing.split(",")) if ms}
+    parts.append({**spans, "total": took * 1000})
+    return took
+
+
+#: strata-serve's own steps before a plain request reaches the engine, as its Server-Timing
+#: names them (``pre_request`` holds each plugin's).
+OWN_STEPS = ("read", "key", "queue", "ready", "pre_request")
+
+
+def where_it_went(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Of plain requests through strata-serve, the median of each part (ms): its own steps
+    before the engine, the engine's answer as it waited for it (the hop to the engine and
+    back included), and the rest (``http``: the client's request reaching strata-serve's
+    handler, and the answer handed back and leaving)."""
+    known = [p for p in parts if "engine" in p]
+    if not known:
+        return {}
+    found = {name: statistics.median(p.get(name, 0.0) for p in known) for name in (*OWN_STEPS, "engine", "total")}
+    found["own"] = statistics.median(sum(p.get(name, 0.0) for name in OWN_STEPS) for p in known)
+    found["http"] = statistics.median(
+        p["total"] - p["engine"] - sum(p.get(name, 0.0) for name in OWN_STEPS) for p in known)
+    return found
 
 
 async def measure(model: Path, work: Path, *, streams: int, stream_tokens: int, requests: int, blocks: int,
@@ -162,10 +197,14 @@ async def measure(model: Path, work: Path, *, streams: int, stream_tokens: int, 
         # A 1-token request, a new connection each (client_session closes every one).
         for kind in ("stream", "json"):
             times: dict[str, list[float]] = {name: [] for name in three}
+            parts: list[dict[str, float]] = []  # strata-serve's plain answers, part by part
             for n in range(requests):
                 for name in order3(n):
                     times[name].append((await chat(session, three[name], short)).total_s if kind == "stream"
-                                       else await _plain(session, three[name], short))
+                                       else await _plain(session, three[name], short,
+                                                         parts if name == "strata" else None))
+            if parts:
+                found["one_token_json_parts_ms"] = where_it_went(parts)
             p50 = found[f"one_token_{kind}_p50_ms"] = {name: percentile(t, 50) * 1000 for name, t in times.items()}
             found[f"one_token_{kind}_added_p50_ms"] = p50["strata"] - p50["engine"]
             found[f"relay_one_token_{kind}_added_p50_ms"] = p50["relay"] - p50["engine"]
@@ -274,6 +313,22 @@ def report(found: dict[str, Any], model: str) -> list[str]:
         + relay(f"{cpu.get('relay', 0):.2f}") + " |",
         f"| layer CPU s per 1,000 streamed tokens | {found['cpu_s_per_1000_tokens'] or 0:.3f} | "
         + relay(f"{found.get('relay_cpu_s_per_1000_tokens') or 0:.3f}") + " |",
+    ] + _parts(found.get("one_token_json_parts_ms"))
+
+
+def _parts(parts: dict[str, float] | None) -> list[str]:
+    """Where a plain 1-token request's time went through strata-serve (runs before it was
+    measured lack it)."""
+    if not parts:
+        return []
+    steps = ", ".join(f"{name} {parts[name]:.3f}" for name in OWN_STEPS)
+    return [
+        "",
+        f"Where a plain 1-token request's {parts['total']:.2f} ms went through strata-serve (p50 of each "
+        "part, from its own `Server-Timing`): the engine's answer as strata-serve waited for it, the hop "
+        f"to the engine and back included, {parts['engine']:.2f} ms; strata-serve's own steps before it "
+        f"{parts['own']:.3f} ms ({steps}); the rest, {parts['http']:.3f} ms: the client's request reaching "
+        "strata-serve's handler, and the answer handed back and leaving.",
     ]
 
 

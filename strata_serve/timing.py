@@ -5,17 +5,20 @@ work of strata-serve's own: choosing the slot, asking the engine what its slots 
 plugins' steps (a save and its fsyncs, a restore), then after the answer the plugins'
 ``post_request``. Each part is timed as a *span* on the request it is done for:
 
-- the core's: ``queue`` (waiting for the line), ``ready`` (the engine up, the slot chosen),
+- the core's: ``read`` (the body read and checked), ``key`` (the keying plugins choosing
+  the conversation's key), ``queue`` (waiting for the line), ``ready`` (the engine up, the slot chosen),
   ``pre_request`` and ``post_request`` (every plugin's step, in all), ``slots`` (the engine's
   ``GET /slots``), ``engine_save``, ``engine_restore`` and ``engine_erase`` (the engine's slot
-  calls), and ``gap``: the time from the engine's previous answer in that slot ending to
+  calls), ``gap``: the time from the engine's previous answer in that slot ending to
   this request being sent, for a request that was already waiting then (the time the
-  engine stood idle because of strata-serve);
+  engine stood idle because of strata-serve), and ``engine``: the engine's answer as the
+  relay waited for it, from the request sent to the answer's end (for a request sent
+  ahead of its turn, that includes the answer before it);
 - a plugin's own, with :func:`span` (auto-sessions: ``commit``, ``fsync``, ``prune``, ...).
 
 Spans nest: ``pre_request`` includes the plugins' spans and the engine calls they made.
 A request's spans are sent back in its ``Server-Timing`` header (as far as known when the
-headers leave: a stream's before its answer) and added up per service
+headers leave: a stream's before its answer, so without ``engine``) and added up per service
 (:class:`PhaseTotals`, in ``GET /stats`` as ``phases``). ``bench.gap`` reads them.
 """
 

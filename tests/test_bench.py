@@ -86,6 +86,11 @@ async def test_quick_benchmark_writes_its_tables(tmp_path):
         low, high = alone[f"one_token_{kind}_added_interval_ms"]
         assert low <= high
     assert "90% interval" in report
+    # Where a plain one went, from strata-serve's own spans: the parts fit in the whole.
+    parts = alone["one_token_json_parts_ms"]
+    assert 0 < parts["engine"] < parts["total"] and 0 < parts["own"] < parts["total"] - parts["engine"], parts
+    assert parts["read"] > 0 and parts["pre_request"] > 0 and "key" in parts and "queue" in parts, parts
+    assert "Where a plain 1-token request's" in report
     print(f"bench-quick took {results['seconds']['total']:.0f} s")
 
 

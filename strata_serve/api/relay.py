@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import math
 import logging
+import time
 from typing import Any
 from collections.abc import Awaitable, Callable, Iterator
 
@@ -44,6 +45,7 @@ def handler(api: Api) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     relayed through the FIFO (an API with a route name) or asked outside it."""
 
     async def handle(request: web.Request) -> web.StreamResponse:
+        began = time.perf_counter()
         body = await read_json(request, api) if api.schema is not None else None
         if body is not None and api.prepare is not None:
             body = api.prepare(body)
@@ -52,7 +54,7 @@ def handler(api: Api) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         if api.route is None:
             return await direct(request, api.method, api.engine_path, body)
         assert body is not None, f"{api.path}: an API whose requests run in a slot has a schema"
-        return await relay(request, api, body)
+        return await relay(request, api, body, began)
 
     handle.__name__ = handle.__qualname__ = f"{api.route or api.engine_path.strip('/')}_handler"
     return handle
@@ -161,11 +163,12 @@ async def ask_directly(request: web.Request, method: str, path: str, body: Any =
         return await service.engine.request(method, path, json=body, op=path.strip("/"))
 
 
-async def relay(request: web.Request, api: Api, body: dict[str, Any]) -> web.StreamResponse:
+async def relay(request: web.Request, api: Api, body: dict[str, Any], began: float | None = None) -> web.StreamResponse:
     """Send one request on ``api`` through the FIFO to the engine and hand back its answer.
 
     An API whose requests hold no conversation (``keyed=False``: embeddings) asks no
-    keying plugin, so none can name one the slot will not hold afterwards.
+    keying plugin, so none can name one the slot will not hold afterwards. ``began``: when
+    the handler began reading the body (``time.perf_counter()``), for the ``read`` span.
     """
     service = service_of(request)
     strata_request = StrataRequest(
@@ -176,11 +179,16 @@ async def relay(request: web.Request, api: Api, body: dict[str, Any]) -> web.Str
         tenant=request.get(TENANT),
         api=api,
     )
+    timeline = strata_request.timeline
+    keyed = time.perf_counter()
+    if began is not None:
+        timeline.add("read", (keyed - began) * 1000)
     if api.keyed:
         try:
             strata_request.conversation_key = service.conversation_key(strata_request)
         except KeyRefused as exc:
             raise APIError(400, str(exc), param=exc.param, code="invalid_conversation_key") from None
+        timeline.add("key", (time.perf_counter() - keyed) * 1000)
     answer: web.StreamResponse | None = None
     #: The outcome the send is filling in, once it began.
     sending: Outcome | None = None
@@ -188,10 +196,16 @@ async def relay(request: web.Request, api: Api, body: dict[str, Any]) -> web.Str
     async def send(outcome: Outcome) -> None:
         nonlocal answer, sending
         sending = outcome
-        if strata_request.stream:
-            answer = await _relay_stream(request, service, api, strata_request, outcome)
-        else:
-            answer = await _relay_json(service, api, strata_request.body, outcome)
+        sent = time.perf_counter()
+        try:
+            if strata_request.stream:
+                answer = await _relay_stream(request, service, api, strata_request, outcome)
+            else:
+                answer = await _relay_json(service, api, strata_request.body, outcome)
+        finally:
+            # The engine's answer as the relay waited for it: a plain one in its Server-Timing,
+            # a stream's (its headers gone by then) in GET /stats alone.
+            timeline.add("engine", (time.perf_counter() - sent) * 1000)
 
     async def deliver() -> None:
         # A plain answer leaves as soon as it is complete: the client does not wait for
