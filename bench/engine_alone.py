@@ -9,7 +9,11 @@ strata-serve in one run, and is given as a ratio:
   the engine's own decode speed in them (``predicted_per_second``): where that is lower
   through strata-serve, the layer's CPU took from the engine's threads;
 - a 1-token request: p50 latency, streamed and not, a new connection for each, with a
-  90% interval for what strata-serve adds (a bootstrap over this run's requests);
+  90% interval for what strata-serve adds (a bootstrap over this run's requests); and
+  not streamed over a connection kept from one request to the next, as the SDKs keep
+  theirs (a client of llama-server gets its connection closed after each stream, so only
+  the plain request keeps one); the plain one through strata-serve part by part, from
+  its own ``Server-Timing``;
 - eight clients, each its own short chat (a ~60-token opening, 8 tokens out, 8 turns),
   all at once: requests/s over the whole round, and the layer's CPU per request.
 
@@ -38,7 +42,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.harness import chat, client_session, follow_up, percentile
+from bench.harness import BENCH_ENGINE_KEY, chat, client_session, follow_up, percentile
 from bench.layer_cost import _one, cpu_seconds, strata_process
 from bench.profile import bare_relay_process
 
@@ -156,7 +160,8 @@ async def measure(model: Path, work: Path, *, streams: int, stream_tokens: int, 
     async with strata_process(model, work, ctx=CTX_SIZE, plugins=DEFAULTS, source=source,
                               engine=engine) as (strata_url, engine_url, pid), \
             bare_relay_process(engine_url, work) as (relay_url, relay_pid), \
-            client_session() as session:
+            client_session() as session, \
+            aiohttp.ClientSession(headers={"Authorization": f"Bearer {BENCH_ENGINE_KEY}"}) as kept_session:
         urls = {"engine": engine_url, "strata": strata_url}
         three = {**urls, "relay": relay_url}
         pids = {"strata": pid, "relay": relay_pid}
@@ -194,17 +199,22 @@ async def measure(model: Path, work: Path, *, streams: int, stream_tokens: int, 
         found["cpu_s_per_1000_tokens"] = cpu["strata"] / tokens["strata"] * 1000 if tokens["strata"] else None
         found["relay_cpu_s_per_1000_tokens"] = cpu["relay"] / tokens["relay"] * 1000 if tokens["relay"] else None
 
-        # A 1-token request, a new connection each (client_session closes every one).
-        for kind in ("stream", "json"):
+        # A 1-token request, a new connection each (client_session closes every one); then a
+        # plain one over a connection each way keeps ("kept").
+        for url in three.values():
+            await _plain(kept_session, url, short)  # its connection opened before the count
+        for kind in ("stream", "json", "kept"):
             times: dict[str, list[float]] = {name: [] for name in three}
             parts: list[dict[str, float]] = []  # strata-serve's plain answers, part by part
             for n in range(requests):
                 for name in order3(n):
-                    times[name].append((await chat(session, three[name], short)).total_s if kind == "stream"
-                                       else await _plain(session, three[name], short,
-                                                         parts if name == "strata" else None))
+                    if kind == "stream":
+                        times[name].append((await chat(session, three[name], short)).total_s)
+                        continue
+                    times[name].append(await _plain(kept_session if kind == "kept" else session, three[name],
+                                                    short, parts if name == "strata" else None))
             if parts:
-                found["one_token_json_parts_ms"] = where_it_went(parts)
+                found[f"one_token_{kind}_parts_ms"] = where_it_went(parts)
             p50 = found[f"one_token_{kind}_p50_ms"] = {name: percentile(t, 50) * 1000 for name, t in times.items()}
             found[f"one_token_{kind}_added_p50_ms"] = p50["strata"] - p50["engine"]
             found[f"relay_one_token_{kind}_added_p50_ms"] = p50["relay"] - p50["engine"]
@@ -304,6 +314,7 @@ def report(found: dict[str, Any], model: str) -> list[str]:
         f"| 1-token request p50, JSON | {found['one_token_json_added_p50_ms']:+.2f} ms "
         f"({plain['strata']:.2f} / {plain['engine']:.2f} ms{_interval(found, 'json')}) | "
         + _added(found, "json") + " |",
+        *_kept(found),
         f"| {s['clients']} clients, requests/s | {found['clients_ratio']:.3f} ({rps_s:.2f} / {rps_e:.2f}"
         f"{_range(found['clients_ratios'], 3)}) | "
         + relay(f"{found.get('relay_clients_ratio', 0):.3f} ({statistics.median(rps.get('relay') or [0]):.2f} / "
@@ -313,10 +324,21 @@ def report(found: dict[str, Any], model: str) -> list[str]:
         + relay(f"{cpu.get('relay', 0):.2f}") + " |",
         f"| layer CPU s per 1,000 streamed tokens | {found['cpu_s_per_1000_tokens'] or 0:.3f} | "
         + relay(f"{found.get('relay_cpu_s_per_1000_tokens') or 0:.3f}") + " |",
-    ] + _parts(found.get("one_token_json_parts_ms"))
+    ] + _parts(found.get("one_token_json_parts_ms"), "on a new connection") \
+        + _parts(found.get("one_token_kept_parts_ms"), "on a kept connection")
 
 
-def _parts(parts: dict[str, float] | None) -> list[str]:
+def _kept(found: dict[str, Any]) -> list[str]:
+    """The plain 1-token request's row over a kept connection (runs before it was measured lack it)."""
+    kept = found.get("one_token_kept_p50_ms")
+    if not kept:
+        return []
+    return [f"| 1-token request p50, JSON, connection kept | {found['one_token_kept_added_p50_ms']:+.2f} ms "
+            f"({kept['strata']:.2f} / {kept['engine']:.2f} ms{_interval(found, 'kept')}) | "
+            + _added(found, "kept") + " |"]
+
+
+def _parts(parts: dict[str, float] | None, how: str) -> list[str]:
     """Where a plain 1-token request's time went through strata-serve (runs before it was
     measured lack it)."""
     if not parts:
@@ -324,7 +346,7 @@ def _parts(parts: dict[str, float] | None) -> list[str]:
     steps = ", ".join(f"{name} {parts[name]:.3f}" for name in OWN_STEPS)
     return [
         "",
-        f"Where a plain 1-token request's {parts['total']:.2f} ms went through strata-serve (p50 of each "
+        f"Where a plain 1-token request's {parts['total']:.2f} ms {how} went through strata-serve (p50 of each "
         "part, from its own `Server-Timing`): the engine's answer as strata-serve waited for it, the hop "
         f"to the engine and back included, {parts['engine']:.2f} ms; strata-serve's own steps before it "
         f"{parts['own']:.3f} ms ({steps}); the rest, {parts['http']:.3f} ms: the client's request reaching "

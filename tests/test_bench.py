@@ -81,16 +81,18 @@ async def test_quick_benchmark_writes_its_tables(tmp_path):
     assert all(len(alone["stream_tps"][n]) == 2 and min(alone["stream_tps"][n]) > 0 for n in ("engine", "strata"))
     assert all(len(alone["clients_rps"][n]) == 1 for n in ("engine", "strata"))
     # The 1-token request went all three ways, with an interval for what strata-serve added.
-    for kind in ("stream", "json"):
+    for kind in ("stream", "json", "kept"):
         assert set(alone[f"one_token_{kind}_p50_ms"]) == {"engine", "strata", "relay"}
         low, high = alone[f"one_token_{kind}_added_interval_ms"]
         assert low <= high
     assert "90% interval" in report
     # Where a plain one went, from strata-serve's own spans: the parts fit in the whole.
-    parts = alone["one_token_json_parts_ms"]
-    assert 0 < parts["engine"] < parts["total"] and 0 < parts["own"] < parts["total"] - parts["engine"], parts
-    assert parts["read"] > 0 and parts["pre_request"] > 0 and "key" in parts and "queue" in parts, parts
-    assert "Where a plain 1-token request's" in report
+    for kind in ("json", "kept"):
+        parts = alone[f"one_token_{kind}_parts_ms"]
+        assert 0 < parts["engine"] < parts["total"] and 0 < parts["own"] < parts["total"] - parts["engine"], parts
+        assert parts["read"] > 0 and parts["pre_request"] > 0 and "key" in parts and "queue" in parts, parts
+    assert "| 1-token request p50, JSON, connection kept |" in report
+    assert "Where a plain 1-token request's" in report and "on a kept connection went" in report
     print(f"bench-quick took {results['seconds']['total']:.0f} s")
 
 

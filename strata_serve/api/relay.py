@@ -180,15 +180,15 @@ async def relay(request: web.Request, api: Api, body: dict[str, Any], began: flo
         api=api,
     )
     timeline = strata_request.timeline
-    keyed = time.perf_counter()
+    key_began = time.perf_counter()
     if began is not None:
-        timeline.add("read", (keyed - began) * 1000)
+        timeline.add("read", (key_began - began) * 1000)
     if api.keyed:
         try:
             strata_request.conversation_key = service.conversation_key(strata_request)
         except KeyRefused as exc:
             raise APIError(400, str(exc), param=exc.param, code="invalid_conversation_key") from None
-        timeline.add("key", (time.perf_counter() - keyed) * 1000)
+        timeline.add("key", (time.perf_counter() - key_began) * 1000)
     answer: web.StreamResponse | None = None
     #: The outcome the send is filling in, once it began.
     sending: Outcome | None = None
