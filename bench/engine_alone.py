@@ -42,7 +42,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.harness import BENCH_ENGINE_KEY, chat, client_session, follow_up, percentile
+from bench.harness import BENCH_ENGINE_KEY, chat, client_session, follow_up, percentile, server_timing
 from bench.layer_cost import _one, cpu_seconds, strata_process
 from bench.profile import bare_relay_process
 
@@ -120,10 +120,8 @@ async def _plain(session: aiohttp.ClientSession, url: str, messages: list[dict],
         await resp.read()
         if resp.status != 200:
             raise RuntimeError(f"{url}: HTTP {resp.status}")
-        timing = resp.headers.get("Server-Timing", "")
+        spans = server_timing(resp.headers.get("Server-Timing", ""))
     took = time.perf_counter() - began
-    spans = {name: float(ms) for name, _, ms in
-             (entry.strip().partition(";dur=") for entry in timing.split(",")) if ms}
     parts.append({**spans, "total": took * 1000})
     return took
 

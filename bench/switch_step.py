@@ -27,6 +27,7 @@ from pathlib import Path
 import requests
 
 from bench.gap import checkout
+from bench.harness import server_timing
 from bench.systems import System, start
 from bench.workloads import HEADERS
 from strata_serve.demo_model import write_demo_model
@@ -36,15 +37,6 @@ RESULTS = Path(__file__).parent / "results" / "switch-step.md"
 SPANS = ["pre_request", "engine_save", "auto_sessions.commit", "auto_sessions.prune", "auto_sessions.tokenize",
          "auto_sessions.longest_prefix", "auto_sessions.join", "engine_restore"]
 OPENING = "You are an agent. " + "tool schema and rules " * 440
-
-
-def server_timing(header: str) -> dict[str, float]:
-    spans = {}
-    for item in header.split(","):
-        name, _, rest = item.strip().partition(";dur=")
-        if rest:
-            spans[name] = float(rest)
-    return spans
 
 
 def run(source: str | None, workload: str, rounds: int, model: Path, work: Path) -> dict[str, float]:
