@@ -42,8 +42,8 @@ from typing import Any
 
 import aiohttp
 
-from bench.harness import BENCH_ENGINE_KEY, chat, client_session, follow_up, percentile, server_timing
-from bench.layer_cost import _one, cpu_seconds, strata_process
+from bench.harness import BENCH_ENGINE_KEY, chat, client_session, follow_up, percentile
+from bench.layer_cost import cpu_seconds, plain_one, strata_process
 from bench.profile import bare_relay_process
 
 #: strata-serve with its defaults: auto-sessions with its own.
@@ -112,17 +112,9 @@ def added_interval(through: list[float], alone: list[float], rounds: int = 2000,
 async def _plain(session: aiohttp.ClientSession, url: str, messages: list[dict],
                  parts: list[dict[str, float]] | None = None) -> float:
     """A plain 1-token request's time; with ``parts``, its ``Server-Timing`` spans added to them."""
-    if parts is None:
-        return await _one(session, url, messages, stream=False)
-    began = time.perf_counter()
-    body = {"messages": messages, "max_tokens": 1, "temperature": 0}
-    async with session.post(url + "/v1/chat/completions", json=body) as resp:
-        await resp.read()
-        if resp.status != 200:
-            raise RuntimeError(f"{url}: HTTP {resp.status}")
-        spans = server_timing(resp.headers.get("Server-Timing", ""))
-    took = time.perf_counter() - began
-    parts.append({**spans, "total": took * 1000})
+    took, spans = await plain_one(session, url, messages)
+    if parts is not None:
+        parts.append({**spans, "total": took * 1000})
     return took
 
 

@@ -72,16 +72,6 @@ async def strata(model: Path, ctx: int, slot_dir: Path, cache_ram_mib: int | Non
         await runner.cleanup()
 
 
-def server_timing(header: str) -> dict[str, float]:
-    """A ``Server-Timing`` header's spans: ``name;dur=ms`` entries as {name: ms}."""
-    spans = {}
-    for item in header.split(","):
-        name, _, rest = item.strip().partition(";dur=")
-        if rest:
-            spans[name] = float(rest)
-    return spans
-
-
 def client_session() -> aiohttp.ClientSession:
     """The benchmark client: a new connection per request, as the engine may close one after a stream."""
     # The bare engine asks for its key; strata-serve, run here without keys, ignores it.

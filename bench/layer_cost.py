@@ -29,6 +29,7 @@ import aiohttp
 
 from bench.harness import chat, client_session, conversation, percentile
 from strata_serve.engine.llama_server import free_port
+from strata_serve.timing import read_server_timing
 
 BENCH_KEY = "strata-bench"
 #: A version of strata-serve to run: its source tree (None: this one) and environment.
@@ -112,13 +113,20 @@ async def until_answering(proc: subprocess.Popen, name: str,
 async def _one(session: aiohttp.ClientSession, url: str, messages: list[dict], stream: bool) -> float:
     if stream:
         return (await chat(session, url, messages)).total_s
+    return (await plain_one(session, url, messages))[0]
+
+
+async def plain_one(session: aiohttp.ClientSession, url: str, messages: list[dict]) -> tuple[float, dict[str, float]]:
+    """A plain 1-token request: its time (s), and the spans its ``Server-Timing`` names (ms)."""
     began = time.perf_counter()
     body = {"messages": messages, "max_tokens": 1, "temperature": 0}
     async with session.post(url + "/v1/chat/completions", json=body) as resp:
         await resp.read()
         if resp.status != 200:
             raise RuntimeError(f"{url}: HTTP {resp.status}")
-    return time.perf_counter() - began
+        timing = resp.headers.get("Server-Timing", "")
+    took = time.perf_counter() - began
+    return took, read_server_timing(timing)
 
 
 async def layer_cost(model: Path, work: Path, requests: int = 200, blocks: int = 5, streams: int = 6,

@@ -27,10 +27,10 @@ from pathlib import Path
 import requests
 
 from bench.gap import checkout
-from bench.harness import server_timing
 from bench.systems import System, start
 from bench.workloads import HEADERS
 from strata_serve.demo_model import write_demo_model
+from strata_serve.timing import read_server_timing
 
 RESULTS = Path(__file__).parent / "results" / "switch-step.md"
 #: The spans shown, in the table's order.
@@ -60,7 +60,7 @@ def run(source: str | None, workload: str, rounds: int, model: Path, work: Path)
                     {"role": "user", "content": f"turn {r} " + "more words here " * 25}]
                 if r == 0 or (workload == "new" and name == "a"):
                     continue  # the first round fills the store; in "new", the unrelated chat
-                for span, ms in server_timing(answer.headers.get("Server-Timing", "")).items():
+                for span, ms in read_server_timing(answer.headers.get("Server-Timing", "")).items():
                     spans.setdefault(span, []).append(ms)
     finally:
         running.stop()

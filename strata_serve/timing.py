@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
-__all__ = ["PhaseTotals", "Timeline", "current_timeline", "span"]
+__all__ = ["PhaseTotals", "Timeline", "current_timeline", "read_server_timing", "span"]
 
 #: A span's name: what ``Server-Timing`` takes as a metric name (an HTTP token), kept short.
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,40}")
@@ -71,6 +71,16 @@ class Timeline:
     def server_timing(self) -> str:
         """The ``Server-Timing`` header's value: ``name;dur=ms`` for each span."""
         return ", ".join(f"{name};dur={ms:.2f}" for name, (ms, _) in self.spans.items())
+
+
+def read_server_timing(header: str) -> dict[str, float]:
+    """A ``Server-Timing`` header read back: {name: ms} (for clients, tests and benchmarks)."""
+    spans = {}
+    for item in header.split(","):
+        name, _, ms = item.strip().partition(";dur=")
+        if ms:
+            spans[name] = float(ms)
+    return spans
 
 
 _current: ContextVar[Timeline | None] = ContextVar("strata_timeline", default=None)

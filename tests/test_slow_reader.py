@@ -84,6 +84,18 @@ async def until(condition: Any, timeout: float) -> None:
         await asyncio.sleep(0.05)
 
 
+async def the_rest_of_the_stream(sock: socket.socket) -> bytes:
+    """What the slow reader gets once it reads again, up to its stream's last chunk."""
+    loop = asyncio.get_running_loop()
+    received = b""
+    async with asyncio.timeout(60):
+        while not received.endswith(b"0\r\n\r\n"):
+            data = await loop.sock_recv(sock, 1 << 16)
+            assert data, "the stream was cut"
+            received += data
+    return received
+
+
 async def read_to_the_end(sock: socket.socket, timeout: float) -> bytes:
     """Read everything until the server's end of the connection."""
     loop = asyncio.get_running_loop()
@@ -121,13 +133,7 @@ async def test_a_stream_whose_client_stops_reading_does_not_hold_the_fifo(strata
         # Nothing holds the FIFO while the slow reader's answer waits for it (the write timeout is long).
         await until(lambda: service.fifo.idle, 30)
         # Once it reads again, it gets its whole stream, ended as a stream ends.
-        loop = asyncio.get_running_loop()
-        received = b""
-        async with asyncio.timeout(60):
-            while not received.endswith(b"0\r\n\r\n"):
-                data = await loop.sock_recv(sock, 1 << 16)
-                assert data, "the stream was cut"
-                received += data
+        received = await the_rest_of_the_stream(sock)
         assert b"data: [DONE]" in received
         assert len(received) > 1_000_000  # far more than the socket buffers took
     finally:
@@ -231,13 +237,7 @@ async def test_a_stream_sent_ahead_from_the_line_whose_client_stops_reading_does
         assert reply.status == 200, await reply.text()
         await until(lambda: service.fifo.idle, 30)
         # Once it reads again, it gets its whole stream, ended as a stream ends.
-        loop = asyncio.get_running_loop()
-        received = b""
-        async with asyncio.timeout(60):
-            while not received.endswith(b"0\r\n\r\n"):
-                data = await loop.sock_recv(sock, 1 << 16)
-                assert data, "the stream was cut"
-                received += data
+        received = await the_rest_of_the_stream(sock)
         assert b"data: [DONE]" in received
         assert len(received) > 1_000_000  # far more than the socket buffers took
     finally:

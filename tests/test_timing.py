@@ -11,6 +11,7 @@ import time
 import strata_serve
 from strata_serve.api import SERVICE
 from strata_serve.testing import chat_body, until_idle
+from strata_serve.timing import read_server_timing as spans
 
 #: How long the slow client waits between the two halves of its body, and the keying plugin
 #: takes to choose a key: far above what the steps take here (well under a millisecond).
@@ -20,15 +21,6 @@ KEY_S = 0.05
 #: read begins a few turns of the event loop after the first half came, so it may take a
 #: little less than the pause.
 READ_WAITED_MS = BODY_PAUSE_S * 1000 / 2
-
-
-def spans(header: str) -> dict[str, float]:
-    """``Server-Timing``'s ``name;dur=ms`` entries."""
-    found = {}
-    for entry in header.split(","):
-        name, _, duration = entry.strip().partition(";dur=")
-        found[name] = float(duration)
-    return found
 
 
 class SlowKey:

@@ -13,16 +13,7 @@ import strata_serve
 from strata_serve import span
 from strata_serve.api import SERVICE
 from strata_serve.testing import conversation, until_idle
-from strata_serve.timing import PhaseTotals, Timeline, timeline_of
-
-
-def spans(header: str) -> dict[str, float]:
-    """``Server-Timing``'s ``name;dur=ms`` entries."""
-    found = {}
-    for entry in header.split(","):
-        name, _, duration = entry.strip().partition(";dur=")
-        found[name] = float(duration)
-    return found
+from strata_serve.timing import PhaseTotals, Timeline, read_server_timing as spans, timeline_of
 
 
 async def chat(client, messages: list[dict], **more) -> dict[str, float]:
