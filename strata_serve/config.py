@@ -234,6 +234,12 @@ class EngineSettings(BaseModel):
     restart_on_crash: bool = True
     #: Engine log lines are forwarded at this level ("DEBUG" hides them at the default level).
     log_level: str = "INFO"
+    #: What the engine strata-serve starts writes to its log (llama-server's
+    #: ``--log-verbosity``): 2, its warnings and errors. At 3 (the engine's own default) it
+    #: also writes about ten lines for every request, each of which strata-serve reads and
+    #: forwards: 0.1-0.25 ms of its CPU a request on 2 cores, measured (bench/results/
+    #: engine-alone.md). None: the engine's own default. ``-lv`` in ``extra_args`` wins.
+    verbosity: int | None = Field(2, ge=0, le=5)
 
     @property
     def side_lane(self) -> bool:

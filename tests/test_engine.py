@@ -73,6 +73,55 @@ def test_command_line_carries_the_settings(tmp_path):
         build_command(EngineSettings(), Path("/x"), 1)
 
 
+def test_the_engine_logs_its_warnings_and_errors_unless_told_otherwise(tmp_path):
+    def verbosity(cmd: list[str]) -> list[str]:
+        return [value for flag, value in zip(cmd, cmd[1:]) if flag in ("-lv", "--log-verbosity")]
+
+    model = tmp_path / "m.gguf"
+    assert verbosity(build_command(EngineSettings(model=model), Path("/x/llama-server"), 1)) == ["2"]
+    assert verbosity(build_command(EngineSettings(model=model, verbosity=3), Path("/x/llama-server"), 1)) == ["3"]
+    assert verbosity(build_command(EngineSettings(model=model, verbosity=None), Path("/x/llama-server"), 1)) == []
+    # A -lv among the extra arguments comes after strata-serve's, so the engine takes it.
+    told = build_command(EngineSettings(model=model, extra_args=["-lv", "4"]), Path("/x/llama-server"), 1)
+    assert verbosity(told) == ["2", "4"] and told[-2:] == ["-lv", "4"]
+
+
+#: Lines llama-server writes at its info level for every request: its timings, and the slot's release.
+INFO_LINES = ("prompt eval time", "stop processing")
+#: A warning it writes when a prompt is all in the slot already (it reads its last token again).
+WHOLE_PROMPT_CACHED = "need to evaluate at least 1 token"
+
+
+@pytest.mark.parametrize("verbosity", [None, 3])
+async def test_the_engines_lines_for_each_request_stay_out_of_the_log_by_default(
+        strata_client_factory, strata_settings_factory, caplog, verbosity):
+    """By default the engine writes its warnings and errors, not its lines for every request
+    (each of which strata-serve would read and forward); the control, at the engine's own
+    verbosity, has them. The same prompt twice makes the engine warn as the second begins:
+    a line written after the first request's own, so by the time it is read, the first
+    request's lines would have been read too."""
+    caplog.set_level(logging.DEBUG, logger="strata_serve.engine.output")
+    engine = {} if verbosity is None else {"verbosity": verbosity}
+    client = await strata_client_factory(settings=strata_settings_factory(engine=engine))
+    body = chat_body("The same words, twice.", max_tokens=4)
+    for _ in range(2):
+        resp = await client.post(CHAT, json=body)
+        assert resp.status == 200, await resp.text()
+
+    def engine_lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "strata_serve.engine.output"]
+
+    deadline = time.monotonic() + 30
+    while not any(WHOLE_PROMPT_CACHED in line for line in engine_lines()):
+        assert time.monotonic() < deadline, "the engine's warning never came:\n" + "\n".join(engine_lines()[-20:])
+        await asyncio.sleep(0.05)
+    per_request = [line for line in engine_lines() if any(info in line for info in INFO_LINES)]
+    if verbosity is None:
+        assert per_request == [], per_request
+    else:
+        assert per_request, "the control: the engine's own verbosity writes its lines for each request"
+
+
 async def test_engine_killed_mid_request_is_restarted(strata_client_factory, recorder):
     client = await strata_client_factory(recorder)
     engine = client.app[SERVICE].engine

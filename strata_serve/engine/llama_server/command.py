@@ -56,6 +56,9 @@ def build_command(settings: EngineSettings, binary: Path, port: int) -> list[str
     # The key goes in the environment (see LlamaServer._engine_env), never on the command
     # line, which any local user can read in /proc.
     cmd += ["--cors-origins", CORS_SHUT]
+    if settings.verbosity is not None:
+        # Before extra_args: a -lv there comes later and wins.
+        cmd += ["--log-verbosity", str(settings.verbosity)]
     return cmd + list(settings.extra_args)
 
 
