@@ -11,8 +11,10 @@ in its slot (no switch at all), which reads only the returning turn's new tokens
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -201,6 +203,11 @@ def report(results: dict[str, Any]) -> list[str]:
             in_blocks = statistics.median(results[size][BLOCKS_CURRENT]["returns_s"])
             sentence += (f" Parked in blocks, the file-current return took {in_blocks:.3f} s "
                          f"({in_blocks / current:.2f}x the whole file's).")
+        if BLOCKS_OFF in results[size] and HELD in results[size]:
+            at_once = statistics.median(results[size][BLOCKS_OFF]["returns_s"])
+            floor = statistics.median(results[size][HELD]["returns_s"])
+            sentence += (f" In blocks (the default), returning at once, the outgoing save on the way: "
+                         f"{at_once:.3f} s, {at_once / floor:.2f}x the no-switch floor.")
         lines += ["", sentence]
     return lines
 
@@ -239,3 +246,27 @@ def plot(results: dict[str, Any], out: Path) -> str:
     figure.savefig(out / "switch-back.png", dpi=100)
     plt.close(figure)
     return "switch-back.png"
+
+
+async def _main(sizes: list[int], rounds: int) -> None:
+    from strata_serve.demo_model import write_demo_model
+
+    with tempfile.TemporaryDirectory(prefix="strata-switch-back-") as tmp:
+        work = Path(tmp)
+        model = write_demo_model(work / "bench.gguf", size="bench")
+        results = await switch_back(model, work, sizes, rounds, ram_on_up_to=2048)
+    print("\n".join(report(results)))
+
+
+def main() -> None:
+    """``python -m bench.switchback [--sizes 8192] [--rounds 2]``: the switch-back table alone
+    (``make bench`` runs it among the others), on the bench model."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sizes", default="8192", help="conversation lengths, e.g. 2048,8192")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of returns for each setup")
+    args = parser.parse_args()
+    asyncio.run(_main([int(size) for size in args.sizes.split(",")], args.rounds))
+
+
+if __name__ == "__main__":
+    main()
