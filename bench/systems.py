@@ -205,7 +205,7 @@ class StrataServe(Running):
         # The engine's lines for each request (its timings, its RAM cache's work) are read
         # from the log (engine_work, ram_cache_ms): the engine's own verbosity, as the bare
         # engine's, where strata-serve's default leaves them out. Reading and logging them
-        # costs strata-serve 0.1-0.25 ms of CPU a request, which these runs include.
+        # costs strata-serve 0.1-0.2 ms of CPU a request, which these runs include.
         engine: dict[str, Any] = {"model": str(model), "ctx_size": ctx, "slot_save_path": str(self.slot_dir),
                                   "parallel": system.parallel, "extra_args": extra_args, "verbosity": 3}
         if system.cache_ram_mib is not None:

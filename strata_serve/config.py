@@ -237,7 +237,7 @@ class EngineSettings(BaseModel):
     #: What the engine strata-serve starts writes to its log (llama-server's
     #: ``--log-verbosity``): 2, its warnings and errors. At 3 (the engine's own default) it
     #: also writes about ten lines for every request, each of which strata-serve reads and
-    #: forwards: 0.1-0.25 ms of its CPU a request on 2 cores, measured (bench/results/
+    #: forwards: 0.1-0.2 ms of its CPU a request on 2 cores, measured (bench/results/
     #: engine-alone.md). None: the engine's own default. ``-lv`` in ``extra_args`` wins.
     verbosity: int | None = Field(2, ge=0, le=5)
 
