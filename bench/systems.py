@@ -202,12 +202,15 @@ class StrataServe(Running):
     def __init__(self, system: System, model: Path, ctx: int, work: Path, extra_args: list[str]) -> None:
         self.slot_dir = work / "slots"
         port = free_port("127.0.0.1")
-        # The engine's lines for each request (its timings, its RAM cache's work) are read
-        # from the log (engine_work, ram_cache_ms): the engine's own verbosity, as the bare
-        # engine's, where strata-serve's default leaves them out. Reading and logging them
-        # costs strata-serve 0.1-0.2 ms of CPU a request, which these runs include.
         engine: dict[str, Any] = {"model": str(model), "ctx_size": ctx, "slot_save_path": str(self.slot_dir),
-                                  "parallel": system.parallel, "extra_args": extra_args, "verbosity": 3}
+                                  "parallel": system.parallel, "extra_args": extra_args}
+        if system.source is None:
+            # The engine's lines for each request (its timings, its RAM cache's work) are
+            # read from the log (engine_work, ram_cache_ms): the engine's own verbosity, as
+            # the bare engine's, where strata-serve's default leaves them out. Reading and
+            # logging them costs strata-serve 0.1-0.2 ms of CPU a request, which these runs
+            # include. (An earlier tree knows no such setting, and leaves the engine at its own.)
+            engine["verbosity"] = 3
         if system.cache_ram_mib is not None:
             engine["cache_ram_mib"] = system.cache_ram_mib
         config = {"server": {"port": port, "queue_limit": 256, **system.server}, "engine": engine, "plugins": system.plugins}

@@ -92,7 +92,7 @@ INFO_LINES = ("prompt eval time", "stop processing")
 WHOLE_PROMPT_CACHED = "need to evaluate at least 1 token"
 
 
-@pytest.mark.parametrize("verbosity", [None, 3])
+@pytest.mark.parametrize("verbosity", [pytest.param(None, id="default"), 3])
 async def test_the_engines_lines_for_each_request_stay_out_of_the_log_by_default(
         strata_client_factory, strata_settings_factory, caplog, verbosity):
     """By default the engine writes its warnings and errors, not its lines for every request
