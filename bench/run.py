@@ -170,7 +170,6 @@ def report(results: dict[str, Any], quick: bool, command: str) -> str:
 #: A full run takes about 25 minutes on 2 cores: 4096 tokens is left out of the switch-back
 #: table, and the RAM-cache-on setups stop at 2048 (the agents compare every RAM setting).
 FULL_SIZES = [2048, 8192, 12288]
-RAM_ON_UP_TO = 2048
 
 #: The agent workloads: the bench model with and without a shared system prompt, and a
 #: smaller one on SmolLM2 (about 5x slower to read a prompt here).
@@ -247,7 +246,7 @@ async def main(quick: bool, out: Path, sizes: list[int] | None = None, command: 
         lap("switching back...")
         sizes = sizes or ([512] if quick else FULL_SIZES)
         results["switch_back"] = await switchback.switch_back(bench_model, work, sizes, 1 if quick else 2,
-                                                              ram_on_up_to=None if quick else RAM_ON_UP_TO)
+                                                              ram_on_up_to=None if quick else switchback.RAM_ON_UP_TO)
         results["plot"] = switchback.plot(results["switch_back"], out)
         lap("agents at work...")
         models = {"tiny": tiny, "bench": bench_model, "smollm2": packaged_model_path("smollm2")}

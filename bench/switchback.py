@@ -53,6 +53,8 @@ CURRENT_OF = {PARKED_OFF: FILE_CURRENT, BLOCKS_OFF: BLOCKS_CURRENT}
 PLUGIN_SETTINGS = {PARKED_OFF: {"blocks": False}, BLOCKS_OFF: {"blocks": True}}
 #: How long strata-serve waits idle before saving the held conversation, here.
 IDLE_SAVE_S = 0.5
+#: The RAM-cache-on setups run up to this size only (a full run's sizes go far beyond it).
+RAM_ON_UP_TO = 2048
 #: The second conversation of the bare engine with its RAM cache off: its size changes
 #: nothing there (any other prompt evicts A, whose return is a full re-read), so it is short.
 SHORT_B = 256
@@ -254,7 +256,7 @@ async def _main(sizes: list[int], rounds: int) -> None:
     with tempfile.TemporaryDirectory(prefix="strata-switch-back-") as tmp:
         work = Path(tmp)
         model = write_demo_model(work / "bench.gguf", size="bench")
-        results = await switch_back(model, work, sizes, rounds, ram_on_up_to=2048)
+        results = await switch_back(model, work, sizes, rounds, ram_on_up_to=RAM_ON_UP_TO)
     print("\n".join(report(results)))
 
 
