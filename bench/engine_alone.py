@@ -22,7 +22,12 @@ Every measure goes through a third way too: a bare relay
 the same engine and its answer back, nothing else: no line, no hooks), in its own process.
 Its ratio to the engine alone is what any Python layer between client and engine costs on
 this machine, measured in the same run; strata-serve's ratio to it is what strata-serve
-adds beyond that.
+adds beyond that. The streams go through a fourth way as well: a byte relay
+(:func:`bench.profile.byte_relay`, the bytes both ways as they come, no HTTP at all), what
+passing a token through a Python process costs here at the least.
+
+The streaming and eight-client ratios come with a 90% interval (:func:`ratio_interval`):
+whether a goal missed or met is more than this run's own spread.
 
 ``python -m bench.engine_alone [--quick] [--tiny]`` prints the figures; ``bench.run``
 puts its table in ``bench/results/README.md``.
@@ -44,7 +49,7 @@ import aiohttp
 
 from bench.harness import BENCH_ENGINE_KEY, chat, client_session, follow_up, percentile
 from bench.layer_cost import cpu_seconds, plain_one, strata_process
-from bench.profile import bare_relay_process
+from bench.profile import bare_relay_process, byte_relay_process
 
 #: strata-serve with its defaults: auto-sessions with its own.
 DEFAULTS: dict[str, Any] = {"auto_sessions": {}}
@@ -109,6 +114,21 @@ def added_interval(through: list[float], alone: list[float], rounds: int = 2000,
     return added[int(rounds * 0.05)], added[int(rounds * 0.95) - 1]
 
 
+def ratio_interval(through: list[float], alone: list[float], rounds: int = 2000,
+                   seed: int = 39) -> tuple[float, float]:
+    """A 90% interval for ``median(through) / median(alone)``, where ``through[i]`` and
+    ``alone[i]`` were measured in turn (one round): the rounds resampled with replacement,
+    each keeping its pair together, ``rounds`` times (seeded, so a run's figures repeat)."""
+    picks = random.Random(seed)
+    count = len(through)
+    ratios = []
+    for _ in range(rounds):
+        chosen = picks.choices(range(count), k=count)
+        ratios.append(statistics.median(through[i] for i in chosen) / statistics.median(alone[i] for i in chosen))
+    ratios.sort()
+    return ratios[int(rounds * 0.05)], ratios[int(rounds * 0.95) - 1]
+
+
 async def _plain(session: aiohttp.ClientSession, url: str, messages: list[dict],
                  parts: list[dict[str, float]] | None = None) -> float:
     """A plain 1-token request's time; with ``parts``, its ``Server-Timing`` spans added to them."""
@@ -150,26 +170,31 @@ async def measure(model: Path, work: Path, *, streams: int, stream_tokens: int, 
     async with strata_process(model, work, ctx=CTX_SIZE, plugins=DEFAULTS, source=source,
                               engine=engine) as (strata_url, engine_url, pid), \
             bare_relay_process(engine_url, work) as (relay_url, relay_pid), \
+            byte_relay_process(engine_url, work) as (bytes_url, bytes_pid), \
             client_session() as session, \
             aiohttp.ClientSession(headers={"Authorization": f"Bearer {BENCH_ENGINE_KEY}"}) as kept_session:
         urls = {"engine": engine_url, "strata": strata_url}
         three = {**urls, "relay": relay_url}
-        pids = {"strata": pid, "relay": relay_pid}
-        for url in three.values():
+        four = {**three, "bytes": bytes_url}
+        pids = {"strata": pid, "relay": relay_pid, "bytes": bytes_pid}
+        for url in four.values():
             await chat(session, url, short)  # warm: the prompt is cached from here on
 
+        def in_turn(ways: dict[str, str], n: int) -> list[str]:
+            names = list(ways)
+            return names[n % len(names):] + names[:n % len(names)]  # each first in turn
+
         def order3(n: int) -> list[str]:
-            names = list(three)
-            return names[n % 3:] + names[:n % 3]  # each first in turn
+            return in_turn(three, n)
 
         # Streaming: tokens/s over the whole call, and the layer's CPU per token.
-        tps: dict[str, list[float]] = {name: [] for name in three}
-        decode: dict[str, list[float]] = {name: [] for name in three}  # the engine's own tokens/s
-        cpu, tokens = {"strata": 0.0, "relay": 0.0}, {"strata": 0, "relay": 0}
+        tps: dict[str, list[float]] = {name: [] for name in four}
+        decode: dict[str, list[float]] = {name: [] for name in four}  # the engine's own tokens/s
+        cpu, tokens = dict.fromkeys(pids, 0.0), dict.fromkeys(pids, 0)
         for n in range(streams):
-            for name in order3(n):
+            for name in in_turn(four, n):
                 before = cpu_seconds(pids[name]) if name in pids else 0.0
-                reply = await chat(session, three[name], short, max_tokens=stream_tokens, ignore_eos=True)
+                reply = await chat(session, four[name], short, max_tokens=stream_tokens, ignore_eos=True)
                 predicted = reply.timings.get("predicted_n", 0)
                 tps[name].append(predicted / reply.total_s)
                 decode[name].append(reply.timings.get("predicted_per_second", 0.0))
@@ -180,6 +205,10 @@ async def measure(model: Path, work: Path, *, streams: int, stream_tokens: int, 
         found["stream_ratios"] = [s / e for s, e in zip(tps["strata"], tps["engine"])]
         found["stream_ratio"] = statistics.median(tps["strata"]) / statistics.median(tps["engine"])
         found["relay_stream_ratio"] = statistics.median(tps["relay"]) / statistics.median(tps["engine"])
+        found["bytes_stream_ratio"] = statistics.median(tps["bytes"]) / statistics.median(tps["engine"])
+        found["stream_ratio_interval"] = ratio_interval(tps["strata"], tps["engine"])
+        found["relay_stream_ratio_interval"] = ratio_interval(tps["relay"], tps["engine"])
+        found["bytes_stream_ratio_interval"] = ratio_interval(tps["bytes"], tps["engine"])
         # The engine's decoding speed as it reports it: lower through strata-serve when the
         # layer's CPU per token takes from the engine's threads (2 cores), not the relay's delay.
         found["stream_decode_tps"] = decode
@@ -188,6 +217,7 @@ async def measure(model: Path, work: Path, *, streams: int, stream_tokens: int, 
         found["relay_stream_decode_ratio"] = statistics.median(decode["relay"]) / alone if alone else None
         found["cpu_s_per_1000_tokens"] = cpu["strata"] / tokens["strata"] * 1000 if tokens["strata"] else None
         found["relay_cpu_s_per_1000_tokens"] = cpu["relay"] / tokens["relay"] * 1000 if tokens["relay"] else None
+        found["bytes_cpu_s_per_1000_tokens"] = cpu["bytes"] / tokens["bytes"] * 1000 if tokens["bytes"] else None
 
         # A 1-token request, a new connection each (client_session closes every one); then a
         # plain one over a connection each way keeps ("kept").
@@ -242,6 +272,7 @@ async def measure(model: Path, work: Path, *, streams: int, stream_tokens: int, 
         found["clients_ratios"] = [s / e for s, e in zip(rps["strata"], rps["engine"])]
         found["clients_ratio"] = statistics.median(rps["strata"]) / statistics.median(rps["engine"])
         found["relay_clients_ratio"] = statistics.median(rps["relay"]) / statistics.median(rps["engine"])
+        found["clients_ratio_interval"] = ratio_interval(rps["strata"], rps["engine"])
         found["clients_cpu_ms"] = {name: statistics.median(values) for name, values in cpu_ms.items()}
     return found
 
@@ -287,15 +318,16 @@ def report(found: dict[str, Any], model: str) -> list[str]:
         f"request: {s['requests']} each way, a new connection each; the interval is a bootstrap's 90% for the "
         f"added p50. {s['clients']} clients at once, each its own "
         f"chat (a ~60-token opening, 8 tokens out, {s['turns']} turns), {s['blocks']} round(s) each way. In "
-        "brackets: the way measured / the engine, and the lowest-highest ratio of strata-serve's interleaved "
-        "pairs. The bare relay's column is what any Python layer costs here.",
+        "brackets: the way measured / the engine, the lowest-highest ratio of strata-serve's interleaved "
+        "pairs, and a 90% interval for the ratio (a bootstrap over the rounds, each round's pair kept "
+        "together). The bare relay's column is what any Python layer costs here.",
         "",
         "| measure | strata-serve / engine alone | bare relay / engine alone |",
         "|---|---|---|",
         f"| streaming tokens/s | {found['stream_ratio']:.3f} ({stream_s:.1f} / {stream_e:.1f}"
-        f"{_range(found['stream_ratios'], 3)}) | "
+        f"{_range(found['stream_ratios'], 3)}{_ratio_interval(found, 'stream_ratio_interval')}) | "
         + relay(f"{found.get('relay_stream_ratio', 0):.3f} ({statistics.median(stream.get('relay') or [0]):.1f} / "
-                f"{stream_e:.1f})") + " |",
+                f"{stream_e:.1f}{_ratio_interval(found, 'relay_stream_ratio_interval')})") + " |",
         f"| the engine's own decode tokens/s in those streams | {found['stream_decode_ratio'] or 0:.3f} | "
         + relay(f"{found.get('relay_stream_decode_ratio') or 0:.3f}") + " |",
         f"| 1-token request p50, streamed | {found['one_token_stream_added_p50_ms']:+.2f} ms "
@@ -306,7 +338,7 @@ def report(found: dict[str, Any], model: str) -> list[str]:
         + _added(found, "json") + " |",
         *_kept(found),
         f"| {s['clients']} clients, requests/s | {found['clients_ratio']:.3f} ({rps_s:.2f} / {rps_e:.2f}"
-        f"{_range(found['clients_ratios'], 3)}) | "
+        f"{_range(found['clients_ratios'], 3)}{_ratio_interval(found, 'clients_ratio_interval')}) | "
         + relay(f"{found.get('relay_clients_ratio', 0):.3f} ({statistics.median(rps.get('relay') or [0]):.2f} / "
                 f"{rps_e:.2f})") + " |",
         f"| layer CPU ms per request, {s['clients']} clients | "
@@ -314,8 +346,30 @@ def report(found: dict[str, Any], model: str) -> list[str]:
         + relay(f"{cpu.get('relay', 0):.2f}") + " |",
         f"| layer CPU s per 1,000 streamed tokens | {found['cpu_s_per_1000_tokens'] or 0:.3f} | "
         + relay(f"{found.get('relay_cpu_s_per_1000_tokens') or 0:.3f}") + " |",
-    ] + _parts(found.get("one_token_json_parts_ms"), "on a new connection") \
+    ] + _bytes(found) + _parts(found.get("one_token_json_parts_ms"), "on a new connection") \
         + _parts(found.get("one_token_kept_parts_ms"), "on a kept connection")
+
+
+def _ratio_interval(found: dict[str, Any], name: str) -> str:
+    interval = found.get(name)  # runs before it was measured lack it
+    return f"; 90% interval {interval[0]:.3f}-{interval[1]:.3f}" if interval else ""
+
+
+def _bytes(found: dict[str, Any]) -> list[str]:
+    """The byte relay's streams (runs before it was measured lack them)."""
+    ratio = found.get("bytes_stream_ratio")
+    if ratio is None:
+        return []
+    stream = found["stream_tps"]
+    return [
+        "",
+        f"The same streams through a byte relay (an asyncio process passing the bytes both ways as they come, "
+        f"no HTTP at all): {ratio:.3f} ({statistics.median(stream['bytes']):.1f} / "
+        f"{statistics.median(stream['engine']):.1f}{_ratio_interval(found, 'bytes_stream_ratio_interval')}), "
+        f"{found['bytes_cpu_s_per_1000_tokens'] or 0:.3f} s of its CPU per 1,000 tokens: what passing a "
+        "token through a Python process costs on this machine at the least (one wake of its event loop, one "
+        "read, one write).",
+    ]
 
 
 def _kept(found: dict[str, Any]) -> list[str]:

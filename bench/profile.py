@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.parse
 from pathlib import Path
 from typing import Any
 from collections.abc import AsyncIterator
@@ -91,25 +92,95 @@ def bare_relay_app(engine_url: str, key: str) -> web.Application:
     return app
 
 
-@contextlib.asynccontextmanager
-async def bare_relay_process(engine_url: str, work: Path) -> AsyncIterator[tuple[str, int]]:
+def bare_relay_process(engine_url: str, work: Path) -> contextlib.AbstractAsyncContextManager[tuple[str, int]]:
     """The bare relay in its own process (its CPU read apart); yields (its URL, its pid)."""
+    return _relay_process("relay", "the bare relay", engine_url, work / "bare-relay.log")
+
+
+def byte_relay_process(engine_url: str, work: Path) -> contextlib.AbstractAsyncContextManager[tuple[str, int]]:
+    """The byte relay (:func:`byte_relay`) in its own process; yields (its URL, its pid)."""
+    return _relay_process("bytes", "the byte relay", engine_url, work / "byte-relay.log")
+
+
+@contextlib.asynccontextmanager
+async def _relay_process(command: str, name: str, engine_url: str, log_path: Path) -> AsyncIterator[tuple[str, int]]:
     port = free_port("127.0.0.1")
-    log = open(work / "bare-relay.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "bench.profile", "relay", "--port", str(port),
+    log = open(log_path, "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "bench.profile", command, "--port", str(port),
                              "--engine", engine_url], stdout=log, stderr=subprocess.STDOUT,
                             cwd=Path(__file__).resolve().parent.parent)
     url = f"http://127.0.0.1:{port}"
     try:
         hello = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-        await until_answering(proc, "the bare relay",
-                              lambda session: session.post(url + "/v1/chat/completions", json=hello), 60,
-                              work / "bare-relay.log")
+        key = {"Authorization": f"Bearer {BENCH_KEY}"}  # the byte relay passes the client's on as it came
+        await until_answering(proc, name, lambda session: session.post(url + "/v1/chat/completions", json=hello,
+                                                                       headers=key), 60, log_path)
         yield url, proc.pid
     finally:
         proc.terminate()
         proc.wait(30)
         log.close()
+
+
+# -- the byte relay ------------------------------------------------------------------------
+
+class _End(asyncio.Protocol):
+    """One end of the byte relay: what it reads is written to the other end as it came."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.other: asyncio.Transport | None = None
+        self.early: list[bytes] = []  # read before the other end was connected
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if self.other is None:
+            self.early.append(data)
+        else:
+            self.other.write(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.other is not None:
+            self.other.close()
+
+
+async def byte_relay(port: int, engine_url: str) -> None:
+    """Relay bytes between each client connection and one of its own to the engine, both
+    ways, as they come: no HTTP at all (no parsing, no framing, no headers of its own).
+    What it costs a stream is what passing a token through a Python process costs on this
+    machine at the least: one wake of the event loop, one read, one write."""
+    loop = asyncio.get_running_loop()
+    engine = urllib.parse.urlsplit(engine_url)
+    connecting: set[asyncio.Task[None]] = set()
+
+    async def connect(client: _End) -> None:
+        try:
+            _, upstream = await loop.create_connection(_End, engine.hostname, engine.port)
+        except OSError:
+            if client.transport is not None:
+                client.transport.close()
+            return
+        assert client.transport is not None and upstream.transport is not None
+        if client.transport.is_closing():  # the client left while this connected
+            upstream.transport.close()
+            return
+        upstream.other, client.other = client.transport, upstream.transport
+        for data in client.early:
+            upstream.transport.write(data)
+        client.early.clear()
+
+    def accepted() -> _End:
+        client = _End()
+        task = loop.create_task(connect(client))
+        connecting.add(task)
+        task.add_done_callback(connecting.discard)
+        return client
+
+    server = await loop.create_server(accepted, "127.0.0.1", port)
+    async with server:
+        await server.serve_forever()
 
 
 # -- the profile ---------------------------------------------------------------------------
@@ -239,10 +310,17 @@ def cli() -> None:
     relay = sub.add_parser("relay", help="run the bare relay (used by the benchmark)")
     relay.add_argument("--port", type=int, required=True)
     relay.add_argument("--engine", required=True)
+    byte = sub.add_parser("bytes", help="run the byte relay (used by the benchmark)")
+    byte.add_argument("--port", type=int, required=True)
+    byte.add_argument("--engine", required=True)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.command == "relay":
         web.run_app(bare_relay_app(args.engine, BENCH_KEY), host="127.0.0.1", port=args.port, print=None)
+        return
+    if args.command == "bytes":
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(byte_relay(args.port, args.engine))
         return
     from strata_serve.demo_model import write_demo_model
 

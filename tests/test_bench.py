@@ -93,6 +93,12 @@ async def test_quick_benchmark_writes_its_tables(tmp_path):
         assert parts["read"] > 0 and parts["pre_request"] > 0 and "key" in parts and "queue" in parts, parts
     assert "| 1-token request p50, JSON, connection kept |" in report
     assert "Where a plain 1-token request's" in report and "on a kept connection went" in report
+    # The streams went through the byte relay too, each way's ratio with its interval.
+    alone = results["alone"]
+    assert alone["stream_tps"]["bytes"] and alone["bytes_cpu_s_per_1000_tokens"] > 0
+    assert "through a byte relay" in report
+    low, high = alone["stream_ratio_interval"]
+    assert low <= high
     print(f"bench-quick took {results['seconds']['total']:.0f} s")
 
 
@@ -108,6 +114,21 @@ def test_the_added_p50_interval_holds_a_shift_and_only_it():
     assert low < 0 < high < 0.5
     # Seeded: a run's figures repeat.
     assert added_interval(list(alone), alone) == (low, high)
+
+
+def test_the_ratio_interval_keeps_each_rounds_pair_together():
+    from bench.engine_alone import ratio_interval
+
+    # The machine's speed moved round to round by far more than the 2% between the two
+    # ways: resampled in pairs, each round's two figures together, the ratio stays at 0.98.
+    alone = [50.0 + 10 * n for n in range(12)]
+    low, high = ratio_interval([a * 0.98 for a in alone], alone)
+    assert 0.979 < low <= high < 0.981
+    # The same figures, their order shuffled apart from their rounds: the spread shows.
+    shuffled = [a * 0.98 for a in alone[6:] + alone[:6]]
+    low, high = ratio_interval(shuffled, alone)
+    assert low < 0.9 and high > 1.05
+    assert ratio_interval(shuffled, alone) == (low, high)  # seeded: a run's figures repeat
 
 
 # -- the soak ---------------------------------------------------------------------------------
