@@ -12,6 +12,7 @@ import logging
 import time
 
 import aiohttp
+import pytest
 
 import strata_serve
 from strata_serve.api import SERVICE
@@ -188,6 +189,29 @@ async def test_a_plain_answer_leaves_before_post_request_and_the_next_request_wa
     await until_idle(client.app[SERVICE])  # its answer, too, left before its post_request
     assert plugin.posts_done == 2
     assert [e[0] for e in recorder.events if e[0] in ("pre", "post")] == ["pre", "post", "pre", "post"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+async def test_the_cpu_is_given_up_once_an_answer_is_written_before_post_request(
+        strata_memory_client_factory, recorder, monkeypatch, stream):
+    # A socket's write wakes its reader on the writer's CPU: the client reads its answer
+    # only once strata-serve gives that CPU up. It does, once per answer, after the
+    # answer's last bytes and before the plugins' post_request steps.
+    from strata_serve.api import client_writes
+
+    yields = []
+    monkeypatch.setattr(client_writes, "_sched_yield",
+                        lambda: yields.append([e[0] for e in recorder.events if e[0] in ("pre", "post")]))
+    client = await strata_memory_client_factory(recorder)
+    for text in ("one", "two"):
+        resp = await client.post("/v1/chat/completions", json=chat_body(text, stream=stream))
+        assert resp.status == 200
+        await resp.read()
+        await until_idle(client.app[SERVICE])
+    assert yields == [["pre"], ["pre", "post", "pre"]], "a yield after each answer, before its post_request"
+    # A body refused before the line: its error leaves when the handler ends, nothing after it.
+    assert (await client.post("/v1/chat/completions", json={"messages": []})).status == 400
+    assert len(yields) == 2
 
 
 async def test_a_plugin_step_that_waits_runs_to_its_end_when_the_client_leaves_meanwhile(

@@ -22,7 +22,7 @@ from strata_serve.api.bodies import read_json
 from strata_serve.api.errors import APIError
 from strata_serve.api.formats import ApiFormat, StreamSeen
 from strata_serve.api.app_state import SERVICE, TENANT
-from strata_serve.api.client_writes import CLIENT_BUFFER_BYTES, ClientWrites
+from strata_serve.api.client_writes import CLIENT_BUFFER_BYTES, ClientWrites, let_the_client_read
 from strata_serve.api.registry import Api
 from strata_serve.config import EngineSettings
 from strata_serve.engine.base import ContextOverflow, Engine, EngineUnavailable, JSONAnswer
@@ -216,6 +216,7 @@ async def relay(request: web.Request, api: Api, body: dict[str, Any], began: flo
         with contextlib.suppress(ConnectionError):
             await answer.prepare(request)
             await answer.write_eof()
+            let_the_client_read()
 
     writes = ClientWrites(request)
     try:
@@ -396,6 +397,7 @@ async def _relay_stream(
         try:
             await passing.run(upstream)
             await response.write_eof(passing.tail)
+            let_the_client_read()
         except EngineUnavailable as exc:
             # Headers are gone already: tell the client in the stream itself.
             outcome.error = str(exc)
