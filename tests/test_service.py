@@ -13,6 +13,7 @@ import time
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 import strata_serve
 from strata_serve.api import SERVICE
@@ -191,27 +192,51 @@ async def test_a_plain_answer_leaves_before_post_request_and_the_next_request_wa
     assert [e[0] for e in recorder.events if e[0] in ("pre", "post")] == ["pre", "post", "pre", "post"]
 
 
+class Steps:
+    """Records the plugin steps around each request in a list shared with the test."""
+
+    def __init__(self, order: list[str]) -> None:
+        self.order = order
+
+    @strata_serve.hookimpl
+    def pre_request(self, request):
+        self.order.append("pre")
+
+    @strata_serve.hookimpl
+    def post_request(self, request, outcome):
+        self.order.append("post")
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 async def test_the_cpu_is_given_up_once_an_answer_is_written_before_post_request(
-        strata_memory_client_factory, recorder, monkeypatch, stream):
+        strata_memory_client_factory, monkeypatch, stream):
     # A socket's write wakes its reader on the writer's CPU: the client reads its answer
     # only once strata-serve gives that CPU up. It does, once per answer, after the
     # answer's last bytes and before the plugins' post_request steps.
     from strata_serve.api import client_writes
 
-    yields = []
-    monkeypatch.setattr(client_writes, "_sched_yield",
-                        lambda: yields.append([e[0] for e in recorder.events if e[0] in ("pre", "post")]))
-    client = await strata_memory_client_factory(recorder)
+    order: list[str] = []
+    monkeypatch.setattr(client_writes, "_sched_yield", lambda: order.append("yield"))
+    write_eof, ended = web.StreamResponse.write_eof, set()
+
+    async def last_bytes(response, *args, **kwargs):
+        await write_eof(response, *args, **kwargs)
+        if id(response) not in ended:  # aiohttp calls it again as the handler ends: a no-op
+            ended.add(id(response))
+            order.append("last bytes")
+
+    monkeypatch.setattr(web.StreamResponse, "write_eof", last_bytes)
+    client = await strata_memory_client_factory(Steps(order))
     for text in ("one", "two"):
         resp = await client.post("/v1/chat/completions", json=chat_body(text, stream=stream))
         assert resp.status == 200
         await resp.read()
         await until_idle(client.app[SERVICE])
-    assert yields == [["pre"], ["pre", "post", "pre"]], "a yield after each answer, before its post_request"
-    # A body refused before the line: its error leaves when the handler ends, nothing after it.
+    assert order == ["pre", "last bytes", "yield", "post"] * 2
+    # A body refused before the line: its error leaves as the handler ends, nothing after it.
+    order.clear()
     assert (await client.post("/v1/chat/completions", json={"messages": []})).status == 400
-    assert len(yields) == 2
+    assert order == ["last bytes"]
 
 
 async def test_a_plugin_step_that_waits_runs_to_its_end_when_the_client_leaves_meanwhile(

@@ -28,10 +28,10 @@ def let_the_client_read() -> None:
 
     A socket's write wakes its reader synchronously: Linux puts the reader on the writer's
     CPU, counting on the writer to wait next. strata-serve does not wait there: the plugins'
-    ``post_request`` steps and the handler's end run on (about 0.3 ms after a plain answer
-    on a 2-core machine whose other core the engine's threads hold), and the client, woken
-    on that CPU, waited for all of it before it read its answer. With nothing else ready on
-    the CPU, the yield comes straight back.
+    ``post_request`` steps and the handler's end run on (about 0.3 ms after a plain answer,
+    measured on a 2-core machine), and a client woken on that CPU waited for all of it
+    before it read its answer. With nothing else ready on the CPU, the yield comes
+    straight back.
     """
     if _sched_yield is not None:
         _sched_yield()
