@@ -26,7 +26,8 @@ adds beyond that. The streams go through a fourth way as well: a byte relay
 (:func:`bench.profile.byte_relay`, the bytes both ways as they come, no HTTP at all), what
 passing a token through a Python process costs here at the least.
 
-The streaming and eight-client ratios come with a 90% interval (:func:`ratio_interval`):
+The streaming and eight-client ratios come with a 90% interval
+(:func:`bench.harness.ratio_interval`):
 whether a goal missed or met is more than this run's own spread.
 
 ``python -m bench.engine_alone [--quick] [--tiny]`` prints the figures; ``bench.run``
@@ -47,7 +48,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.harness import BENCH_ENGINE_KEY, chat, client_session, follow_up, percentile
+from bench.harness import BENCH_ENGINE_KEY, chat, client_session, follow_up, percentile, ratio_interval
 from bench.layer_cost import cpu_seconds, plain_one, strata_process
 from bench.profile import bare_relay_process, byte_relay_process
 
@@ -112,21 +113,6 @@ def added_interval(through: list[float], alone: list[float], rounds: int = 2000,
          - statistics.median(picks.choices(alone, k=len(alone)))) * 1000
         for _ in range(rounds))
     return added[int(rounds * 0.05)], added[int(rounds * 0.95) - 1]
-
-
-def ratio_interval(through: list[float], alone: list[float], rounds: int = 2000,
-                   seed: int = 39) -> tuple[float, float]:
-    """A 90% interval for ``median(through) / median(alone)``, where ``through[i]`` and
-    ``alone[i]`` were measured in turn (one round): the rounds resampled with replacement,
-    each keeping its pair together, ``rounds`` times (seeded, so a run's figures repeat)."""
-    picks = random.Random(seed)
-    count = len(through)
-    ratios = []
-    for _ in range(rounds):
-        chosen = picks.choices(range(count), k=count)
-        ratios.append(statistics.median(through[i] for i in chosen) / statistics.median(alone[i] for i in chosen))
-    ratios.sort()
-    return ratios[int(rounds * 0.05)], ratios[int(rounds * 0.95) - 1]
 
 
 async def _plain(session: aiohttp.ClientSession, url: str, messages: list[dict],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -128,6 +129,21 @@ def spread(values: list[float], digits: int = 3) -> str:
 def percentile(values: list[float], pct: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(pct / 100 * (len(ordered) - 1))))]
+
+
+def ratio_interval(through: list[float], alone: list[float], rounds: int = 2000,
+                   seed: int = 39) -> tuple[float, float]:
+    """A 90% interval for ``median(through) / median(alone)``, where ``through[i]`` and
+    ``alone[i]`` were measured in turn (one round): the rounds resampled with replacement,
+    each keeping its pair together, ``rounds`` times (seeded, so a run's figures repeat)."""
+    picks = random.Random(seed)
+    count = len(through)
+    ratios = []
+    for _ in range(rounds):
+        chosen = picks.choices(range(count), k=count)
+        ratios.append(statistics.median(through[i] for i in chosen) / statistics.median(alone[i] for i in chosen))
+    ratios.sort()
+    return ratios[int(rounds * 0.05)], ratios[int(rounds * 0.95) - 1]
 
 
 async def disk_speed(directory: Path, size_mb: int = 256) -> tuple[float, float]:

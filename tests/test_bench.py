@@ -34,6 +34,12 @@ async def test_quick_benchmark_writes_its_tables(tmp_path):
     current = switch["strata + auto-sessions, RAM cache off, file current"]
     assert current["restore_ms"] and all(ms > 0 for ms in current["restore_ms"])
     assert "The restore itself took" in report and "(no switch: the floor)" in report
+    # The default setup's own floor, a turn of A right after each of its at-once returns:
+    # no switch (nothing restored: the engine still held A), paired by round.
+    blocks = switch["strata + auto-sessions in blocks, RAM cache off"]
+    assert len(blocks["held_s"]) == len(blocks["a_returns_s"]) >= 1
+    assert blocks["held_restores"] == 0 and blocks["restore_ms"], blocks
+    assert "Against that server's own no-switch turn of A in each round" in report
 
     (agents,) = results["agents"]
     summary = agents["summary"]["agents"]
@@ -117,7 +123,7 @@ def test_the_added_p50_interval_holds_a_shift_and_only_it():
 
 
 def test_the_ratio_interval_keeps_each_rounds_pair_together():
-    from bench.engine_alone import ratio_interval
+    from bench.harness import ratio_interval
 
     # The machine's speed moved round to round by far more than the 2% between the two
     # ways: resampled in pairs, each round's two figures together, the ratio stays at 0.98.
