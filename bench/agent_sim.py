@@ -145,6 +145,11 @@ def run_once(system: System, model: Path, work: Path, salt: int, args: list[str]
     output = work / "agent-sim.json"
     load_before = os.getloadavg()
     try:
+        # The CPU of each process during the run alone: what each took from the other while
+        # agent-sim's clock ran (their start, the model's load among it, is before it).
+        layer_before = running.layer_cpu_s()
+        engine = running.engine_pid()
+        engine_before = cpu_seconds(engine) if engine is not None else None
         began = time.perf_counter()
         done = subprocess.run([str(agent_sim), "--base-url", running.url + "/v1", "--api-key", BENCH_ENGINE_KEY,
                                *args, "--miss-threshold", "0", "--no-viz", "--salt", str(salt),
@@ -153,9 +158,8 @@ def run_once(system: System, model: Path, work: Path, salt: int, args: list[str]
         wall = time.perf_counter() - began
         stats = running.stats()
         ram_ms = running.ram_cache_ms()
-        layer_cpu = running.layer_cpu_s()
-        engine = running.engine_pid()
-        engine_cpu = cpu_seconds(engine) if engine is not None else None
+        layer_cpu = _since(running.layer_cpu_s(), layer_before)
+        engine_cpu = _since(cpu_seconds(engine) if engine is not None else None, engine_before)
     finally:
         running.stop()
     prefill = engine_work(running.log)
@@ -183,6 +187,10 @@ def run_once(system: System, model: Path, work: Path, salt: int, args: list[str]
         **prefill,
         "ram_cache_ms": sum(ram_ms),
     }
+
+
+def _since(now: float | None, before: float | None) -> float | None:
+    return None if now is None or before is None else now - before
 
 
 def compare(model: Path, work: Path, rounds: int, chosen: list[System], args: list[str],
@@ -254,7 +262,7 @@ def report(found: dict[str, Any]) -> list[str]:
         f"started fresh for each run; {found['rounds']} round(s), the runs of a round in turn with the same texts. "
         "Ratio: wall time over the bare engine's with the same RAM cache, in the same round (median, lowest-"
         "highest). Kept: the returns that found their main context (at least 66% of it cached, agent-sim's own "
-        "threshold), over all runs.",
+        "threshold), over all runs. CPU: each process's during the run alone, from agent-sim's start to its end.",
         "",
         "| system | wall s | ratio to llama-server -np 1 | contexts kept | main turns continued | layer CPU s "
         "| engine CPU s | tokens read (prefill) | ms per token read |",
