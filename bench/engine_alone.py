@@ -170,9 +170,6 @@ async def measure(model: Path, work: Path, *, streams: int, stream_tokens: int, 
             names = list(ways)
             return names[n % len(names):] + names[:n % len(names)]  # each first in turn
 
-        def order3(n: int) -> list[str]:
-            return in_turn(three, n)
-
         # Streaming: tokens/s over the whole call, and the layer's CPU per token.
         tps: dict[str, list[float]] = {name: [] for name in four}
         decode: dict[str, list[float]] = {name: [] for name in four}  # the engine's own tokens/s
@@ -213,7 +210,7 @@ async def measure(model: Path, work: Path, *, streams: int, stream_tokens: int, 
             times: dict[str, list[float]] = {name: [] for name in three}
             parts: list[dict[str, float]] = []  # strata-serve's plain answers, part by part
             for n in range(requests):
-                for name in order3(n):
+                for name in in_turn(three, n):
                     if kind == "stream":
                         times[name].append((await chat(session, three[name], short)).total_s)
                         continue
@@ -244,7 +241,7 @@ async def measure(model: Path, work: Path, *, streams: int, stream_tokens: int, 
         rps: dict[str, list[float]] = {name: [] for name in three}
         cpu_ms: dict[str, list[float]] = {"strata": [], "relay": []}  # the layer's CPU per request
         for n in range(blocks):
-            for name in order3(n):
+            for name in in_turn(three, n):
                 before = cpu_seconds(pids[name]) if name in pids else 0.0
                 began = time.perf_counter()
                 done = await asyncio.gather(*(client(three[name], c, 3 * n + list(three).index(name))
