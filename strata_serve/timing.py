@@ -25,6 +25,7 @@ headers leave: a stream's before its answer, so without ``engine``) and added up
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import time
 from collections.abc import Iterator
@@ -43,6 +44,7 @@ _VALID_NAMES_KEPT = 1024
 TIMED_HOOKS = frozenset({"pre_request", "post_request"})
 
 
+@functools.lru_cache(maxsize=256)
 def span_name(text: str) -> str:
     """``text`` made a span's name: characters a name cannot hold become ``_``, cut to 24."""
     return re.sub(r"[^A-Za-z0-9_.-]", "_", text)[:24] or "_"
