@@ -26,9 +26,10 @@ adds beyond that. The streams go through a fourth way as well: a byte relay
 (:func:`bench.profile.byte_relay`, the bytes both ways as they come, no HTTP at all), what
 passing a token through a Python process costs here at the least.
 
-The streaming and eight-client ratios come with a 90% interval
-(:func:`bench.harness.ratio_interval`):
-whether a goal missed or met is more than this run's own spread.
+The streaming and eight-client ratios are the median of each round's pair's ratio
+(:func:`bench.harness.paired_ratio`: the machine's speed moves between rounds by more than
+the goals' margins), with a 90% interval (:func:`bench.harness.ratio_interval`): whether a
+goal missed or met is more than this run's own spread.
 
 ``python -m bench.engine_alone [--quick] [--tiny]`` prints the figures; ``bench.run``
 puts its table in ``bench/results/README.md``.
@@ -48,7 +49,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.harness import BENCH_ENGINE_KEY, chat, client_session, follow_up, percentile, ratio_interval
+from bench.harness import BENCH_ENGINE_KEY, chat, client_session, follow_up, paired_ratio, percentile, ratio_interval
 from bench.layer_cost import cpu_seconds, plain_one, strata_process
 from bench.profile import bare_relay_process, byte_relay_process
 
@@ -99,7 +100,9 @@ def sizes(quick: bool) -> dict[str, int]:
         return {"streams": 2, "stream_tokens": 32, "requests": 10, "blocks": 1, "clients": 8, "turns": 2}
     # 150 1-token requests each way: with 40 to 80, runs of one tree on one machine put the
     # added p50 up to 0.7 ms apart, more than the goal's margin.
-    return {"streams": 16, "stream_tokens": 150, "requests": 150, "blocks": 5, "clients": 8, "turns": 8}
+    # 24 streams and 8 rounds of the clients: with 16 and 5, a ratio's 90% interval was 11-18
+    # and 20-40 points wide (the machine's speed moves by a third between streams).
+    return {"streams": 24, "stream_tokens": 150, "requests": 150, "blocks": 8, "clients": 8, "turns": 8}
 
 
 def added_interval(through: list[float], alone: list[float], rounds: int = 2000,
@@ -186,9 +189,9 @@ async def measure(model: Path, work: Path, *, streams: int, stream_tokens: int, 
                     tokens[name] += predicted
         found["stream_tps"] = tps
         found["stream_ratios"] = [s / e for s, e in zip(tps["strata"], tps["engine"])]
-        found["stream_ratio"] = statistics.median(tps["strata"]) / statistics.median(tps["engine"])
-        found["relay_stream_ratio"] = statistics.median(tps["relay"]) / statistics.median(tps["engine"])
-        found["bytes_stream_ratio"] = statistics.median(tps["bytes"]) / statistics.median(tps["engine"])
+        found["stream_ratio"] = paired_ratio(tps["strata"], tps["engine"])
+        found["relay_stream_ratio"] = paired_ratio(tps["relay"], tps["engine"])
+        found["bytes_stream_ratio"] = paired_ratio(tps["bytes"], tps["engine"])
         found["stream_ratio_interval"] = ratio_interval(tps["strata"], tps["engine"])
         found["relay_stream_ratio_interval"] = ratio_interval(tps["relay"], tps["engine"])
         found["bytes_stream_ratio_interval"] = ratio_interval(tps["bytes"], tps["engine"])
@@ -196,8 +199,8 @@ async def measure(model: Path, work: Path, *, streams: int, stream_tokens: int, 
         # layer's CPU per token takes from the engine's threads (2 cores), not the relay's delay.
         found["stream_decode_tps"] = decode
         alone = statistics.median(decode["engine"])
-        found["stream_decode_ratio"] = statistics.median(decode["strata"]) / alone if alone else None
-        found["relay_stream_decode_ratio"] = statistics.median(decode["relay"]) / alone if alone else None
+        found["stream_decode_ratio"] = paired_ratio(decode["strata"], decode["engine"]) if alone else None
+        found["relay_stream_decode_ratio"] = paired_ratio(decode["relay"], decode["engine"]) if alone else None
         found["cpu_s_per_1000_tokens"] = cpu["strata"] / tokens["strata"] * 1000 if tokens["strata"] else None
         found["relay_cpu_s_per_1000_tokens"] = cpu["relay"] / tokens["relay"] * 1000 if tokens["relay"] else None
         found["bytes_cpu_s_per_1000_tokens"] = cpu["bytes"] / tokens["bytes"] * 1000 if tokens["bytes"] else None
@@ -218,6 +221,7 @@ async def measure(model: Path, work: Path, *, streams: int, stream_tokens: int, 
                                                     short, parts if name == "strata" else None))
             if parts:
                 found[f"one_token_{kind}_parts_ms"] = where_it_went(parts)
+            found[f"one_token_{kind}_ms"] = {name: [s * 1000 for s in t] for name, t in times.items()}
             p50 = found[f"one_token_{kind}_p50_ms"] = {name: percentile(t, 50) * 1000 for name, t in times.items()}
             found[f"one_token_{kind}_added_p50_ms"] = p50["strata"] - p50["engine"]
             found[f"relay_one_token_{kind}_added_p50_ms"] = p50["relay"] - p50["engine"]
@@ -253,8 +257,8 @@ async def measure(model: Path, work: Path, *, streams: int, stream_tokens: int, 
                     await settle(session, strata_url)
         found["clients_rps"] = rps
         found["clients_ratios"] = [s / e for s, e in zip(rps["strata"], rps["engine"])]
-        found["clients_ratio"] = statistics.median(rps["strata"]) / statistics.median(rps["engine"])
-        found["relay_clients_ratio"] = statistics.median(rps["relay"]) / statistics.median(rps["engine"])
+        found["clients_ratio"] = paired_ratio(rps["strata"], rps["engine"])
+        found["relay_clients_ratio"] = paired_ratio(rps["relay"], rps["engine"])
         found["clients_ratio_interval"] = ratio_interval(rps["strata"], rps["engine"])
         found["clients_cpu_ms"] = {name: statistics.median(values) for name, values in cpu_ms.items()}
     return found
@@ -301,9 +305,10 @@ def report(found: dict[str, Any], model: str) -> list[str]:
         f"request: {s['requests']} each way, a new connection each; the interval is a bootstrap's 90% for the "
         f"added p50. {s['clients']} clients at once, each its own "
         f"chat (a ~60-token opening, 8 tokens out, {s['turns']} turns), {s['blocks']} round(s) each way. In "
-        "brackets: the way measured / the engine, the lowest-highest ratio of strata-serve's interleaved "
-        "pairs, and a 90% interval for the ratio (a bootstrap over the rounds, each round's pair kept "
-        "together). The bare relay's column is what any Python layer costs here.",
+        "brackets: the way measured / the engine (medians), the lowest-highest ratio of strata-serve's "
+        "interleaved pairs, and a 90% interval for the ratio (a bootstrap over the rounds, each round's pair "
+        "kept together). A ratio is the median of the rounds' pairs: each pair ran seconds apart, the rounds "
+        "minutes. The bare relay's column is what any Python layer costs here.",
         "",
         "| measure | strata-serve / engine alone | bare relay / engine alone |",
         "|---|---|---|",

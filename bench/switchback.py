@@ -27,7 +27,8 @@ from typing import Any
 
 import aiohttp
 
-from bench.harness import bare_engine, chat, client_session, conversation, follow_up, ratio_interval, spread, strata
+from bench.harness import (bare_engine, chat, client_session, conversation, follow_up, paired_ratio, ratio_interval,
+                           spread, strata)
 
 #: name: (strata-serve?, engine RAM cache MiB: 0 off, None the engine's default)
 SETUPS = {
@@ -237,8 +238,8 @@ def _own_floor(figures: dict[str, Any]) -> str:
     low, high = ratio_interval(at_once, held)
     return (f" Against that server's own no-switch turn of A in each round, right after its return: "
             f"{statistics.median(at_once):.3f} s against {statistics.median(held):.3f} s, "
-            f"{statistics.median(at_once) / statistics.median(held):.2f}x (90% interval {low:.2f}-{high:.2f}, "
-            f"{len(held)} rounds).")
+            f"{paired_ratio(at_once, held):.2f}x (the median of the rounds' ratios; 90% interval "
+            f"{low:.2f}-{high:.2f}, {len(held)} rounds).")
 
 
 def readme_sentence(results: dict[str, Any]) -> str:

@@ -12,6 +12,8 @@ import struct
 import threading
 import time
 
+import pytest
+
 from bench.prefix import installed as prefix_restore_installed
 from bench.run import main
 from bench.systems import hearth_installed
@@ -123,11 +125,12 @@ def test_the_added_p50_interval_holds_a_shift_and_only_it():
 
 
 def test_the_ratio_interval_keeps_each_rounds_pair_together():
-    from bench.harness import ratio_interval
+    from bench.harness import paired_ratio, ratio_interval
 
     # The machine's speed moved round to round by far more than the 2% between the two
     # ways: resampled in pairs, each round's two figures together, the ratio stays at 0.98.
     alone = [50.0 + 10 * n for n in range(12)]
+    assert paired_ratio([a * 0.98 for a in alone], alone) == pytest.approx(0.98)
     low, high = ratio_interval([a * 0.98 for a in alone], alone)
     assert 0.979 < low <= high < 0.981
     # The same figures, their order shuffled apart from their rounds: the spread shows.
