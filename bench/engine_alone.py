@@ -101,7 +101,7 @@ def sizes(quick: bool) -> dict[str, int]:
     # 150 1-token requests each way: with 40 to 80, runs of one tree on one machine put the
     # added p50 up to 0.7 ms apart, more than the goal's margin.
     # 24 streams and 8 rounds of the clients: with 16 and 5, a ratio's 90% interval was 11-18
-    # and 20-40 points wide (the machine's speed moves by a third between streams).
+    # and 10-41 points wide (within one run, the engine alone streamed at 79-143 tokens/s).
     return {"streams": 24, "stream_tokens": 150, "requests": 150, "blocks": 8, "clients": 8, "turns": 8}
 
 
