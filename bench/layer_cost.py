@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 
-from bench.harness import chat, client_session, conversation, percentile
+from bench.harness import chat, client_session, conversation, paired_ratio, percentile
 from strata_serve.engine.llama_server import free_port
 from strata_serve.timing import read_server_timing
 
@@ -190,7 +190,7 @@ async def layer_cost(model: Path, work: Path, requests: int = 200, blocks: int =
                     cpu += cpu_seconds(pid) - before
                     tokens += predicted
         found["stream_tps"] = tps
-        found["stream_ratio"] = statistics.median(tps["strata"]) / statistics.median(tps["engine"])
+        found["stream_ratio"] = paired_ratio(tps["strata"], tps["engine"])  # each pair ran in turn
         found["stream_ratios"] = [s / e for s, e in zip(tps["strata"], tps["engine"])]
         found["engine_tps"] = engine_tps  # as the engine timed its own work, either way
         found["cpu_s_per_1000_tokens"] = cpu / tokens * 1000 if tokens else None
