@@ -172,7 +172,7 @@ async def layer_cost(model: Path, work: Path, requests: int = 200, blocks: int =
                 await asyncio.gather(*(client(urls[name]) for _ in range(concurrency)))
                 rps[name].append(concurrency * max(1, requests // concurrency) / (time.perf_counter() - began))
         found["rps_8"] = rps
-        found["rps_8_ratio"] = statistics.median(rps["strata"]) / statistics.median(rps["engine"])
+        found["rps_8_ratio"] = paired_ratio(rps["strata"], rps["engine"])  # each pair ran in turn
 
         tps: dict[str, list[float]] = {"engine": [], "strata": []}
         engine_tps: dict[str, list[float]] = {"engine": [], "strata": []}
