@@ -136,8 +136,16 @@ def paired_ratio(through: list[float], alone: list[float]) -> float:
 
     The machine's speed moves between rounds (a 150-token stream took 1.0-1.9 s alone within
     one run on a quiet 2-core machine): a ratio of the two medians mixes that into the figure,
-    the ratio of each round's pair cancels what the two share."""
-    return statistics.median(t / a for t, a in zip(through, alone))
+    the ratio of each round's pair cancels what the two share. A round whose ``alone`` is 0
+    (no figure: an answer without the engine's timings) is left out."""
+    return statistics.median(_ratios(through, alone))
+
+
+def _ratios(through: list[float], alone: list[float]) -> list[float]:
+    ratios = [t / a for t, a in zip(through, alone) if a]
+    if not ratios:
+        raise ValueError("no round has a figure to compare with")
+    return ratios
 
 
 def ratio_interval(through: list[float], alone: list[float], rounds: int = 2000,
@@ -145,7 +153,7 @@ def ratio_interval(through: list[float], alone: list[float], rounds: int = 2000,
     """A 90% interval for :func:`paired_ratio`: the rounds resampled with replacement, each
     keeping its pair together, ``rounds`` times (seeded, so a run's figures repeat)."""
     picks = random.Random(seed)
-    pairs = [t / a for t, a in zip(through, alone)]
+    pairs = _ratios(through, alone)
     ratios = sorted(statistics.median(picks.choices(pairs, k=len(pairs))) for _ in range(rounds))
     return ratios[int(rounds * 0.05)], ratios[int(rounds * 0.95) - 1]
 

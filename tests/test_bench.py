@@ -133,6 +133,8 @@ def test_the_ratio_interval_keeps_each_rounds_pair_together():
     assert paired_ratio([a * 0.98 for a in alone], alone) == pytest.approx(0.98)
     # Each round's own ratio (0.5, 0.96, 0.98), not the two medians' (49 / 50).
     assert paired_ratio([50.0, 48.0, 49.0], [100.0, 50.0, 50.0]) == pytest.approx(0.96)
+    # A round without a figure (an answer without the engine's timings) is left out.
+    assert paired_ratio([50.0, 48.0, 49.0], [0.0, 50.0, 50.0]) == pytest.approx(0.97)
     low, high = ratio_interval([a * 0.98 for a in alone], alone)
     assert 0.979 < low <= high < 0.981
     # The same figures, their order shuffled apart from their rounds: the spread shows.
