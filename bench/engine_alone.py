@@ -22,9 +22,11 @@ Every measure goes through a third way too: a bare relay
 the same engine and its answer back, nothing else: no line, no hooks), in its own process.
 Its ratio to the engine alone is what any Python layer between client and engine costs on
 this machine, measured in the same run; strata-serve's ratio to it is what strata-serve
-adds beyond that. The streams go through a fourth way as well: a byte relay
+adds beyond that. The streams go through two more ways: a byte relay
 (:func:`bench.profile.byte_relay`, the bytes both ways as they come, no HTTP at all), what
-passing a token through a Python process costs here at the least.
+passing a token through a Python event loop costs here at the least; and a thread relay
+(:func:`bench.profile.thread_relay`, the same done by a blocking thread each way), what a
+layer that relays a stream's bytes off its event loop could cost.
 
 The streaming and eight-client ratios are the median of each round's pair's ratio
 (:func:`bench.harness.paired_ratio`: the machine's speed moves between rounds by more than
@@ -51,7 +53,7 @@ import aiohttp
 
 from bench.harness import BENCH_ENGINE_KEY, chat, client_session, follow_up, paired_ratio, percentile, ratio_interval
 from bench.layer_cost import cpu_seconds, plain_one, strata_process
-from bench.profile import bare_relay_process, byte_relay_process
+from bench.profile import bare_relay_process, byte_relay_process, thread_relay_process
 
 #: strata-serve with its defaults: auto-sessions with its own.
 DEFAULTS: dict[str, Any] = {"auto_sessions": {}}
@@ -160,13 +162,14 @@ async def measure(model: Path, work: Path, *, streams: int, stream_tokens: int, 
                               engine=engine) as (strata_url, engine_url, pid), \
             bare_relay_process(engine_url, work) as (relay_url, relay_pid), \
             byte_relay_process(engine_url, work) as (bytes_url, bytes_pid), \
+            thread_relay_process(engine_url, work) as (threads_url, threads_pid), \
             client_session() as session, \
             aiohttp.ClientSession(headers={"Authorization": f"Bearer {BENCH_ENGINE_KEY}"}) as kept_session:
         urls = {"engine": engine_url, "strata": strata_url}
         three = {**urls, "relay": relay_url}
-        four = {**three, "bytes": bytes_url}
-        pids = {"strata": pid, "relay": relay_pid, "bytes": bytes_pid}
-        for url in four.values():
+        streamed = {**three, "bytes": bytes_url, "threads": threads_url}  # the streams' ways
+        pids = {"strata": pid, "relay": relay_pid, "bytes": bytes_pid, "threads": threads_pid}
+        for url in streamed.values():
             await chat(session, url, short)  # warm: the prompt is cached from here on
 
         def in_turn(ways: dict[str, str], n: int) -> list[str]:
@@ -174,13 +177,13 @@ async def measure(model: Path, work: Path, *, streams: int, stream_tokens: int, 
             return names[n % len(names):] + names[:n % len(names)]  # each first in turn
 
         # Streaming: tokens/s over the whole call, and the layer's CPU per token.
-        tps: dict[str, list[float]] = {name: [] for name in four}
-        decode: dict[str, list[float]] = {name: [] for name in four}  # the engine's own tokens/s
+        tps: dict[str, list[float]] = {name: [] for name in streamed}
+        decode: dict[str, list[float]] = {name: [] for name in streamed}  # the engine's own tokens/s
         cpu, tokens = dict.fromkeys(pids, 0.0), dict.fromkeys(pids, 0)
         for n in range(streams):
-            for name in in_turn(four, n):
+            for name in in_turn(streamed, n):
                 before = cpu_seconds(pids[name]) if name in pids else 0.0
-                reply = await chat(session, four[name], short, max_tokens=stream_tokens, ignore_eos=True)
+                reply = await chat(session, streamed[name], short, max_tokens=stream_tokens, ignore_eos=True)
                 predicted = reply.timings.get("predicted_n", 0)
                 tps[name].append(predicted / reply.total_s)
                 decode[name].append(reply.timings.get("predicted_per_second", 0.0))
@@ -192,9 +195,11 @@ async def measure(model: Path, work: Path, *, streams: int, stream_tokens: int, 
         found["stream_ratio"] = paired_ratio(tps["strata"], tps["engine"])
         found["relay_stream_ratio"] = paired_ratio(tps["relay"], tps["engine"])
         found["bytes_stream_ratio"] = paired_ratio(tps["bytes"], tps["engine"])
+        found["threads_stream_ratio"] = paired_ratio(tps["threads"], tps["engine"])
         found["stream_ratio_interval"] = ratio_interval(tps["strata"], tps["engine"])
         found["relay_stream_ratio_interval"] = ratio_interval(tps["relay"], tps["engine"])
         found["bytes_stream_ratio_interval"] = ratio_interval(tps["bytes"], tps["engine"])
+        found["threads_stream_ratio_interval"] = ratio_interval(tps["threads"], tps["engine"])
         # The engine's decoding speed as it reports it: lower through strata-serve when the
         # layer's CPU per token takes from the engine's threads (2 cores), not the relay's delay.
         found["stream_decode_tps"] = decode
@@ -204,6 +209,8 @@ async def measure(model: Path, work: Path, *, streams: int, stream_tokens: int, 
         found["cpu_s_per_1000_tokens"] = cpu["strata"] / tokens["strata"] * 1000 if tokens["strata"] else None
         found["relay_cpu_s_per_1000_tokens"] = cpu["relay"] / tokens["relay"] * 1000 if tokens["relay"] else None
         found["bytes_cpu_s_per_1000_tokens"] = cpu["bytes"] / tokens["bytes"] * 1000 if tokens["bytes"] else None
+        found["threads_cpu_s_per_1000_tokens"] = (cpu["threads"] / tokens["threads"] * 1000
+                                                  if tokens["threads"] else None)
 
         # A 1-token request, a new connection each (client_session closes every one); then a
         # plain one over a connection each way keeps ("kept").
@@ -357,6 +364,22 @@ def _bytes(found: dict[str, Any]) -> list[str]:
         f"{found['bytes_cpu_s_per_1000_tokens'] or 0:.3f} s of its CPU per 1,000 tokens: what passing a "
         "token through a Python process costs on this machine at the least (one wake of its event loop, one "
         "read, one write).",
+    ] + _threads(found)
+
+
+def _threads(found: dict[str, Any]) -> list[str]:
+    """The thread relay's streams (runs before it was measured lack them)."""
+    ratio = found.get("threads_stream_ratio")
+    if ratio is None:
+        return []
+    stream = found["stream_tps"]
+    return [
+        "",
+        f"And through a thread relay (the byte relay's work done by a blocking thread each way instead of an "
+        f"event loop): {ratio:.3f} ({statistics.median(stream['threads']):.1f} / "
+        f"{statistics.median(stream['engine']):.1f}{_ratio_interval(found, 'threads_stream_ratio_interval')}), "
+        f"{found['threads_cpu_s_per_1000_tokens'] or 0:.3f} s of its CPU per 1,000 tokens: what a layer that "
+        "relays a stream's bytes off its event loop could cost a token here.",
     ]
 
 

@@ -22,9 +22,11 @@ import collections
 import contextlib
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -122,6 +124,11 @@ async def _relay_process(command: str, name: str, engine_url: str, log_path: Pat
         log.close()
 
 
+def thread_relay_process(engine_url: str, work: Path) -> contextlib.AbstractAsyncContextManager[tuple[str, int]]:
+    """The thread relay (:func:`thread_relay`) in its own process; yields (its URL, its pid)."""
+    return _relay_process("threads", "the thread relay", engine_url, work / "thread-relay.log")
+
+
 # -- the byte relay ------------------------------------------------------------------------
 
 class _End(asyncio.Protocol):
@@ -181,6 +188,51 @@ async def byte_relay(port: int, engine_url: str) -> None:
     server = await loop.create_server(accepted, "127.0.0.1", port)
     async with server:
         await server.serve_forever()
+
+
+# -- the thread relay ----------------------------------------------------------------------
+
+def _pass_on(source: socket.socket, sink: socket.socket) -> None:
+    """What ``source`` reads, written to ``sink`` as it came, until ``source`` ends."""
+    buffer = bytearray(65536)
+    view = memoryview(buffer)
+    try:
+        while read := source.recv_into(buffer):
+            sink.sendall(view[:read])
+    except OSError:
+        pass  # either end gone: the other is told below
+    finally:
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+
+def _serve_one(client: socket.socket, engine: tuple[str, int]) -> None:
+    with client:
+        try:
+            upstream = socket.create_connection(engine, timeout=10)
+        except OSError:
+            return
+        with upstream:
+            upstream.settimeout(None)
+            for end in (client, upstream):
+                end.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            asking = threading.Thread(target=_pass_on, args=(client, upstream), daemon=True)
+            asking.start()
+            _pass_on(upstream, client)
+            asking.join(timeout=10)
+
+
+def thread_relay(port: int, engine_url: str) -> None:
+    """The byte relay's work done by threads instead of an event loop: for each client
+    connection, one of its own to the engine, and a thread each way in a blocking read and
+    write, no HTTP. A thread woken by its socket runs no event loop's turn: what a layer that
+    relays a stream's bytes off its event loop could cost a token here."""
+    engine = urllib.parse.urlsplit(engine_url)
+    address = (engine.hostname or "127.0.0.1", engine.port or 80)
+    with socket.create_server(("127.0.0.1", port)) as server:
+        while True:
+            client, _ = server.accept()
+            threading.Thread(target=_serve_one, args=(client, address), daemon=True).start()
 
 
 # -- the profile ---------------------------------------------------------------------------
@@ -313,10 +365,17 @@ def cli() -> None:
     byte = sub.add_parser("bytes", help="run the byte relay (used by the benchmark)")
     byte.add_argument("--port", type=int, required=True)
     byte.add_argument("--engine", required=True)
+    threads = sub.add_parser("threads", help="run the thread relay (used by the benchmark)")
+    threads.add_argument("--port", type=int, required=True)
+    threads.add_argument("--engine", required=True)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.command == "relay":
         web.run_app(bare_relay_app(args.engine, BENCH_KEY), host="127.0.0.1", port=args.port, print=None)
+        return
+    if args.command == "threads":
+        with contextlib.suppress(KeyboardInterrupt):
+            thread_relay(args.port, args.engine)
         return
     if args.command == "bytes":
         with contextlib.suppress(KeyboardInterrupt):

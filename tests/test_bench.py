@@ -105,6 +105,11 @@ async def test_quick_benchmark_writes_its_tables(tmp_path):
     alone = results["alone"]
     assert alone["stream_tps"]["bytes"] and alone["bytes_cpu_s_per_1000_tokens"] > 0
     assert "through a byte relay" in report
+    # And through the thread relay, each stream whole: its last event, which carries the
+    # engine's count of tokens, came through.
+    assert len(alone["stream_tps"]["threads"]) == 2 and min(alone["stream_tps"]["threads"]) > 0
+    assert alone["threads_cpu_s_per_1000_tokens"] > 0
+    assert "through a thread relay" in report and alone["threads_stream_ratio_interval"]
     low, high = alone["stream_ratio_interval"]
     assert low <= high
     print(f"bench-quick took {results['seconds']['total']:.0f} s")
