@@ -341,7 +341,7 @@ def report(found: dict[str, Any], model: str) -> list[str]:
         + relay(f"{cpu.get('relay', 0):.2f}") + " |",
         f"| layer CPU s per 1,000 streamed tokens | {found['cpu_s_per_1000_tokens'] or 0:.3f} | "
         + relay(f"{found.get('relay_cpu_s_per_1000_tokens') or 0:.3f}") + " |",
-    ] + _bytes(found) + _parts(found.get("one_token_json_parts_ms"), "on a new connection") \
+    ] + _stream_ways(found) + _parts(found.get("one_token_json_parts_ms"), "on a new connection") \
         + _parts(found.get("one_token_kept_parts_ms"), "on a kept connection")
 
 
@@ -350,37 +350,32 @@ def _ratio_interval(found: dict[str, Any], name: str) -> str:
     return f"; 90% interval {interval[0]:.3f}-{interval[1]:.3f}" if interval else ""
 
 
-def _bytes(found: dict[str, Any]) -> list[str]:
-    """The byte relay's streams (runs before it was measured lack them)."""
-    ratio = found.get("bytes_stream_ratio")
-    if ratio is None:
-        return []
-    stream = found["stream_tps"]
-    return [
-        "",
-        f"The same streams through a byte relay (an asyncio process passing the bytes both ways as they come, "
-        f"no HTTP at all): {ratio:.3f} ({statistics.median(stream['bytes']):.1f} / "
-        f"{statistics.median(stream['engine']):.1f}{_ratio_interval(found, 'bytes_stream_ratio_interval')}), "
-        f"{found['bytes_cpu_s_per_1000_tokens'] or 0:.3f} s of its CPU per 1,000 tokens: what passing a "
-        "token through a Python process costs on this machine at the least (one wake of its event loop, one "
-        "read, one write).",
-    ] + _threads(found)
+#: The ways only the streams take: the opening and the closing words of each one's sentence.
+_STREAM_WAYS = {
+    "bytes": ("The same streams through a byte relay (an asyncio process passing the bytes both ways as they "
+              "come, no HTTP at all)", "what passing a token through a Python process costs on this machine "
+              "at the least (one wake of its event loop, one read, one write)"),
+    "threads": ("And through a thread relay (the byte relay's work done by a blocking thread each way instead "
+                "of an event loop)", "what a layer that relays a stream's bytes off its event loop could cost "
+                "a token here"),
+}
 
 
-def _threads(found: dict[str, Any]) -> list[str]:
-    """The thread relay's streams (runs before it was measured lack them)."""
-    ratio = found.get("threads_stream_ratio")
-    if ratio is None:
-        return []
+def _stream_ways(found: dict[str, Any]) -> list[str]:
+    """The streams through the byte and the thread relay (runs before each was measured lack it)."""
+    lines: list[str] = []
     stream = found["stream_tps"]
-    return [
-        "",
-        f"And through a thread relay (the byte relay's work done by a blocking thread each way instead of an "
-        f"event loop): {ratio:.3f} ({statistics.median(stream['threads']):.1f} / "
-        f"{statistics.median(stream['engine']):.1f}{_ratio_interval(found, 'threads_stream_ratio_interval')}), "
-        f"{found['threads_cpu_s_per_1000_tokens'] or 0:.3f} s of its CPU per 1,000 tokens: what a layer that "
-        "relays a stream's bytes off its event loop could cost a token here.",
-    ]
+    for way, (opening, meaning) in _STREAM_WAYS.items():
+        ratio = found.get(f"{way}_stream_ratio")
+        if ratio is None:
+            continue
+        lines += [
+            "",
+            f"{opening}: {ratio:.3f} ({statistics.median(stream[way]):.1f} / "
+            f"{statistics.median(stream['engine']):.1f}{_ratio_interval(found, f'{way}_stream_ratio_interval')}), "
+            f"{found[f'{way}_cpu_s_per_1000_tokens'] or 0:.3f} s of its CPU per 1,000 tokens: {meaning}.",
+        ]
+    return lines
 
 
 def _kept(found: dict[str, Any]) -> list[str]:
