@@ -26,7 +26,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,6 +39,7 @@ import aiohttp
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from strata_serve.testing import deep_merge
+from tests.ports import listen_port
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The configuration docs/several-servers.md includes: what the tests run.
@@ -64,12 +64,6 @@ def haproxy_binary() -> str:
         raise RuntimeError("haproxy not found: the test set-up (make test) installs Debian's haproxy "
                            "package as root (apt-get install -y haproxy)")
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _replace(text: str, pattern: str, make: Any, expected: int | None = 1) -> str:
@@ -262,13 +256,13 @@ class Replicas:
             config_file = home / "strata.toml"
             config_file.write_text(toml_text(config))
             assert tomllib.loads(config_file.read_text()) == config, "the config file says what was asked"
-            self.replicas.append(Replica(f"replica{n}", free_port(), home / "slots", config_file,
+            self.replicas.append(Replica(f"replica{n}", listen_port(), home / "slots", config_file,
                                          home / "server.log", self.model))
         for replica in self.replicas:
             replica.start()
         for replica in self.replicas:
             await replica.wait_ready()
-        self.port = free_port()
+        self.port = listen_port()
         config_path = self.root / "haproxy.cfg"
         config_path.write_text(balancer_config(
             self.template, bind=f"127.0.0.1:{self.port}", stats_socket=self.stats_socket,

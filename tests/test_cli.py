@@ -16,8 +16,8 @@ import pytest
 from click.testing import CliRunner
 
 from strata_serve.cli import cli
-from strata_serve.engine.llama_server import free_port
 from strata_serve.models import PACKAGED_MODELS, PackagedModel, packaged_model_path, resolve_model
+from tests.ports import listen_port
 
 
 def test_demo_model_command_writes_a_model(tmp_path):
@@ -52,12 +52,12 @@ def test_run_serves_then_stops_cleanly_on_sigterm(tmp_path, strata_demo_model, e
     # broken set-up, said as such.
     assert event_loop != "uvloop" or _uvloop_installed(), \
         "uvloop is not installed: `make setup` installs it (pip install -e '.[test,uvloop]')"
-    port = free_port("127.0.0.1")
+    port = listen_port()
     # The engine's port named too, and another: left to pick its own, the engine was once
     # given this very port (both free when asked), and the server could not bind it.
     engine_port = port
     while engine_port == port:
-        engine_port = free_port("127.0.0.1")
+        engine_port = listen_port()
     log_file = tmp_path / "server.log"
     with open(log_file, "w") as log, subprocess.Popen(
         [sys.executable, "-m", "strata_serve.cli", "run", "--model", str(strata_demo_model),
@@ -163,7 +163,7 @@ def keys_of_two_openings(command: list[str], env: dict[str, str], tmp_path: Path
     shared = ("Review this change line by line and say what it breaks, what it fixes, and what "
               "it leaves as it was; be brief, name the files, and quote no more than a line of each. ") * 2
     assert len(shared) > 200
-    port = free_port("127.0.0.1")
+    port = listen_port()
     log_file = tmp_path / f"server-{port}.log"
     keys = []
     with open(log_file, "w") as log, subprocess.Popen(

@@ -210,12 +210,12 @@ def test_the_engine_dies_with_a_killed_server(tmp_path, strata_demo_model):
     import sys
     import time
 
-    from strata_serve.engine.llama_server import free_port
+    from tests.ports import listen_port
 
     log_file = tmp_path / "server.log"
     with open(log_file, "w") as log, subprocess.Popen(
         [sys.executable, "-m", "strata_serve.cli", "run", "--model", str(strata_demo_model),
-         "--port", str(free_port("127.0.0.1"))], stderr=log,
+         "--port", str(listen_port())], stderr=log,
     ) as proc:
         deadline = time.monotonic() + 60
         while not (found := re.search(r"engine ready .*\(pid (\d+)\)", log_file.read_text())):

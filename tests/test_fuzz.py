@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from strata_serve.api.builtin import builtin
 from strata_serve.api.openapi import AnthropicErrorResponse, ErrorResponse
 from strata_serve.api.schemas import ChatCompletionRequest
-from strata_serve.engine.llama_server import free_port
+from tests.ports import listen_port
 
 pytestmark = pytest.mark.reliability
 
@@ -47,7 +47,7 @@ SLOTS = Path("deep") / "er" / "slots"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, strata_demo_model):
     tmp = tmp_path_factory.mktemp("fuzz")
-    port = free_port("127.0.0.1")
+    port = listen_port()
     log_path = tmp / "server.log"
     # Files that an escaping name could overwrite: they must be untouched at the end.
     (tmp / "deep" / "er").mkdir(parents=True)

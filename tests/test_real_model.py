@@ -26,8 +26,8 @@ import pytest
 
 import strata_auto_sessions
 from strata_serve.api import SERVICE
-from strata_serve.engine.llama_server import free_port
 from strata_serve.models import packaged_model_path
+from tests.ports import listen_port
 from strata_auto_sessions.testing import all_parked_names
 from tests.parked_state import (
     TOLERANCE,
@@ -104,7 +104,7 @@ def test_the_readmes_first_curl_gets_a_real_answer_from_the_default_model(tmp_pa
     assert path == "/v1/chat/completions"
     makefile = (README.parent / "Makefile").read_text()
     assert re.search(r"^MODEL \?= smollm2$", makefile, re.M) and re.search(r"^CTX_SIZE \?= 8192$", makefile, re.M)
-    port = free_port("127.0.0.1")
+    port = listen_port()
     log_file = tmp_path / "server.log"
     with open(log_file, "w") as log, subprocess.Popen(
         [sys.executable, "-m", "strata_serve.cli", "run", "--model", "smollm2", "--ctx-size", "8192",

@@ -23,8 +23,8 @@ import pytest
 import strata_auto_sessions
 import strata_serve
 from strata_serve.api import SERVICE
-from strata_serve.engine.llama_server import free_port
 from strata_serve.testing import conversation, until_idle
+from tests.ports import listen_port
 from tests.parked_state import (
     PATH_TOLERANCE,
     WRONG_STATE_DISTANCE,
@@ -425,7 +425,7 @@ def start_server(tmp_path: Path, model: Path, port: int, log, **settings: str) -
 async def test_sigterm_mid_stream_cuts_cleanly_saves_and_the_next_start_restores(tmp_path, strata_demo_model):
     import aiohttp
 
-    port = free_port("127.0.0.1")
+    port = listen_port()
     log_file = tmp_path / "server.log"
     a = conversation("sigterm")
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
@@ -542,7 +542,7 @@ async def test_a_stop_with_the_engine_hung_ends_within_its_bound_and_names_what_
 ):
     # The shutdown save used to wait on the engine as long as engine.request_timeout_s
     # (3,600 s): 45 s after SIGTERM the server still ran.
-    port = free_port("127.0.0.1")
+    port = listen_port()
     log_file = tmp_path / "server.log"
     engine_pid = None
     with open(log_file, "a") as log, start_server(
@@ -573,7 +573,7 @@ async def test_a_stop_with_the_engine_hung_ends_within_its_bound_and_names_what_
 async def test_a_second_signal_stops_at_once(tmp_path, strata_demo_model, second):
     # Left to its bound (server.shutdown_save_s, 60 s by default), this stop would take a
     # minute more; a second signal used to be ignored.
-    port = free_port("127.0.0.1")
+    port = listen_port()
     log_file = tmp_path / "server.log"
     engine_pid = None
     with open(log_file, "a") as log, start_server(
