@@ -42,7 +42,8 @@ import aiohttp
 from bench.harness import chat, conversation, follow_up, spread
 from strata_auto_sessions.shared import DirectoryTier, S3Tier, SharedTier
 from strata_serve.demo_model import write_demo_model
-from tests.replicas import Replicas, free_port
+from tests.ports import listen_port
+from tests.replicas import Replicas
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: The engines' context, and the conversation's length in tokens (one per character).
@@ -84,7 +85,7 @@ async def turn(url: str, messages: list[dict], session_id: str) -> Turn:
 def s3_server() -> Any:
     """moto's standalone S3 server in a process of its own: its endpoint; the usual AWS
     variables point at it for the replicas started meanwhile."""
-    port = free_port()
+    port = listen_port()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     endpoint = f"http://127.0.0.1:{port}"

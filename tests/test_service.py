@@ -7,6 +7,7 @@ during ``on_startup``) on the real one.
 """
 
 import asyncio
+import json
 import contextlib
 import logging
 import time
@@ -438,6 +439,12 @@ async def test_request_running_past_the_grace_is_cut(strata_client_factory, stra
     await asyncio.wait_for(client.app[SERVICE].shutdown(), 15)
     assert recorder.outcomes[-1].status == "cancelled"
     assert recorder.events[-1][0] == "shutdown"
+    # The stream was cut while its tokens passed from the engine's thread: it ends with the
+    # stop's error event, every event before it whole (broken framing fails the read).
+    rest = await asyncio.wait_for(resp.content.read(), 15)
+    events = [json.loads(line[6:]) for line in rest.split(b"\n") if line.startswith(b"data: ")]
+    assert events[-1]["error"]["message"] == "cut: the server is shutting down", events[-1]
+    assert len(events) > 2 and all("choices" in event for event in events[:-1])
 
 
 async def test_requests_a_stop_cuts_before_their_answer_get_503_in_their_shape(strata_client_factory,

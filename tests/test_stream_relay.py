@@ -1,11 +1,10 @@
 """The stream relay's own guarantees, against a test double of the engine over real HTTP.
 
-The relay reads the engine with less work per chunk than aiohttp's client does on its own:
-its bytes are handed over from the connection's own callback (``StreamReply.forward``),
-and its read timeout is kept by one watch per stream, not by a timer re-armed for every
-packet. Every byte still arrives, in order, however the engine's writes were cut; a
-relay that stops taking hands the rest over intact; an engine that goes silent
-mid-stream is still given up after ``engine.request_timeout_s``, never sooner.
+A stream is read on a connection of its own, in a thread (``StreamReply``), and its bytes
+handed over there (``StreamReply.forward``), with no turn of the event loop per chunk.
+Every byte still arrives, in order, however the engine's writes were cut; a relay that
+stops taking gets the rest intact; an engine that goes silent mid-stream is still given
+up after ``engine.request_timeout_s``, never sooner.
 """
 
 import asyncio

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import math
 import logging
+import os
 import time
 from typing import Any
 from collections.abc import Awaitable, Callable, Iterator
@@ -22,7 +23,7 @@ from strata_serve.api.bodies import read_json
 from strata_serve.api.errors import APIError
 from strata_serve.api.formats import ApiFormat, StreamSeen
 from strata_serve.api.app_state import SERVICE, TENANT
-from strata_serve.api.client_writes import CLIENT_BUFFER_BYTES, ClientWrites, let_the_client_read
+from strata_serve.api.client_writes import ClientWrites, let_the_client_read
 from strata_serve.api.registry import Api
 from strata_serve.config import EngineSettings
 from strata_serve.engine.base import ContextOverflow, Engine, EngineUnavailable, JSONAnswer
@@ -298,12 +299,12 @@ async def _end_with_error(response: web.StreamResponse, message: str, kind: str,
 
 
 class _Passing:
-    """A stream's bytes passed on as they come: from the engine connection's own callback
-    where the backend can (``forward``: no task woken per chunk); else, and once a client's
-    buffer holds :data:`CLIENT_BUFFER_BYTES` or it is gone, a chunk at a time, each write
-    waiting for the client. The bytes after the event that ends the stream (``tail``) leave
-    with the stream's end, in one write (a system call costs as much as a short answer's
-    Python)."""
+    """A stream's bytes passed on as they come: from the thread that reads them, where the
+    backend reads in one (``forward``: no turn of the event loop per chunk), written to the
+    client's socket there; else, and once a client cannot take a chunk at once or is gone,
+    a chunk at a time, each write waiting for the client. The bytes after the event that
+    ends the stream (``tail``) leave with the stream's end, in one write (a system call
+    costs as much as a short answer's Python)."""
 
     def __init__(self, request: web.Request, response: web.StreamResponse, seen: StreamSeen) -> None:
         self.request, self.response, self.seen, self.tail = request, response, seen, b""
@@ -318,45 +319,54 @@ class _Passing:
 
     async def run(self, upstream: Any) -> None:
         """Until the engine's answer ends (the stream's end is then the caller's to write)."""
-        left = b""
         forward = getattr(upstream, "forward", None)
         transport = self.request.transport
-        # Written past aiohttp in HTTP/1.1's chunked framing: an HTTP/1.0 client's answer
-        # is the bare bytes up to the connection's close, so it goes the plain way.
-        if (forward is not None and transport is not None and not transport.is_closing()
-                and self.request.version >= HttpVersion11):
-            seen, feed = self.seen, self.seen.feed
-            # Awaited here: the headers (held back by aiohttp until the first bytes) leave with it.
-            first = await anext(upstream.chunks(), b"")
-            if not first:
-                return
-            feed(first)
-            if seen.finished:  # the end came at once: the few bytes left go the plain way
-                self.tail = first
-                if not self._ends_here():
-                    await self._one_by_one(b"", upstream)
-                return
-            await self.response.write(first)
-            put, buffered, closing = transport.write, transport.get_write_buffer_size, transport.is_closing
+        # Written past aiohttp in HTTP/1.1's chunked framing, in the clear: an HTTP/1.0
+        # client's answer is the bare bytes up to the connection's close, so it goes the plain way.
+        if (forward is None or transport is None or transport.is_closing()
+                or self.request.version < HttpVersion11 or transport.get_extra_info("sslcontext") is not None):
+            await self._one_by_one(b"", upstream)
+            return
+        seen = self.seen
+        # Awaited here: the headers (held back by aiohttp until the first bytes) leave with it.
+        first = await anext(upstream.chunks(), b"")
+        if not first:
+            return
+        seen.feed(first)
+        if seen.finished:  # the end came at once: the few bytes left go the plain way
+            self.tail = first
+            if not self._ends_here():
+                await self._one_by_one(b"", upstream)
+            return
+        await self.response.write(first)
+        if transport.is_closing() or transport.get_write_buffer_size():
+            await self._one_by_one(b"", upstream)  # a client slow from the start: each write waits for it
+            return
+        client = _ClientSocket(transport)
+        feed, send = seen.feed, client.send
 
-            def take(chunk: bytes) -> bool:
-                nonlocal left
-                if closing() or buffered() >= CLIENT_BUFFER_BYTES:
-                    left = chunk
-                    return True
-                feed(chunk)
-                if self.tail:
-                    put(b"%x\r\n%b\r\n" % (len(self.tail), self.tail))  # HTTP's chunked framing, as aiohttp's
-                    self.tail = b""
-                if seen.finished:
-                    self.tail = chunk
-                    return self._ends_here()
-                put(b"%x\r\n%b\r\n" % (len(chunk), chunk))
-                return False
+        def take(chunk: bytes) -> bool:  # in the backend's thread: touches no event loop
+            feed(chunk)
+            out = b"%x\r\n%b\r\n" % (len(self.tail), self.tail) if self.tail else b""  # HTTP's chunked framing
+            self.tail = b""
+            if seen.finished:
+                self.tail = chunk
+                stop = self._ends_here()
+            else:
+                out += b"%x\r\n%b\r\n" % (len(chunk), chunk)
+                stop = False
+            return (bool(out) and not send(out)) or stop
 
-            if await forward(take) or self.complete:
-                return
-        await self._one_by_one(left, upstream)
+        try:
+            ended = await forward(take)
+        finally:
+            client.close()
+            if client.unsent and not transport.is_closing():
+                transport.write(client.unsent)  # before anything else (a stop's error event too)
+        if client.gone is not None:
+            raise client.gone
+        if not (ended or self.complete):
+            await self._one_by_one(b"", upstream)
 
     async def _one_by_one(self, first: bytes, upstream: Any) -> None:
         feed, write, chunks = self.seen.feed, self.response.write, upstream.chunks()
@@ -373,6 +383,36 @@ class _Passing:
             else:
                 await write(chunk)
             chunk = await anext(chunks, None)
+
+
+class _ClientSocket:
+    """The client's connection, written from another thread while the event loop writes
+    nothing to it (its write buffer empty): a write the socket cannot take whole at once is
+    left (``unsent``) for the event loop's transport, which then holds it; a client gone is
+    kept as ``gone``. Its own descriptor (a duplicate): the event loop may close the
+    connection's meanwhile."""
+
+    def __init__(self, transport: asyncio.BaseTransport) -> None:
+        self._fd = os.dup(transport.get_extra_info("socket").fileno())
+        self.unsent = b""
+        self.gone: ConnectionError | None = None
+
+    def send(self, data: bytes) -> bool:
+        """Whether ``data`` left whole (the socket never blocks: it is the event loop's)."""
+        try:
+            sent = os.write(self._fd, data)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            self.gone = ConnectionResetError(f"the client's connection failed: {exc}")
+            return False
+        if sent < len(data):
+            self.unsent = data[sent:]
+            return False
+        return True
+
+    def close(self) -> None:
+        os.close(self._fd)
 
 
 async def _relay_stream(

@@ -11,7 +11,7 @@ in ``answers`` alone.
 from strata_serve.engine.llama_server.answers import read_llama_timings
 from strata_serve.engine.llama_server.binary import (
     BINARY_NAME, ENGINE_DISTRIBUTION, library_dirs, packaged_binary, packaged_build, resolve_binary)
-from strata_serve.engine.llama_server.client import StreamReply
+from strata_serve.engine.llama_server.stream import StreamReply
 from strata_serve.engine.llama_server.command import build_command, clears_idle_slots, free_port, state_layout
 from strata_serve.engine.llama_server.output import read_line_batches
 from strata_serve.engine.llama_server.server import LlamaServer

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import http.client
 import json as json_module
-from typing import Any
+import socket
+from typing import Any, Protocol, TypeVar
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
@@ -14,18 +17,35 @@ from pydantic import SecretStr
 from strata_serve.engine.base import EngineUnavailable, JSONAnswer
 from strata_serve.engine.llama_server.process import exited
 from strata_serve.engine.llama_server.state import EngineState
+from strata_serve.engine.llama_server.stream import (STREAM_ERRORS, NotConnected, StreamOpener, StreamReply,
+                                                     open_stream, request_body)
 
 RESTARTED_DURING_CALL = "the engine was restarted during the call, which it never received; try again"
 #: How long an idle connection to the engine is kept for the next call. llama-server closes
 #: one after 5 s idle (it says ``Keep-Alive: timeout=5``); giving it up well before that,
 #: we never send on a connection the engine is closing at that moment.
 KEEPALIVE_S = 2.0
-#: Asked of the engine for a streamed call: llama-server closes the connection after a
-#: stream whatever was asked; asking for it makes it say so (``Connection: close``), so the
-#: connection is never put back for another call.
-CLOSE_AFTER = {"Connection": "close"}
+#: The most streams read at once, each in a thread of its own (far above the engine's slots).
+STREAM_THREADS = 64
 
 Process = asyncio.subprocess.Process
+
+
+class Answer(Protocol):
+    """An answer whose head is read: what the policy for sending again looks at."""
+
+    status: int
+
+    def close(self) -> None: ...
+
+
+#: A call's connection failed before it was made, or closed before any answer, or was lost:
+#: aiohttp's errors and the stream's own (``stream.py``), each told apart by :meth:`EngineClient._send`.
+NOT_CONNECTED = (aiohttp.ClientConnectorError, NotConnected)
+DROPPED = (aiohttp.ServerDisconnectedError, http.client.RemoteDisconnected)
+LOST = (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, *STREAM_ERRORS)
+
+A = TypeVar("A", bound=Answer)
 
 
 class EngineClient:
@@ -43,13 +63,17 @@ class EngineClient:
         self.managed = managed
         self.restart_on_crash = restart_on_crash
         self.session: aiohttp.ClientSession | None = None
-        #: The connection being opened for the next call (:meth:`_warm_soon`).
-        self._warming: asyncio.Task[bool] | None = None
+        #: Where streams are read, each on a connection of its own (``stream.py``).
+        self._streams: concurrent.futures.ThreadPoolExecutor | None = None
+        self._headers: dict[str, str] = {}
+        self._read_timeout: float | None = None
 
     def open(self, api_key: SecretStr | None, request_timeout_s: float) -> None:
         headers = {}
         if api_key is not None:
             headers["Authorization"] = f"Bearer {api_key.get_secret_value()}"
+        self._headers, self._read_timeout = headers, request_timeout_s
+        self._streams = concurrent.futures.ThreadPoolExecutor(STREAM_THREADS, thread_name_prefix="strata-stream")
         self.session = aiohttp.ClientSession(
             # Connections are kept for the next call (a connect per call was the largest
             # part of what the layer added to a request), except a stream's (CLOSE_AFTER).
@@ -59,12 +83,10 @@ class EngineClient:
         )
 
     async def close(self) -> None:
-        if self._warming is not None and not self._warming.done():
-            self._warming.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._warming
         if self.session is not None:
             await self.session.close()
+        if self._streams is not None:
+            self._streams.shutdown(wait=False, cancel_futures=True)
 
     async def health(self) -> bool:
         assert self.session is not None
@@ -90,35 +112,32 @@ class EngineClient:
                 if resp.content_type == "application/json":
                     return resp.status, json_answer(await resp.read())
                 return resp.status, await resp.text()
-        except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+        except LOST as exc:
             raise await self.gone(exc, proc) from exc
 
     @contextlib.asynccontextmanager
     async def stream(self, path: str, json: Any) -> AsyncIterator[StreamReply]:
         """A streamed call; leaving it early drops the connection, which stops the engine's work.
 
-        Sent again as :meth:`_send` says; its own connection is not kept.
+        Sent again as :meth:`_send` says, on a connection of its own (llama-server closes a
+        stream's), read in a thread (:mod:`~strata_serve.engine.llama_server.stream`).
         """
-        assert self.session is not None
-        session = self.session
-        resp, proc = await self._send(lambda: session.post(self.url + path, json=json, headers=CLOSE_AFTER), True)
-        reply = StreamReply(resp, lambda exc: self.gone(exc, proc), session.timeout.sock_read)
+        pool = self._streams
+        assert pool is not None
+        body = request_body(json)
+
+        async def send() -> _Opened:
+            opener = StreamOpener(self.url, path, body, self._headers, self._read_timeout)
+            return _Opened(*await open_stream(opener, pool))
+
+        opened, proc = await self._send(send, True)
+        reply = StreamReply(opened.sock, opened.resp, pool, lambda exc: self.gone(exc, proc))
         try:
             yield reply
         finally:
             reply.close()
-            self._warm_soon()
 
-    def _warm_soon(self) -> None:
-        """After a stream, whose connection the engine closes: a new one opened (by a
-        ``/health`` call, kept alive) off the request's path, for the next call to take."""
-        if self.session is None or self.session.closed:
-            return  # stopping: nothing more goes to the engine
-        if self._warming is None or self._warming.done():
-            self._warming = asyncio.get_running_loop().create_task(self.health())
-
-    async def _send(self, send: Callable[[], Awaitable[aiohttp.ClientResponse]],
-                    resend: bool) -> tuple[aiohttp.ClientResponse, Process | None]:
+    async def _send(self, send: Callable[[], Awaitable[A]], resend: bool) -> tuple[A, Process | None]:
         """Send a call until it is answered: the one policy of every call to the engine.
 
         A call waits until the engine is up: never sent to one that is still loading.
@@ -136,17 +155,17 @@ class EngineClient:
             proc = self.current()
             try:
                 resp = await send()
-            except aiohttp.ClientConnectorError as exc:
+            except NOT_CONNECTED as exc:
                 if resend and not resent and await self._came_back(proc):
                     resent = True
                     continue
                 raise await self.gone(exc, proc) from exc
-            except aiohttp.ServerDisconnectedError as exc:
+            except DROPPED as exc:
                 if not dropped and await self._dropped_unanswered(proc, resend):
                     dropped = True
                     continue
                 raise await self.gone(exc, proc) from exc
-            except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+            except LOST as exc:
                 raise await self.gone(exc, proc) from exc
             if not (resp.status == 503 and self._replaced(proc)):
                 return resp, proc
@@ -213,178 +232,14 @@ class EngineClient:
         return EngineUnavailable(f"the engine at {self.url} did not answer ({type(exc).__name__})", status=502)
 
 
-class StreamReply:
-    """The engine's streamed answer: its status, then its bytes as they come.
+class _Opened:
+    """A stream's connection and its answer, its head read (an :class:`Answer`)."""
 
-    ``read_timeout``: the longest the engine may stay silent mid-answer (the session's
-    ``sock_read``), kept by one watch for the whole stream (:class:`ReadWatch`) rather than
-    by aiohttp's timer, re-armed for every packet: one per token.
-    """
-
-    def __init__(self, resp: aiohttp.ClientResponse,
-                 gone: Callable[[BaseException], Awaitable[EngineUnavailable]],
-                 read_timeout: float | None = None):
-        self._resp = resp
-        self._gone = gone
-        self._content = resp.content
-        self.status = resp.status
-        self._watch = ReadWatch(resp, read_timeout) if read_timeout else None
+    def __init__(self, sock: socket.socket, resp: http.client.HTTPResponse) -> None:
+        self.sock, self.resp, self.status = sock, resp, resp.status
 
     def close(self) -> None:
-        """Leave the answer: the connection is dropped (which stops the engine's work)."""
-        if self._watch is not None:
-            self._watch.stop()
-        self._resp.close()
-
-    async def body(self) -> Any:
-        """The whole body (for an error answer): JSON when it parses, else text."""
-        text = await self._resp.text()
-        try:
-            return json_module.loads(text)
-        except ValueError:
-            return text
-
-    def chunks(self) -> AsyncIterator[bytes]:
-        """The bytes as they arrive, as many as have arrived at each step.
-
-        :raises EngineUnavailable: when the engine goes away mid-answer.
-        """
-        return self
-
-    def __aiter__(self) -> StreamReply:
-        return self
-
-    async def forward(self, take: Callable[[bytes], bool]) -> bool:
-        """Hand the answer's bytes to ``take`` as they arrive, from the connection's own
-        callback: no task is woken for each chunk (most often one token), the largest part
-        of what relaying a chunk cost. ``take`` returns True to stop taking (what is left is
-        then read with :meth:`chunks`); it must not raise.
-
-        Returns True when the answer ended, False when ``take`` stopped.
-
-        :raises EngineUnavailable: when the engine goes away mid-answer.
-        """
-        content = self._content
-        connection = self._resp.connection
-        protocol = connection.protocol if connection is not None else None
-        loop = asyncio.get_running_loop()
-        stopped = loop.create_future()
-        pumping = False
-
-        def pump() -> None:
-            # Reading may make aiohttp resume the connection and feed more at once, calling
-            # data_received within: that call leaves the reading to this loop.
-            nonlocal pumping
-            if pumping:
-                return
-            pumping = True
-            try:
-                while not stopped.done() and content.exception() is None:
-                    chunk = content.read_nowait()
-                    if not chunk:
-                        return
-                    if take(chunk):
-                        stopped.set_result(None)
-            finally:
-                pumping = False
-
-        try:
-            if protocol is None:
-                async for chunk in self:
-                    if take(chunk):
-                        return False
-                return True
-            received = protocol.data_received
-
-            def data_received(data: bytes) -> None:
-                received(data)
-                pump()  # a failure is raised where the answer's end is awaited
-
-            protocol.data_received = data_received  # type: ignore[method-assign]
-            ended = loop.create_task(_end_of(content))
-            try:
-                pump()
-                await asyncio.wait((ended, stopped), return_when=asyncio.FIRST_COMPLETED)
-                if not stopped.done() and ended.done() and ended.exception() is None:
-                    pump()  # what came with the end
-            finally:
-                del protocol.data_received
-                if not ended.done():
-                    ended.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await ended
-            if stopped.done():
-                if not ended.cancelled():
-                    ended.exception()  # seen: what is left is read, and fails, chunk by chunk
-                return False
-            ended.result()  # the engine's failure, if it failed
-            return True
-        except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
-            raise await self._gone(exc) from exc
-
-    async def __anext__(self) -> bytes:
-        # A plain iterator rather than an async generator: one step less for every chunk.
-        try:
-            chunk = await self._content.readany()
-        except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
-            raise await self._gone(exc) from exc
-        if not chunk:
-            raise StopAsyncIteration
-        return chunk
-
-
-async def _end_of(content: aiohttp.StreamReader) -> None:
-    """The answer's end; raises its failure (one that came before the wait too)."""
-    failure = content.exception()
-    if failure is not None:
-        raise failure
-    await content.wait_eof()
-
-
-class ReadWatch:
-    """A stream's read timeout, looked at a few times per timeout instead of per packet.
-
-    aiohttp keeps ``sock_read`` by cancelling and scheduling a timer for every packet it
-    reads: for a stream, one per token, beside the relay's own work. Here the connection's
-    own timer is turned off and the count of bytes read is looked at every quarter of the
-    timeout: the engine is taken for silent once nothing came for the whole timeout (never
-    sooner; at most half a timeout later). A silent engine then fails the read as aiohttp's own
-    timer would (:class:`aiohttp.SocketTimeoutError`).
-    """
-
-    def __init__(self, resp: aiohttp.ClientResponse, timeout: float) -> None:
-        self._content = resp.content
-        self._timeout = timeout
-        self._handle: asyncio.TimerHandle | None = None
-        connection = resp.connection
-        if connection is None or connection.protocol is None or self._content.is_eof():
-            return  # the whole answer is in already: nothing left to wait for
-        # The timer armed for the last packet read still runs; the next packet cancels it
-        # and arms none.
-        connection.protocol.read_timeout = None
-        self._loop = asyncio.get_running_loop()
-        self._seen = self._content.total_bytes
-        self._since = self._loop.time()
-        self._handle = self._loop.call_later(timeout / 4, self._look)
-
-    def _look(self) -> None:
-        content = self._content
-        if content.is_eof() or content.exception() is not None:
-            self._handle = None
-            return
-        now = self._loop.time()
-        if content.total_bytes != self._seen:
-            self._seen, self._since = content.total_bytes, now
-        elif now - self._since >= self._timeout:
-            self._handle = None
-            content.set_exception(aiohttp.SocketTimeoutError("Timeout on reading data from socket"))
-            return
-        self._handle = self._loop.call_later(self._timeout / 4, self._look)
-
-    def stop(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
+        self.resp.close()
 
 
 def json_answer(raw: bytes) -> Any:

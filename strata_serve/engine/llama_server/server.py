@@ -22,7 +22,8 @@ from strata_serve.engine.base import (ContextOverflow, EngineInfo, EngineUnavail
 from strata_serve.engine.llama_server import answers, process
 from strata_serve.engine.llama_server.binary import resolve_binary
 from strata_serve.engine.llama_server.chat_bodies import COUNT_PATHS
-from strata_serve.engine.llama_server.client import EngineClient, StreamReply
+from strata_serve.engine.llama_server.client import EngineClient
+from strata_serve.engine.llama_server.stream import StreamReply
 from strata_serve.engine.llama_server.command import build_command, clears_idle_slots, free_port, state_layout
 from strata_serve.engine.llama_server.output import forward_output
 from strata_serve.engine.llama_server.prompts import prompt_text
