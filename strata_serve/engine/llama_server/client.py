@@ -7,7 +7,6 @@ import concurrent.futures
 import contextlib
 import http.client
 import json as json_module
-import socket
 from typing import Any, Protocol, TypeVar
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -17,8 +16,8 @@ from pydantic import SecretStr
 from strata_serve.engine.base import EngineUnavailable, JSONAnswer
 from strata_serve.engine.llama_server.process import exited
 from strata_serve.engine.llama_server.state import EngineState
-from strata_serve.engine.llama_server.stream import (STREAM_ERRORS, NotConnected, StreamOpener, StreamReply,
-                                                     open_stream, request_body)
+from strata_serve.engine.llama_server.stream import (STREAM_ERRORS, NotConnected, Opened, StreamOpener,
+                                                     StreamReply, open_stream, request_body)
 
 RESTARTED_DURING_CALL = "the engine was restarted during the call, which it never received; try again"
 #: How long an idle connection to the engine is kept for the next call. llama-server closes
@@ -126,12 +125,11 @@ class EngineClient:
         assert pool is not None
         body = request_body(json)
 
-        async def send() -> _Opened:
-            opener = StreamOpener(self.url, path, body, self._headers, self._read_timeout)
-            return _Opened(*await open_stream(opener, pool))
+        async def send() -> Opened:
+            return await open_stream(StreamOpener(self.url, path, body, self._headers, self._read_timeout), pool)
 
         opened, proc = await self._send(send, True)
-        reply = StreamReply(opened.sock, opened.resp, pool, lambda exc: self.gone(exc, proc))
+        reply = StreamReply(opened, pool, lambda exc: self.gone(exc, proc), self._read_timeout)
         try:
             yield reply
         finally:
@@ -230,16 +228,6 @@ class EngineClient:
                 status=502,
             )
         return EngineUnavailable(f"the engine at {self.url} did not answer ({type(exc).__name__})", status=502)
-
-
-class _Opened:
-    """A stream's connection and its answer, its head read (an :class:`Answer`)."""
-
-    def __init__(self, sock: socket.socket, resp: http.client.HTTPResponse) -> None:
-        self.sock, self.resp, self.status = sock, resp, resp.status
-
-    def close(self) -> None:
-        self.resp.close()
 
 
 def json_answer(raw: bytes) -> Any:

@@ -22,6 +22,7 @@ import http.client
 import json as json_module
 import socket
 import threading
+import time
 from typing import Any
 from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit
@@ -39,6 +40,16 @@ STREAM_ERRORS = (OSError, http.client.HTTPException)
 
 class NotConnected(ConnectionError):
     """The engine could not be connected to: the call reached nothing."""
+
+
+class Opened:
+    """An answer whose head is read: its connection, and the first chunk of a stream under way."""
+
+    def __init__(self, sock: socket.socket, resp: http.client.HTTPResponse, first: bytes | None) -> None:
+        self.sock, self.resp, self.first, self.status = sock, resp, first, resp.status
+
+    def close(self) -> None:
+        self.resp.close()
 
 
 class StreamOpener:
@@ -59,9 +70,9 @@ class StreamOpener:
         self._sock: socket.socket | None = None
         self._cut = False
 
-    def open(self) -> tuple[socket.socket, http.client.HTTPResponse]:
-        """Connect, send, read the answer's head; the connection's socket and the answer.
-        Runs in a thread.
+    def open(self) -> Opened:
+        """Connect, send, read the answer's head and, of a stream under way, its first
+        chunk (llama-server sends its head with the first result). Runs in a thread.
 
         :raises NotConnected: when no connection was made.
         """
@@ -83,6 +94,7 @@ class StreamOpener:
         try:
             conn.request("POST", self._target, body=self._body, headers=self._headers)
             resp = conn.getresponse()
+            first = resp.read1(READ_BYTES) if resp.status == 200 else None
         except BaseException:
             self.cut()
             conn.close()
@@ -92,7 +104,10 @@ class StreamOpener:
         if conn.sock is not None:
             conn.sock = None
             sock.close()  # done once the answer is closed
-        return sock, resp
+        # From here the socket blocks: with a timeout of Python's own, each read would be
+        # two system calls, a poll and the read. The reply keeps the timeout (its watch).
+        sock.settimeout(None)
+        return Opened(sock, resp, first)
 
     def cut(self) -> None:
         """Wake :meth:`open` (from any thread): its connection is shut, the engine's work stops."""
@@ -108,26 +123,48 @@ class StreamReply:
     """The engine's streamed answer: its status, then its bytes as they come.
 
     Read in threads of the client's ``pool``, on a connection of its own that the engine
-    closes after the stream. ``read_timeout``: the longest the engine may stay silent, for
-    its answer's head as mid-answer (the socket's own timeout: never sooner, for each read).
-    ``gone`` turns a lost connection into the backend's error.
+    closes after the stream. ``read_timeout``: the longest the engine may stay silent
+    mid-answer, kept by one watch (:meth:`_look`, a few times per timeout) rather than by the
+    socket (which would poll before each read): a read waiting that long is woken, and
+    fails as :class:`TimeoutError`; never sooner, at most a quarter of it later. ``gone``
+    turns a lost connection into the backend's error.
     """
 
-    def __init__(self, sock: socket.socket, resp: http.client.HTTPResponse,
-                 pool: concurrent.futures.Executor,
-                 gone: Callable[[BaseException], Awaitable[Exception]]) -> None:
-        self._sock = sock
-        self._resp = resp
+    def __init__(self, opened: Opened, pool: concurrent.futures.Executor,
+                 gone: Callable[[BaseException], Awaitable[Exception]], read_timeout: float | None) -> None:
+        self._sock = opened.sock
+        self._resp = opened.resp
+        self._first = opened.first
         self._pool = pool
         self._gone = gone
-        self.status = resp.status
+        self.status = opened.status
         self._lock = threading.Lock()
         self._reading = False
         self._closed = False
+        self._timeout = read_timeout
+        #: When the engine last gave a read something, or a read began (``time.monotonic``).
+        self._last = time.monotonic()
+        self._silent = False
+        self._watch: asyncio.TimerHandle | None = None
+        if read_timeout:
+            self._watch = asyncio.get_running_loop().call_later(read_timeout / 4, self._look)
+
+    def _look(self) -> None:
+        timeout = self._timeout
+        assert timeout is not None
+        if self._closed:
+            return
+        if self._reading and time.monotonic() - self._last >= timeout:
+            self._silent = True
+            self._shut()  # the read wakes, and fails
+            return
+        self._watch = asyncio.get_running_loop().call_later(timeout / 4, self._look)
 
     def close(self) -> None:
         """Leave the answer: the connection is dropped (which stops the engine's work). A
         thread still reading is woken, and closes the connection as it leaves."""
+        if self._watch is not None:
+            self._watch.cancel()
         with self._lock:
             self._closed = True
             if self._reading:
@@ -145,8 +182,13 @@ class StreamReply:
             if self._closed:
                 raise ConnectionAbortedError("the stream was left")
             self._reading = True
+            self._last = time.monotonic()
         try:
             return work()
+        except STREAM_ERRORS as exc:
+            if self._silent:
+                raise TimeoutError(f"the engine said nothing for {self._timeout:g} s") from exc
+            raise
         finally:
             with self._lock:
                 self._reading = False
@@ -169,7 +211,8 @@ class StreamReply:
 
     async def body(self) -> Any:
         """The whole body (for an error answer): JSON when it parses, else text."""
-        raw: bytes = await self._in_thread(self._resp.read)
+        first, self._first = self._first or b"", None
+        raw: bytes = first + await self._in_thread(self._resp.read)
         text = raw.decode("utf-8", "replace")
         try:
             return json_module.loads(text)
@@ -187,13 +230,19 @@ class StreamReply:
         return self
 
     async def __anext__(self) -> bytes:
-        chunk: bytes = await self._in_thread(self._read_some)
+        chunk = self._first
+        if chunk is not None:
+            self._first = None
+        else:
+            chunk = await self._in_thread(self._read_some)
         if not chunk:
             raise StopAsyncIteration
         return chunk
 
     def _read_some(self) -> bytes:
-        return self._resp.read1(READ_BYTES)
+        chunk = self._resp.read1(READ_BYTES)
+        self._last = time.monotonic()
+        return chunk
 
     async def forward(self, take: Callable[[bytes], bool]) -> bool:
         """Hand the answer's bytes to ``take`` as they arrive, in this stream's thread: no
@@ -206,11 +255,15 @@ class StreamReply:
 
         :raises EngineUnavailable: when the engine goes away mid-answer.
         """
-        read = self._resp.read1
+        read, now = self._resp.read1, time.monotonic
+        first, self._first = self._first, None
+        if first is not None and (not first or take(first)):
+            return not first
 
         def pump() -> bool:
             while True:
                 chunk = read(READ_BYTES)
+                self._last = now()
                 if not chunk:
                     return True
                 if take(chunk):
@@ -220,8 +273,7 @@ class StreamReply:
         return ended
 
 
-async def open_stream(opener: StreamOpener, pool: concurrent.futures.Executor) -> tuple[
-        socket.socket, http.client.HTTPResponse]:
+async def open_stream(opener: StreamOpener, pool: concurrent.futures.Executor) -> Opened:
     """:meth:`StreamOpener.open` in a pool thread; a cancel cuts it short (and closes what
     it opened, should it have opened it by then)."""
     job = pool.submit(opener.open)
@@ -234,9 +286,9 @@ async def open_stream(opener: StreamOpener, pool: concurrent.futures.Executor) -
         raise
 
 
-def _close_opened(job: concurrent.futures.Future[tuple[socket.socket, http.client.HTTPResponse]]) -> None:
+def _close_opened(job: concurrent.futures.Future[Opened]) -> None:
     if not job.cancelled() and job.exception() is None:
-        job.result()[1].close()
+        job.result().close()
 
 
 def request_body(json: Any) -> bytes:
