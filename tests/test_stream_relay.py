@@ -8,7 +8,10 @@ up after ``engine.request_timeout_s``, never sooner.
 """
 
 import asyncio
+import contextlib
 import json
+import socket
+import threading
 import time
 
 import pytest
@@ -258,3 +261,43 @@ async def test_a_stream_ends_for_its_client_at_its_last_event_not_at_the_engines
         double.release.set()
         server.close()
         await server.wait_closed()
+
+
+async def test_a_stream_s_tokens_reach_the_client_while_the_event_loop_is_held(strata_client_factory):
+    """A stream's chunks are written to the client from the thread that reads them from the
+    engine: no turn of the event loop for each token. Held here for a second (a stand-in for
+    whatever else it runs), the loop holds none of them back. The client is a raw socket read
+    in a thread of its own (real engine)."""
+    client = await strata_client_factory()
+    payload = json.dumps(chat_body("Count to a thousand", max_tokens=3000, ignore_eos=True,
+                                   stream=True)).encode()
+    sock = socket.create_connection((client.host, client.port), timeout=60)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (client.host.encode(), client.port, len(payload), payload))
+    arrivals: list[float] = []  # when each read of the client's got bytes
+    stop = threading.Event()
+
+    def read() -> None:
+        with contextlib.suppress(OSError):
+            while not stop.is_set() and sock.recv(65536):
+                arrivals.append(time.monotonic())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while len(arrivals) < 5:  # the tokens are flowing
+            assert reader.is_alive(), "the server ended the answer"
+            assert time.monotonic() < deadline, "the stream did not begin in 60 s"
+            await asyncio.sleep(0.01)
+        held_from = time.monotonic()
+        time.sleep(1.0)  # the event loop held: nothing else runs on it meanwhile
+        held_to = time.monotonic()
+        during = [t for t in arrivals if held_from + 0.1 < t < held_to]
+        assert len(during) >= 5, f"{len(during)} reads got bytes while the event loop was held"
+    finally:
+        stop.set()
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)  # wakes the reader's recv
+        reader.join(10)
+        sock.close()
