@@ -389,16 +389,21 @@ class _ClientSocket:
     """The client's connection, written from another thread while the event loop writes
     nothing to it (its write buffer empty): a write the socket cannot take whole at once is
     left (``unsent``) for the event loop's transport, which then holds it; a client gone is
-    kept as ``gone``. Its own descriptor (a duplicate): the event loop may close the
-    connection's meanwhile."""
+    kept as ``gone``: one the event loop saw leave (its transport closing: a flag, read
+    here), or a failed write. Its own descriptor (a duplicate): the event loop closes the
+    connection's once the client left."""
 
     def __init__(self, transport: asyncio.BaseTransport) -> None:
         self._fd = os.dup(transport.get_extra_info("socket").fileno())
+        self._closing = transport.is_closing
         self.unsent = b""
         self.gone: ConnectionError | None = None
 
     def send(self, data: bytes) -> bool:
         """Whether ``data`` left whole (the socket never blocks: it is the event loop's)."""
+        if self._closing():  # the client left: the engine's work stops now, not a write later
+            self.gone = ConnectionResetError("the client closed its connection")
+            return False
         try:
             sent = os.write(self._fd, data)
         except BlockingIOError:

@@ -226,7 +226,14 @@ class Engine(Protocol):
         ...
 
     def stream(self, path: str, json: Any) -> AbstractAsyncContextManager[Any]:
-        """Yields a reply with ``status``, ``await body()`` and ``async for chunk in chunks()``."""
+        """Yields a reply with ``status``, ``await body()`` and ``async for chunk in chunks()``.
+
+        A reply may also offer ``await forward(take) -> bool``: each chunk handed to
+        ``take(chunk) -> bool`` in the thread that read it, not on the event loop (``take``
+        touches nothing of the loop's and returns True to stop; the rest is then read with
+        ``chunks()``), True once the answer ended. The relay then writes a stream's chunks to
+        its client from that thread (llama-server's ``StreamReply`` does).
+        """
         ...
 
     async def save(self, filename: str, slot: int = 0) -> SlotSaved:

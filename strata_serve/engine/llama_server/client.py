@@ -75,7 +75,7 @@ class EngineClient:
         self._streams = concurrent.futures.ThreadPoolExecutor(STREAM_THREADS, thread_name_prefix="strata-stream")
         self.session = aiohttp.ClientSession(
             # Connections are kept for the next call (a connect per call was the largest
-            # part of what the layer added to a request), except a stream's (CLOSE_AFTER).
+            # part of what the layer added to a request). A stream has one of its own (stream.py).
             connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S),
             headers=headers,
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=request_timeout_s),
