@@ -37,7 +37,8 @@ def http_chunk(data: bytes) -> bytes:
 
 class SilentEngine:
     """Test double: answers a stream with ``tokens`` events, one every ``pause_s``, then
-    says nothing more, holding the connection open, until the client leaves."""
+    says nothing more, holding the connection open, until the client leaves (a ``GET``,
+    as the backend's start sends, gets an empty JSON object)."""
 
     def __init__(self, tokens: int = 3, pause_s: float = 0.0) -> None:
         self.tokens = tokens
@@ -45,8 +46,13 @@ class SilentEngine:
         self.left = asyncio.Event()
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if (await read_request(reader)).startswith(b"GET "):  # not a stream: ``left`` is not about it
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
+            await writer.drain()
+            writer.close()
+            return
         try:
-            await read_request(reader)
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                          b"Transfer-Encoding: chunked\r\n\r\n")
             for n in range(self.tokens):
@@ -301,3 +307,32 @@ async def test_a_stream_s_tokens_reach_the_client_while_the_event_loop_is_held(s
             sock.shutdown(socket.SHUT_RDWR)  # wakes the reader's recv
         reader.join(10)
         sock.close()
+
+
+async def test_stopping_the_engine_wakes_a_stream_s_reading_thread():
+    """A stream still open when the engine's client closes (a stop) has its thread woken at
+    once, not left blocked until the read timeout (which would hold the process's exit)."""
+    double = SilentEngine(tokens=1)
+    server = await asyncio.start_server(double.handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    engine = LlamaServer(EngineSettings(url=f"http://127.0.0.1:{port}", start_timeout_s=10,
+                                        request_timeout_s=120))
+    try:
+        await engine.start()
+        async with engine.stream("/v1/chat/completions", chat_body(stream=True)) as reply:
+            chunks = reply.chunks()
+            assert b"data: " in await anext(chunks)
+            reading = asyncio.create_task(anext(chunks))  # the engine says nothing more
+            await asyncio.sleep(0.3)
+            assert not reading.done()
+            began = time.monotonic()
+            await engine.stop()
+            with pytest.raises(EngineUnavailable):
+                await asyncio.wait_for(reading, 30)
+            assert time.monotonic() - began < 10, "the read waited for its timeout"
+        async with asyncio.timeout(30):
+            await double.left.wait()  # the engine's connection was dropped
+    finally:
+        await engine.stop()
+        server.close()
+        await server.wait_closed()

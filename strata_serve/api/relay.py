@@ -324,7 +324,8 @@ class _Passing:
         # Written past aiohttp in HTTP/1.1's chunked framing, in the clear: an HTTP/1.0
         # client's answer is the bare bytes up to the connection's close, so it goes the plain way.
         if (forward is None or transport is None or transport.is_closing()
-                or self.request.version < HttpVersion11 or transport.get_extra_info("sslcontext") is not None):
+                or self.request.version < HttpVersion11 or transport.get_extra_info("sslcontext") is not None
+                or transport.get_extra_info("socket") is None):
             await self._one_by_one(b"", upstream)
             return
         seen = self.seen

@@ -64,6 +64,9 @@ class EngineClient:
         self.session: aiohttp.ClientSession | None = None
         #: Where streams are read, each on a connection of its own (``stream.py``).
         self._streams: concurrent.futures.ThreadPoolExecutor | None = None
+        #: The streams open now: closing the client wakes their threads (none is left
+        #: blocked on an engine that says nothing, which would hold the process's exit).
+        self._open_streams: set[StreamReply] = set()
         self._headers: dict[str, str] = {}
         self._read_timeout: float | None = None
 
@@ -84,6 +87,8 @@ class EngineClient:
     async def close(self) -> None:
         if self.session is not None:
             await self.session.close()
+        for reply in list(self._open_streams):
+            reply.close()
         if self._streams is not None:
             self._streams.shutdown(wait=False, cancel_futures=True)
 
@@ -130,9 +135,11 @@ class EngineClient:
 
         opened, proc = await self._send(send, True)
         reply = StreamReply(opened, pool, lambda exc: self.gone(exc, proc), self._read_timeout)
+        self._open_streams.add(reply)
         try:
             yield reply
         finally:
+            self._open_streams.discard(reply)
             reply.close()
 
     async def _send(self, send: Callable[[], Awaitable[A]], resend: bool) -> tuple[A, Process | None]:
