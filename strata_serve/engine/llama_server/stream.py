@@ -257,17 +257,18 @@ class StreamReply:
         """
         read, now = self._resp.read1, time.monotonic
         first, self._first = self._first, None
-        if first is not None and (not first or take(first)):
-            return not first
 
         def pump() -> bool:
+            chunk = first
             while True:
-                chunk = read(READ_BYTES)
-                self._last = now()
+                if chunk is None:
+                    chunk = read(READ_BYTES)
+                    self._last = now()
                 if not chunk:
                     return True
                 if take(chunk):
                     return False
+                chunk = None
 
         ended: bool = await self._in_thread(pump)
         return ended
