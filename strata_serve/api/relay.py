@@ -364,8 +364,6 @@ class _Passing:
             client.close()
             if client.unsent and not transport.is_closing():
                 transport.write(client.unsent)  # before anything else (a stop's error event too)
-        if client.gone is not None:
-            raise client.gone
         if not (ended or self.complete):
             await self._one_by_one(b"", upstream)
 
@@ -388,30 +386,29 @@ class _Passing:
 
 class _ClientSocket:
     """The client's connection, written from another thread while the event loop writes
-    nothing to it (its write buffer empty): a write the socket cannot take whole at once is
-    left (``unsent``) for the event loop's transport, which then holds it; a client gone is
-    kept as ``gone``: one the event loop saw leave (its transport closing: a flag, read
-    here), or a failed write. Its own descriptor (a duplicate): the event loop closes the
-    connection's once the client left."""
+    nothing to it (its write buffer empty). A write the socket cannot take whole at once, or
+    at all (the client gone), is left (``unsent``) to the event loop, which writes it or
+    finds the client gone, as it decides for every stream (aiohttp cancels the handler of a
+    connection lost). The thread stops writing once the event loop saw the client leave
+    (its transport closing: a flag, read here). Its own descriptor (a duplicate): the event
+    loop closes the connection's once the client left."""
 
     def __init__(self, transport: asyncio.BaseTransport) -> None:
         self._fd = os.dup(transport.get_extra_info("socket").fileno())
         self._closing = transport.is_closing
         self.unsent = b""
-        self.gone: ConnectionError | None = None
 
     def send(self, data: bytes) -> bool:
         """Whether ``data`` left whole (the socket never blocks: it is the event loop's)."""
         if self._closing():  # the client left: the engine's work stops now, not a write later
-            self.gone = ConnectionResetError("the client closed its connection")
+            self.unsent = data
             return False
         try:
             sent = os.write(self._fd, data)
         except BlockingIOError:
             sent = 0
-        except OSError as exc:
-            self.gone = ConnectionResetError(f"the client's connection failed: {exc}")
-            return False
+        except OSError:
+            sent = 0  # gone: the event loop finds out, and cuts the request as for any stream
         if sent < len(data):
             self.unsent = data[sent:]
             return False
