@@ -96,6 +96,18 @@ async def the_rest_of_the_stream(sock: socket.socket) -> bytes:
     return received
 
 
+def assert_whole_stream(received: bytes) -> None:
+    """Every token's event whole and in its place, though part of the stream was written from
+    the engine's thread and the rest, once the client's socket was full, by the event loop."""
+    assert len(received) > 1_000_000  # far more than the socket buffers took
+    events = [line[6:] for line in dechunked(received).split(b"\n") if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    tokens = [entry for data in events[:-1]
+              for choice in json.loads(data).get("choices") or []
+              for entry in (choice.get("logprobs") or {}).get("content") or []]
+    assert len(tokens) == SLOW_TOKENS, f"{len(tokens)} tokens' events of {SLOW_TOKENS}"
+
+
 def dechunked(body: bytes) -> bytes:
     """An HTTP/1.1 chunked body's bytes; fails on framing that does not add up."""
     out, at = [], 0
@@ -147,17 +159,8 @@ async def test_a_stream_whose_client_stops_reading_does_not_hold_the_fifo(strata
         assert (await reply.json())["choices"][0]["message"]["content"] is not None
         # Nothing holds the FIFO while the slow reader's answer waits for it (the write timeout is long).
         await until(lambda: service.fifo.idle, 30)
-        # Once it reads again, it gets its whole stream, ended as a stream ends: every token's
-        # event whole and in its place, though part of it was written from the engine's
-        # thread and the rest, once the client's socket was full, by the event loop.
-        received = await the_rest_of_the_stream(sock)
-        assert len(received) > 1_000_000  # far more than the socket buffers took
-        events = [line[6:] for line in dechunked(received).split(b"\n") if line.startswith(b"data: ")]
-        assert events[-1] == b"[DONE]"
-        tokens = [entry for data in events[:-1]
-                  for choice in json.loads(data).get("choices") or []
-                  for entry in (choice.get("logprobs") or {}).get("content") or []]
-        assert len(tokens) == SLOW_TOKENS, f"{len(tokens)} tokens' events of {SLOW_TOKENS}"
+        # Once it reads again, it gets its whole stream, ended as a stream ends.
+        assert_whole_stream(await the_rest_of_the_stream(sock))
     finally:
         sock.close()
 
@@ -258,16 +261,7 @@ async def test_a_stream_sent_ahead_from_the_line_whose_client_stops_reading_does
         reply = await asyncio.wait_for(other, OTHER_BOUND_S)
         assert reply.status == 200, await reply.text()
         await until(lambda: service.fifo.idle, 30)
-        # Once it reads again, it gets its whole stream, ended as a stream ends: every token's
-        # event whole and in its place, though part of it was written from the engine's
-        # thread and the rest, once the client's socket was full, by the event loop.
-        received = await the_rest_of_the_stream(sock)
-        assert len(received) > 1_000_000  # far more than the socket buffers took
-        events = [line[6:] for line in dechunked(received).split(b"\n") if line.startswith(b"data: ")]
-        assert events[-1] == b"[DONE]"
-        tokens = [entry for data in events[:-1]
-                  for choice in json.loads(data).get("choices") or []
-                  for entry in (choice.get("logprobs") or {}).get("content") or []]
-        assert len(tokens) == SLOW_TOKENS, f"{len(tokens)} tokens' events of {SLOW_TOKENS}"
+        # Once it reads again, it gets its whole stream, ended as a stream ends.
+        assert_whole_stream(await the_rest_of_the_stream(sock))
     finally:
         sock.close()
