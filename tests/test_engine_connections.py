@@ -138,3 +138,26 @@ async def test_a_json_answer_reaches_the_client_as_the_engine_wrote_it(strata_cl
     assert answer["choices"][0]["message"]["role"] == "assistant" and "timings" in answer
     # One generated token is a character or a byte: it cannot hold either separator.
     assert b'": ' not in body and b'", "' not in body, body[:200]
+
+
+async def test_a_stream_s_call_leaves_in_one_write(llama_server_factory, monkeypatch):
+    """A stream's call (on a connection of its own, written by http.client, which sends a
+    head and its body apart) leaves in one write: the engine reads it, and wakes for it,
+    once. Every ``sendall`` of a socket is recorded (real engine)."""
+    import socket
+
+    sent: list[bytes] = []
+    sendall = socket.socket.sendall
+
+    def recorded(self, data, *args):
+        sent.append(bytes(data))
+        return sendall(self, data, *args)
+
+    engine = await llama_server_factory()
+    monkeypatch.setattr(socket.socket, "sendall", recorded)
+    async with engine.stream("/v1/chat/completions", chat_body("one write", max_tokens=2, stream=True)) as reply:
+        assert reply.status == 200
+        assert b"[DONE]" in b"".join([chunk async for chunk in reply.chunks()])
+    calls = [data for data in sent if data.startswith(b"POST ")]
+    assert len(calls) == 1, sent
+    assert b"\r\n\r\n" in calls[0] and b"one write" in calls[0].split(b"\r\n\r\n", 1)[1], calls[0]

@@ -52,6 +52,32 @@ class Opened:
         self.resp.close()
 
 
+class _Connection(http.client.HTTPConnection):
+    """Sends a call in one write: http.client writes its head and its body apart, and
+    the engine reads (and its thread wakes for) each."""
+
+    _held: list[bytes] | None = None
+
+    def endheaders(self, message_body: Any = None, *, encode_chunked: bool = False) -> None:
+        self._held = []
+        try:
+            super().endheaders(message_body, encode_chunked=encode_chunked)
+            data = b"".join(self._held)
+        finally:
+            self._held = None
+        super().send(data)
+
+    def send(self, data: Any) -> None:
+        if self._held is not None and isinstance(data, (bytes, bytearray)):
+            self._held.append(bytes(data))
+        else:
+            super().send(data)
+
+
+class _SecureConnection(_Connection, http.client.HTTPSConnection):
+    """:class:`_Connection` over TLS."""
+
+
 class StreamOpener:
     """Opens one streamed call, blocking (in a thread); :meth:`cut` from the loop wakes it."""
 
@@ -76,7 +102,7 @@ class StreamOpener:
 
         :raises NotConnected: when no connection was made.
         """
-        kind = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+        kind = _SecureConnection if self._https else _Connection
         conn = kind(self._host, self._port, timeout=CONNECT_TIMEOUT_S)
         try:
             conn.connect()
