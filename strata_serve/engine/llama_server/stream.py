@@ -98,7 +98,8 @@ class StreamOpener:
 
     def open(self) -> Opened:
         """Connect, send, read the answer's head and, of a stream under way, its first
-        chunk (llama-server sends its head with the first result). Runs in a thread.
+        chunk, in one go (llama-server sends its head at once, then reads the prompt: the
+        relay does its own steps once the first token is there). Runs in a thread.
 
         :raises NotConnected: when no connection was made.
         """
