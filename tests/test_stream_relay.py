@@ -309,36 +309,6 @@ async def test_a_stream_s_tokens_reach_the_client_while_the_event_loop_is_held(s
         sock.close()
 
 
-async def test_a_stream_s_head_leaves_with_its_first_event_in_one_write(strata_client_factory, monkeypatch):
-    """The answer's head is held back until the engine's first bytes are here, and leaves
-    with them in one write: one system call and one read of the client's less than a head
-    sent alone (aiohttp's own stream response sends it at once). Every write to a
-    connection's transport is recorded (real engine)."""
-    from asyncio import selector_events
-
-    writes: list[bytes] = []
-    transport_class = selector_events._SelectorSocketTransport
-    write, writelines = transport_class.write, transport_class.writelines
-
-    def recorded_write(self, data):
-        writes.append(bytes(data))
-        return write(self, data)
-
-    def recorded_writelines(self, list_of_data):
-        writes.append(b"".join(bytes(d) for d in list_of_data))
-        return writelines(self, list_of_data)
-
-    client = await strata_client_factory()
-    monkeypatch.setattr(transport_class, "write", recorded_write)
-    monkeypatch.setattr(transport_class, "writelines", recorded_writelines)
-    resp = await client.post("/v1/chat/completions", json=chat_body(max_tokens=3, stream=True))
-    assert resp.status == 200
-    assert (await resp.read()).rstrip().endswith(b"data: [DONE]")
-    heads = [data for data in writes if data.startswith(b"HTTP/1.1 200")]
-    assert len(heads) == 1, writes
-    assert b"\r\n\r\n" in heads[0] and b"data: {" in heads[0].split(b"\r\n\r\n", 1)[1], heads[0]
-
-
 async def test_stopping_the_engine_wakes_a_stream_s_reading_thread():
     """A stream still open when the engine's client closes (a stop) has its thread woken at
     once, not left blocked until the read timeout (which would hold the process's exit)."""

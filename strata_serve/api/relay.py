@@ -329,7 +329,7 @@ class _Passing:
             await self._one_by_one(b"", upstream)
             return
         seen = self.seen
-        # Awaited here: the head (held back until the first bytes) leaves with them.
+        # Awaited here: the client has had its head since the engine's status was known.
         first = await anext(upstream.chunks(), b"")
         if not first:
             return
@@ -384,13 +384,6 @@ class _Passing:
             chunk = await anext(chunks, None)
 
 
-class _EventStream(web.StreamResponse):
-    """A stream's answer whose head leaves with its first bytes, in one write (aiohttp's
-    ``StreamResponse`` sends it alone, at prepare; a client's read less, a system call less)."""
-
-    _send_headers_immediately = False
-
-
 class _ClientSocket:
     """The client's connection, written from another thread while the event loop writes
     nothing to it (its write buffer empty). A write the socket cannot take whole at once, or
@@ -436,7 +429,7 @@ async def _relay_stream(
             answer = await upstream.body()
             outcome.error = f"engine answered HTTP {upstream.status}"
             return engine_answer(upstream.status, answer, service.settings.engine, service.engine.read_overflow)
-        response = _EventStream(
+        response = web.StreamResponse(
             status=200,
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                      **state_headers(strata_request)},
