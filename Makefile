@@ -222,6 +222,7 @@ TEST_PYTHONS ?= 3.12 3.13
 PYENV_ROOT ?= $(or $(shell pyenv root 2>/dev/null),$(HOME)/.pyenv)
 PYTHONS_TESTS := tests/test_config.py tests/test_chat_bodies.py tests/test_tokens_ahead.py tests/test_fifo.py tests/test_service.py tests/test_engine.py \
   tests/test_api.py tests/test_slots.py tests/test_plugins.py tests/test_cli.py \
+  tests/test_stream_relay.py tests/test_engine_connections.py tests/test_slow_reader.py \
   tests/test_reliability.py::test_engine_killed_during_a_slot_operation \
   tests/test_reliability.py::test_shutdown_right_after_a_plugin_task_started_does_not_deadlock \
   tests/test_reliability.py::test_a_stop_with_the_engine_hung_ends_within_its_bound_and_names_what_it_did_not_save \

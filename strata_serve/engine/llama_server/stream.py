@@ -133,7 +133,9 @@ class StreamOpener:
             sock.close()  # done once the answer is closed
         # From here the socket blocks: with a timeout of Python's own, each read would be
         # two system calls, a poll and the read. The reply keeps the timeout (its watch).
-        sock.settimeout(None)
+        # An answer read whole already (a body of known length) has closed it.
+        if not resp.isclosed():
+            sock.settimeout(None)
         return Opened(sock, resp, first)
 
     def cut(self) -> None:
