@@ -14,6 +14,7 @@ import aiohttp
 from pydantic import SecretStr
 
 from strata_serve.engine.base import EngineUnavailable, JSONAnswer
+from strata_serve.engine.llama_server.kept import KEEP_IDLE_S, KeptConnections
 from strata_serve.engine.llama_server.process import exited
 from strata_serve.engine.llama_server.state import EngineState
 from strata_serve.engine.llama_server.stream import (STREAM_ERRORS, NotConnected, Opened, StreamOpener,
@@ -23,7 +24,7 @@ RESTARTED_DURING_CALL = "the engine was restarted during the call, which it neve
 #: How long an idle connection to the engine is kept for the next call. llama-server closes
 #: one after 5 s idle (it says ``Keep-Alive: timeout=5``); giving it up well before that,
 #: we never send on a connection the engine is closing at that moment.
-KEEPALIVE_S = 2.0
+KEEPALIVE_S = KEEP_IDLE_S
 #: The most streams read at once, each in a thread of its own (far above the engine's slots).
 STREAM_THREADS = 64
 
@@ -39,7 +40,8 @@ class Answer(Protocol):
 
 
 #: A call's connection failed before it was made, or closed before any answer, or was lost:
-#: aiohttp's errors and the stream's own (``stream.py``), each told apart by :meth:`EngineClient._send`.
+#: aiohttp's errors and those of the plain calls and streams read here (``kept.py``, ``stream.py``),
+#: each told apart by :meth:`EngineClient._send`.
 NOT_CONNECTED = (aiohttp.ClientConnectorError, NotConnected)
 DROPPED = (aiohttp.ServerDisconnectedError, http.client.RemoteDisconnected)
 LOST = (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, *STREAM_ERRORS)
@@ -69,6 +71,9 @@ class EngineClient:
         self._open_streams: set[StreamReply] = set()
         self._headers: dict[str, str] = {}
         self._read_timeout: float | None = None
+        #: Plain calls on kept connections read on the loop (:mod:`~strata_serve.engine.llama_server.kept`);
+        #: None for an ``https://`` engine, whose calls go through aiohttp.
+        self._kept: KeptConnections | None = None
 
     def open(self, api_key: SecretStr | None, request_timeout_s: float) -> None:
         headers = {}
@@ -76,6 +81,8 @@ class EngineClient:
             headers["Authorization"] = f"Bearer {api_key.get_secret_value()}"
         self._headers, self._read_timeout = headers, request_timeout_s
         self._streams = concurrent.futures.ThreadPoolExecutor(STREAM_THREADS, thread_name_prefix="strata-stream")
+        if self.url.startswith("http://"):
+            self._kept = KeptConnections(self.url, headers, request_timeout_s)
         self.session = aiohttp.ClientSession(
             # Connections are kept for the next call (a connect per call was the largest
             # part of what the layer added to a request). A stream has one of its own (stream.py).
@@ -85,6 +92,8 @@ class EngineClient:
         )
 
     async def close(self) -> None:
+        if self._kept is not None:
+            self._kept.close()
         if self.session is not None:
             await self.session.close()
         for reply in list(self._open_streams):
@@ -108,6 +117,13 @@ class EngineClient:
 
         :raises EngineUnavailable: when the engine cannot be reached.
         """
+        kept = self._kept
+        if kept is not None:
+            body = None if json is None else request_body(json)
+            answer, proc = await self._send(lambda: kept.call(method, path, body), resend)
+            if answer.content_type == "application/json":
+                return answer.status, json_answer(answer.body)
+            return answer.status, answer.body.decode("utf-8", "replace")
         assert self.session is not None
         session = self.session
         resp, proc = await self._send(lambda: session.request(method, self.url + path, json=json), resend)
