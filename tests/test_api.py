@@ -408,6 +408,11 @@ async def test_numbers_json_or_the_engine_cannot_hold_get_400_from_us(client, re
     b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udfffb"}]}]}',
     b'{"messages": [{"role": "user", "content": "x"}], "user": "\\udc80"}',
     b'{"messages": [{"role": "user", "content": "x"}], "metadata": {"\\ud83d": 1}}',
+    # the escape's hex digits in capitals, and a surrogate's own UTF-8 bytes (no escape)
+    b'{"messages": [{"role": "user", "content": "\\uDBFF"}], "max_tokens": 2}',
+    b'{"messages": [{"role": "user", "content": "a\xed\xb2\x80"}], "max_tokens": 2}',
+    # in UTF-16 (JSON's encodings are told by the first bytes)
+    '{"messages": [{"role": "user", "content": "x"}], "user": "\\udc80"}'.encode("utf-16-le"),
 ])
 async def test_lone_surrogates_are_refused_before_any_plugin_sees_them(client, recorder, raw, caplog):
     resp = await client.post("/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"})

@@ -44,9 +44,10 @@ async def read_json(request: web.Request, api: Api | type[BaseModel]) -> dict[st
                        code="unreadable_body") from None
     if not raw:
         raise APIError(400, "the request body is empty; a JSON object is expected")
+    encoding = json.detect_encoding(raw)
     try:
         # One decoder for every body (json.loads with these arguments builds one per call).
-        body = _BODY_DECODER.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
+        body = _BODY_DECODER.decode(raw.decode(encoding, "surrogatepass"))
     except RecursionError:
         raise APIError(400, f"the request body is nested more than {MAX_JSON_DEPTH} levels deep",
                        code="too_deeply_nested") from None
@@ -58,7 +59,8 @@ async def read_json(request: web.Request, api: Api | type[BaseModel]) -> dict[st
     # Counted first: validating 400,000 messages would hold the event loop for seconds.
     fields = getattr(model, "message_fields", ())
     check_messages(body, fields, service.engine.info, service.settings.server)
-    check_json_value(body)
+    if not (encoding == "utf-8" and _plainly_safe(raw)):
+        check_json_value(body)
     model.model_validate(body)
     # Most bodies are text alone: no second walk through them.
     if isinstance(api, Api) and api.media and might_hold_media(raw, api.media_words):
@@ -85,6 +87,15 @@ _BODY_DECODER = json.JSONDecoder(parse_constant=_not_json, parse_float=_finite_f
 #: parser stops near 1,000 levels (a RecursionError); whatever handles the body later
 #: (validation, the relay's encoder, the engine's parser) recurses too.
 MAX_JSON_DEPTH = 100
+
+
+def _plainly_safe(raw: bytes) -> bool:
+    """Whether a UTF-8 body's bytes alone rule out what :func:`check_json_value` looks for:
+    no more arrays and objects opened than :data:`MAX_JSON_DEPTH` (so none nested deeper),
+    no escape of a surrogate (``\\uD800``-``\\uDFFF``) and no surrogate's own UTF-8 bytes.
+    Two counts and one search at the speed of bytes, where the walk through every value
+    was a tenth of a 1-token request's own steps; a body they cannot clear is walked."""
+    return raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH and _SURROGATE_BYTES.search(raw) is None
 
 
 def check_json_value(value: Any) -> None:
@@ -116,3 +127,7 @@ def check_json_value(value: Any) -> None:
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+#: What a surrogate can come from in a UTF-8 body: an escape of one, or its own bytes (the
+#: body is decoded with ``surrogatepass``). An escaped backslash before ``ud800`` matches too:
+#: that body is walked, to no harm.
+_SURROGATE_BYTES = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
