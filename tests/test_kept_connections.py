@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import socket
+import struct
 
 import pytest
 
@@ -25,7 +27,8 @@ from strata_serve.engine.llama_server.stream import NotConnected
 class ScriptedEngine:
     """Test double: answers each call with the next of ``answers``, on whichever connection
     it comes: bytes are written as they are, None closes the connection unanswered, ``(s,
-    bytes)`` writes them after ``s`` seconds, ``("cut", bytes)`` writes them and closes.
+    bytes)`` writes them after ``s`` seconds, ``("cut", bytes)`` writes them and closes,
+    ``("reset", b"")`` resets the connection unanswered.
     ``GET /health`` is answered 200 without taking one. Records each call's head and body,
     and how many connections were made."""
 
@@ -61,6 +64,11 @@ class ScriptedEngine:
                 close = False
                 if isinstance(answer, tuple):
                     first, answer = answer
+                    if first == "reset":  # closed with a reset, not a FIN (lingering 0 s)
+                        writer.get_extra_info("socket").setsockopt(
+                            socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        writer.transport.abort()
+                        return
                     if first == "cut":
                         close = True
                     else:
@@ -151,6 +159,11 @@ async def test_failures_are_told_apart_as_the_policy_needs():
     async with ScriptedEngine(None) as url:
         with pytest.raises(http.client.RemoteDisconnected):
             await KeptConnections(url, {}, 5.0).call("GET", "/x", None)
+    # Reset before any answer: lost, as aiohttp tells it (part of an answer may have come).
+    async with ScriptedEngine(("reset", b"")) as url:
+        with pytest.raises(ConnectionResetError) as reset:
+            await KeptConnections(url, {}, 5.0).call("GET", "/x", None)
+        assert not isinstance(reset.value, http.client.RemoteDisconnected)
     # Closed within the answer: lost, never "dropped" (the engine may have done the work).
     cut = json_answer(b'{"long": "answer"}')[:-5]
     async with ScriptedEngine(("cut", cut)) as url:

@@ -19,7 +19,7 @@ A failed call is told as aiohttp's errors are, for the client's one policy of se
 again (:meth:`~strata_serve.engine.llama_server.client.EngineClient._send`): no
 connection (:class:`~strata_serve.engine.llama_server.stream.NotConnected`), a connection
 closed before any byte of the answer (:class:`http.client.RemoteDisconnected`), and the
-rest (a timeout, a connection lost within the answer, an answer that is not HTTP).
+rest (a timeout, a reset, a connection lost within the answer, an answer that is not HTTP).
 """
 
 from __future__ import annotations
@@ -153,9 +153,8 @@ class KeptConnections:
             raise BadAnswer(f"the answer's head ended early ({len(exc.partial)} bytes)") from None
         except asyncio.LimitOverrunError:
             raise BadAnswer(f"the answer's head is longer than {HEAD_LIMIT} bytes") from None
-        except ConnectionResetError as exc:
-            raise http.client.RemoteDisconnected(f"the engine reset the connection without an answer: {exc}") \
-                from None
+        # A connection reset (ConnectionResetError) goes on as it is: lost, as aiohttp tells
+        # one, since part of an answer may have come before it.
         version, status, fields = _parse_head(head)
         connection = fields.get("connection", "").lower()
         keep = connection != "close" if version == "HTTP/1.1" else connection == "keep-alive"
