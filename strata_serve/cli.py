@@ -144,17 +144,19 @@ def run(config: Path | None, log_level: str, **flags: Any) -> None:
 def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
     """The event loop for ``server.event_loop`` (None: asyncio's own).
 
-    uvloop is a choice, not the default: measured on 2 cores, the layer's time goes
-    mostly to socket calls, and uvloop did not lower its CPU per request or per token
-    beyond the noise.
+    ``auto``: uvloop where it is installed, asyncio's own where not (Windows, or an install
+    without it). The layer's own work on a request is mostly the loop's: its callbacks,
+    tasks and socket calls, which uvloop runs in C.
     """
     if choice == "asyncio":
         return None
     try:
         import uvloop
     except ImportError:
+        if choice == "auto":
+            return None
         raise click.ClickException("configuration: server.event_loop is uvloop, which is not installed: "
-                                   "pip install 'strata-serve[uvloop]'") from None
+                                   "pip install uvloop (or server.event_loop = \"auto\")") from None
     return uvloop.new_event_loop
 
 

@@ -195,9 +195,11 @@ class ServerSettings(BaseModel):
     #: Browser origins (``scheme://host[:port]``) whose pages may call the API (CORS). Requests
     #: carrying any other ``Origin`` are refused, so a web page cannot drive a local server.
     allowed_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    #: The event loop ``strata-serve run`` uses: asyncio's own, or uvloop
-    #: (``pip install 'strata-serve[uvloop]'``; measured, no clear gain on 2 cores).
-    event_loop: Literal["asyncio", "uvloop"] = "asyncio"
+    #: The event loop ``strata-serve run`` uses: ``auto`` (the default) is uvloop where it
+    #: is installed (a dependency, but on Windows) and asyncio's own elsewhere. Measured on
+    #: 2 cores, uvloop took 0.3-0.5 ms less of the layer's CPU a 1-token request
+    #: (bench/results/engine-alone.md).
+    event_loop: Literal["auto", "asyncio", "uvloop"] = "auto"
 
 
 class EngineSettings(BaseModel):

@@ -46,12 +46,13 @@ def _uvloop_installed() -> bool:
     return importlib.util.find_spec("uvloop") is not None
 
 
-@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop", "auto"])
 def test_run_serves_then_stops_cleanly_on_sigterm(tmp_path, strata_demo_model, event_loop):
-    # Not a skip: the test set-up installs uvloop (the ``uvloop`` extra), so its absence is a
-    # broken set-up, said as such.
-    assert event_loop != "uvloop" or _uvloop_installed(), \
-        "uvloop is not installed: `make setup` installs it (pip install -e '.[test,uvloop]')"
+    # Not a skip: uvloop is a dependency (but on Windows), so its absence is a broken
+    # set-up, said as such.
+    assert event_loop == "asyncio" or _uvloop_installed(), \
+        "uvloop is not installed: `make setup` installs it (pip install -e '.[test]')"
+    runs_on = "uvloop" if event_loop == "auto" else event_loop
     port = listen_port()
     # The engine's port named too, and another: left to pick its own, the engine was once
     # given this very port (both free when asked), and the server could not bind it.
@@ -68,7 +69,7 @@ def test_run_serves_then_stops_cleanly_on_sigterm(tmp_path, strata_demo_model, e
     ) as proc:
         try:
             engine_pid = int(wait_for(log_file, r"engine ready at .* \(pid (\d+)\)").group(1))
-            wait_for(log_file, rf"listening on http://127\.0\.0\.1:{port} .*event loop: {event_loop}")
+            wait_for(log_file, rf"listening on http://127\.0\.0\.1:{port} .*event loop: {runs_on}")
             wait_for(log_file, r"try: curl")
             request = urllib.request.Request(
                 f"http://127.0.0.1:{port}/v1/chat/completions",
@@ -137,9 +138,21 @@ def test_uvloop_asked_for_but_not_installed_is_a_clear_error(monkeypatch):
     from strata_serve.cli import loop_factory
 
     monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop now raises ImportError
-    with pytest.raises(click.ClickException, match=r"uvloop, which is not installed: pip install 'strata-serve"):
+    with pytest.raises(click.ClickException, match=r"uvloop, which is not installed: pip install uvloop"):
         loop_factory("uvloop")
     assert loop_factory("asyncio") is None
+    assert loop_factory("auto") is None  # the default falls back to asyncio's own, as on Windows
+
+
+def test_the_default_event_loop_is_uvloop_where_it_is_installed():
+    import uvloop
+
+    from strata_serve.cli import loop_factory
+    from strata_serve.config import Settings
+
+    assert Settings().server.event_loop == "auto"
+    assert loop_factory("auto") is uvloop.new_event_loop
+    assert loop_factory("uvloop") is uvloop.new_event_loop
 
 
 #: Where the test set-up (make's .venv/.examples) installs the plugins only the tests load:
