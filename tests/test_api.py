@@ -322,6 +322,9 @@ NESTED_CHAT = '{"messages": [{"role": "user", "content": "nested"}], "max_tokens
     b'{"a": ' * 100_000,
     (NESTED_CHAT % ('{"a": ' * 150 + "1" + "}" * 150)).encode(),  # parses, yet deeper than allowed
     (NESTED_CHAT % ("[" * 5000 + "]" * 5000)).encode(),
+    # the same depth with an escape in it (walked whole), and under many shallow objects
+    (NESTED_CHAT % ('{"\\u00e9": ' * 150 + "1" + "}" * 150)).encode(),
+    (NESTED_CHAT % ('{"wide": [' + "{}, " * 200 + '{"a": ' * 101 + "1" + "}" * 101 + "]}")).encode(),
 ])
 async def test_deeply_nested_bodies_get_400(client, recorder, raw):
     resp = await client.post("/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"})
@@ -331,8 +334,41 @@ async def test_deeply_nested_bodies_get_400(client, recorder, raw):
     assert recorder.keys == []
 
 
-async def test_nesting_within_the_limit_is_answered(client):
-    raw = (NESTED_CHAT % ('{"a": ' * 90 + "1" + "}" * 90)).encode()
+def _refusal(check, body) -> str | None:
+    from strata_serve.api.errors import APIError
+
+    try:
+        check(body)
+    except APIError as exc:
+        return exc.code
+    return None
+
+
+def test_the_walk_for_depth_alone_refuses_what_the_whole_walk_refuses():
+    # A body whose bytes rule out surrogates is walked for its depth alone: at each depth
+    # around the limit, it refuses what the walk through every value refuses, and only that.
+    from strata_serve.api.bodies import MAX_JSON_DEPTH, _check_depth, check_json_value
+
+    refused = set()
+    for depth in range(MAX_JSON_DEPTH - 3, MAX_JSON_DEPTH + 3):
+        deep: object = 1
+        for _ in range(depth - 1):  # the body itself is the first level
+            deep = {"a": deep} if depth % 2 else [deep]
+        body = {"wide": [{"k": [1, "x"]} for _ in range(150)], "deep": deep}
+        assert _refusal(_check_depth, body) == _refusal(check_json_value, body), depth
+        if _refusal(_check_depth, body) is not None:
+            refused.add(depth)
+    assert refused == {MAX_JSON_DEPTH + 1, MAX_JSON_DEPTH + 2}
+
+
+@pytest.mark.parametrize("metadata", [
+    '{"a": ' * 90 + "1" + "}" * 90,
+    # more arrays and objects than the limit, none nested deeper: walked for depth, answered
+    '{"wide": [' + "{}, " * 200 + '{"a": ' * 90 + "1" + "}" * 90 + "]}",
+    '{"wide": [' + '{"\\u00e9": [1]}, ' * 200 + '{"a": ' * 90 + "1" + "}" * 90 + "]}",
+])
+async def test_nesting_within_the_limit_is_answered(client, metadata):
+    raw = (NESTED_CHAT % metadata).encode()
     resp = await client.post("/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"})
     assert resp.status == 200, await resp.text()
 

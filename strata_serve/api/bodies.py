@@ -59,8 +59,7 @@ async def read_json(request: web.Request, api: Api | type[BaseModel]) -> dict[st
     # Counted first: validating 400,000 messages would hold the event loop for seconds.
     fields = getattr(model, "message_fields", ())
     check_messages(body, fields, service.engine.info, service.settings.server)
-    if not (encoding == "utf-8" and _plainly_safe(raw)):
-        check_json_value(body)
+    _check_value(body, raw, encoding)
     model.model_validate(body)
     # Most bodies are text alone: no second walk through them.
     if isinstance(api, Api) and api.media and might_hold_media(raw, api.media_words):
@@ -89,13 +88,26 @@ _BODY_DECODER = json.JSONDecoder(parse_constant=_not_json, parse_float=_finite_f
 MAX_JSON_DEPTH = 100
 
 
-def _plainly_safe(raw: bytes) -> bool:
-    """Whether a UTF-8 body's bytes alone rule out what :func:`check_json_value` looks for:
-    no more arrays and objects opened than :data:`MAX_JSON_DEPTH` (so none nested deeper),
-    no escape of a surrogate (``\\uD800``-``\\uDFFF``) and no surrogate's own UTF-8 bytes.
-    Two counts and one search at the speed of bytes, where the walk through every value
-    was a tenth of a 1-token request's own steps; a body they cannot clear is walked."""
-    return raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH and _SURROGATE_BYTES.search(raw) is None
+def _check_value(body: Any, raw: bytes, encoding: str) -> None:
+    """:func:`check_json_value`, or as much of it as a UTF-8 body's bytes leave open.
+
+    Bytes are searched at C speed; the walk through every value is Python's: 1.5-2 ms on
+    a 200 KB agent's body (its parse took 2.6), against 0.3 ms for the walk through its
+    arrays and objects alone (measured on 2 cores). No more arrays and objects opened than
+    :data:`MAX_JSON_DEPTH` rules out nesting deeper; no surrogate's escape
+    (``\\uD800``-``\\uDFFF``) nor its own UTF-8 bytes rules out a lone surrogate. A body
+    whose bytes rule out both is not walked; one whose bytes rule out surrogates alone is
+    walked through its arrays and objects only, for their depth."""
+    if encoding != "utf-8" or _may_hold_surrogate(raw):
+        check_json_value(body)
+    elif raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:
+        _check_depth(body)
+
+
+def _may_hold_surrogate(raw: bytes) -> bool:
+    # Two plain searches first: most bodies hold neither an escape nor a byte 0xED, and the
+    # pattern's alternation runs slower than a search for a fixed string.
+    return (b"\\u" in raw or b"\xed" in raw) and _SURROGATE_BYTES.search(raw) is not None
 
 
 def check_json_value(value: Any) -> None:
@@ -124,6 +136,22 @@ def check_json_value(value: Any) -> None:
             raise APIError(400, f"the request body is nested more than {MAX_JSON_DEPTH} levels deep",
                            code="too_deeply_nested")
         stack.extend((child, depth + 1) for child in children)
+
+
+def _check_depth(value: Any) -> None:
+    """:func:`check_json_value`'s depth alone: through arrays and objects, a level at a time,
+    past the rest (a parsed body's arrays and objects are exactly lists and dicts)."""
+    level, depth = [value], 1
+    while level:
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(400, f"the request body is nested more than {MAX_JSON_DEPTH} levels deep",
+                           code="too_deeply_nested")
+        below = []
+        for item in level:
+            for child in item.values() if type(item) is dict else item:
+                if type(child) is dict or type(child) is list:
+                    below.append(child)
+        level, depth = below, depth + 1
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
