@@ -197,8 +197,8 @@ class ServerSettings(BaseModel):
     allowed_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
     #: The event loop ``strata-serve run`` uses: ``auto`` (the default) is uvloop where it
     #: is installed (a dependency, but on Windows) and asyncio's own elsewhere. Measured on
-    #: 2 cores, uvloop took 0.3-0.5 ms less of the layer's CPU a 1-token request
-    #: (bench/results/engine-alone.md).
+    #: 2 cores, uvloop took 0.3-0.75 ms less of the layer's CPU a 1-token request
+    #: (``python -m bench.event_loop``; bench/results/engine-alone.md).
     event_loop: Literal["auto", "asyncio", "uvloop"] = "auto"
 
 
