@@ -215,14 +215,15 @@ test: lint setup $(VENV)/.examples $(NODE_STAMP) $(AIDER_STAMP) haproxy disk-spa
 	if [ $$rc -eq 5 ]; then echo "[strata] no tests were collected: failing"; exit 1; fi; exit $$rc
 
 # The other supported Pythons run a quick subset: the tests that start no engine, those of
-# the service, the engine and the FIFO, and the stops and kills of the reliability suite.
+# the service, the engine and the FIFO, and the stops and kills of the reliability suite;
+# on uvloop (the server's default loop), where the main suite runs on asyncio's own.
 # Found in pyenv (PYENV_ROOT) or on PATH. The engine wheel is tagged py3-none: the one build
 # in the wheelhouse serves them all.
 TEST_PYTHONS ?= 3.12 3.13
 PYENV_ROOT ?= $(or $(shell pyenv root 2>/dev/null),$(HOME)/.pyenv)
 PYTHONS_TESTS := tests/test_config.py tests/test_chat_bodies.py tests/test_tokens_ahead.py tests/test_fifo.py tests/test_service.py tests/test_engine.py \
   tests/test_api.py tests/test_slots.py tests/test_plugins.py tests/test_cli.py \
-  tests/test_stream_relay.py tests/test_engine_connections.py tests/test_slow_reader.py \
+  tests/test_stream_relay.py tests/test_engine_connections.py tests/test_kept_connections.py tests/test_slow_reader.py \
   tests/test_reliability.py::test_engine_killed_during_a_slot_operation \
   tests/test_reliability.py::test_shutdown_right_after_a_plugin_task_started_does_not_deadlock \
   tests/test_reliability.py::test_a_stop_with_the_engine_hung_ends_within_its_bound_and_names_what_it_did_not_save \
@@ -253,8 +254,8 @@ PYTHONS_TESTS := tests/test_config.py tests/test_chat_bodies.py tests/test_token
 
 test-pythons: $(foreach v,$(TEST_PYTHONS),.venv-$(v)/.installed .venv-$(v)/.examples)
 	for v in $(TEST_PYTHONS); do \
-	  echo "[strata] the quick subset on Python $$v"; rc=0; \
-	  .venv-$$v/bin/python -m pytest -q -p no:cacheprovider $(PYTHONS_TESTS) $(PYTEST_ARGS) || rc=$$?; \
+	  echo "[strata] the quick subset on Python $$v, on uvloop"; rc=0; \
+	  STRATA_TEST_EVENT_LOOP=uvloop .venv-$$v/bin/python -m pytest -q -p no:cacheprovider $(PYTHONS_TESTS) $(PYTEST_ARGS) || rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "[strata] no tests were collected on Python $$v: failing"; exit 1; fi; \
 	  if [ $$rc -ne 0 ]; then exit $$rc; fi; \
 	done

@@ -14,8 +14,14 @@ a test's own setting wins). The test models are tiny, so one thread makes them h
 slower, and ``make test``'s two worker processes then share two cores; with an engine
 thread per core in each, the engines' waiting threads spin against each other and the
 suite runs slower in two processes than in one.
+
+``STRATA_TEST_EVENT_LOOP=uvloop`` runs the async tests (and the servers they start in
+their own process's loop) on uvloop, the loop ``strata-serve run`` uses by default; the
+main suite runs on asyncio's own, and ``make test``'s other Pythons on uvloop, so each loop
+runs the server's code in the tests' own process.
 """
 
+import asyncio
 import os
 import site
 import sys
@@ -37,3 +43,16 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if skipped and session.exitstatus == 0:
         reporter.write_line(f"[strata] {len(skipped)} test(s) skipped: treated as a failure", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(scope="session")
+def event_loop_policy() -> asyncio.AbstractEventLoopPolicy:
+    """The tests' event loop: asyncio's own, or uvloop (``STRATA_TEST_EVENT_LOOP``)."""
+    chosen = os.environ.get("STRATA_TEST_EVENT_LOOP", "asyncio")
+    if chosen == "uvloop":
+        import uvloop
+
+        return uvloop.EventLoopPolicy()
+    if chosen != "asyncio":
+        raise pytest.UsageError(f"STRATA_TEST_EVENT_LOOP={chosen!r}: asyncio or uvloop")
+    return asyncio.DefaultEventLoopPolicy()

@@ -1,5 +1,6 @@
 """The command line as a user runs it: a real process, a real signal."""
 
+import asyncio
 import importlib.metadata
 import json
 import os
@@ -142,6 +143,14 @@ def test_uvloop_asked_for_but_not_installed_is_a_clear_error(monkeypatch):
         loop_factory("uvloop")
     assert loop_factory("asyncio") is None
     assert loop_factory("auto") is None  # the default falls back to asyncio's own, as on Windows
+
+
+async def test_the_tests_run_on_the_event_loop_asked_for():
+    # make test's other Pythons run their subset on uvloop (STRATA_TEST_EVENT_LOOP): the
+    # server's code in the tests' own process then runs on the loop users run it on.
+    asked = os.environ.get("STRATA_TEST_EVENT_LOOP", "asyncio")
+    running = type(asyncio.get_running_loop()).__module__
+    assert running.startswith("uvloop") == (asked == "uvloop"), (asked, running)
 
 
 def test_the_default_event_loop_is_uvloop_where_it_is_installed():
