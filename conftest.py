@@ -21,11 +21,11 @@ main suite runs on asyncio's own, and ``make test``'s other Pythons on uvloop, s
 runs the server's code in the tests' own process.
 """
 
-import asyncio
 import os
 import site
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -45,14 +45,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-@pytest.fixture(scope="session")
-def event_loop_policy() -> asyncio.AbstractEventLoopPolicy:
-    """The tests' event loop: asyncio's own, or uvloop (``STRATA_TEST_EVENT_LOOP``)."""
-    chosen = os.environ.get("STRATA_TEST_EVENT_LOOP", "asyncio")
-    if chosen == "uvloop":
+_TEST_LOOP = os.environ.get("STRATA_TEST_EVENT_LOOP", "asyncio")
+if _TEST_LOOP not in ("asyncio", "uvloop"):
+    raise pytest.UsageError(f"STRATA_TEST_EVENT_LOOP={_TEST_LOOP!r}: asyncio or uvloop")
+if _TEST_LOOP == "uvloop":
+
+    def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
+        """Every async test, and the async fixtures it uses, on a loop of uvloop's."""
         import uvloop
 
-        return uvloop.EventLoopPolicy()
-    if chosen != "asyncio":
-        raise pytest.UsageError(f"STRATA_TEST_EVENT_LOOP={chosen!r}: asyncio or uvloop")
-    return asyncio.DefaultEventLoopPolicy()
+        return {"uvloop": uvloop.new_event_loop}

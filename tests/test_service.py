@@ -316,6 +316,8 @@ async def test_sync_and_async_impls_are_both_awaited(strata_memory_client_factor
     plugin = SyncAndAsync()
     client = await strata_memory_client_factory(plugin, recorder)
     assert (await client.post("/v1/chat/completions", json=chat_body())).status == 200
+    # post_request runs once the answer is delivered: the client may have it first.
+    await until(lambda: len(plugin.calls) == 2, what="the async post_request step")
     assert plugin.calls == ["sync pre", "async post ok"]
     assert recorder.keys[0] != "never-used"
 

@@ -50,18 +50,26 @@ def engine_env(binary: Path, api_key: SecretStr | None) -> dict[str, str]:
 
 
 async def launch(cmd: list[str], env: dict[str, str]) -> asyncio.subprocess.Process:
-    """Create the engine's process, its output (both streams) in one pipe."""
-    return await asyncio.create_subprocess_exec(
-        *cmd,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        env=env,
-        # Its own session: a Ctrl-C meant for us must not stop the engine before
-        # we have drained and saved. But if we die unasked, it goes with us.
-        start_new_session=True,
-        preexec_fn=engine_preexec,
-    )
+    """Create the engine's process, its output (both streams) in one pipe.
+
+    :raises OSError: naming the binary (uvloop's error for a binary that is gone does not).
+    """
+    try:
+        return await asyncio.create_subprocess_exec(
+            *cmd,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=env,
+            # Its own session: a Ctrl-C meant for us must not stop the engine before
+            # we have drained and saved. But if we die unasked, it goes with us.
+            start_new_session=True,
+            preexec_fn=engine_preexec,
+        )
+    except OSError as exc:
+        if exc.filename is not None or exc.errno is None:
+            raise
+        raise type(exc)(exc.errno, exc.strerror, cmd[0]) from exc
 
 
 async def exited(proc: asyncio.subprocess.Process, timeout: float | None = None, every: float = 0.02) -> bool:
