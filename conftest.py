@@ -15,10 +15,11 @@ slower, and ``make test``'s two worker processes then share two cores; with an e
 thread per core in each, the engines' waiting threads spin against each other and the
 suite runs slower in two processes than in one.
 
-``STRATA_TEST_EVENT_LOOP=uvloop`` runs the async tests (and the servers they start in
-their own process's loop) on uvloop, the loop ``strata-serve run`` uses by default; the
-main suite runs on asyncio's own, and ``make test``'s other Pythons on uvloop, so each loop
-runs the server's code in the tests' own process.
+``STRATA_TEST_EVENT_LOOP=uvloop`` runs the async tests, and the servers they run in their
+own process, on uvloop, the loop ``strata-serve run`` uses by default. ``make test`` runs
+its main suite on asyncio's own loop and its other Pythons' subset on uvloop, so the
+server's code runs under both in the tests' own process (a server a test starts as a
+process of its own takes the default).
 """
 
 import os

@@ -145,7 +145,7 @@ def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
     """The event loop for ``server.event_loop`` (None: asyncio's own).
 
     ``auto``: uvloop where it is installed, asyncio's own where not (Windows, or an install
-    without it). The layer's own work on a request is mostly the loop's: its callbacks,
+    without it). Much of the layer's own work on a request is the loop's: its callbacks,
     tasks and socket calls, which uvloop runs in C.
     """
     if choice == "asyncio":
