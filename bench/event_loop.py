@@ -18,14 +18,13 @@ import contextlib
 import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from bench.harness import chat, client_session, conversation
-from bench.layer_cost import cpu_seconds, strata_process
+from bench.layer_cost import cpu_seconds, plain_one, strata_process
 
 LOOPS = ("asyncio", "uvloop")
 #: kind: (streamed?, tokens, a kept connection?, pairs as a share of --pairs)
@@ -38,15 +37,9 @@ KINDS = {
 
 
 async def _one(session: aiohttp.ClientSession, url: str, messages: list[dict], stream: bool, tokens: int) -> float:
-    began = time.perf_counter()
     if stream:
-        await chat(session, url, messages, max_tokens=tokens, ignore_eos=True)
-    else:
-        async with session.post(url + "/v1/chat/completions",
-                                json={"messages": messages, "max_tokens": tokens, "ignore_eos": True}) as reply:
-            await reply.read()
-            reply.raise_for_status()
-    return time.perf_counter() - began
+        return (await chat(session, url, messages, max_tokens=tokens, ignore_eos=True)).total_s
+    return (await plain_one(session, url, messages))[0]  # one token
 
 
 async def measure(model: Path, work: Path, pairs: int) -> dict[str, Any]:

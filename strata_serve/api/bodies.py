@@ -49,8 +49,7 @@ async def read_json(request: web.Request, api: Api | type[BaseModel]) -> dict[st
         # One decoder for every body (json.loads with these arguments builds one per call).
         body = _BODY_DECODER.decode(raw.decode(encoding, "surrogatepass"))
     except RecursionError:
-        raise APIError(400, f"the request body is nested more than {MAX_JSON_DEPTH} levels deep",
-                       code="too_deeply_nested") from None
+        raise _too_deep() from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
@@ -86,6 +85,11 @@ _BODY_DECODER = json.JSONDecoder(parse_constant=_not_json, parse_float=_finite_f
 #: parser stops near 1,000 levels (a RecursionError); whatever handles the body later
 #: (validation, the relay's encoder, the engine's parser) recurses too.
 MAX_JSON_DEPTH = 100
+
+
+def _too_deep() -> APIError:
+    return APIError(400, f"the request body is nested more than {MAX_JSON_DEPTH} levels deep",
+                    code="too_deeply_nested")
 
 
 def _check_value(body: Any, raw: bytes, encoding: str) -> None:
@@ -133,8 +137,7 @@ def check_json_value(value: Any) -> None:
         else:
             continue
         if depth > MAX_JSON_DEPTH:
-            raise APIError(400, f"the request body is nested more than {MAX_JSON_DEPTH} levels deep",
-                           code="too_deeply_nested")
+            raise _too_deep()
         stack.extend((child, depth + 1) for child in children)
 
 
@@ -144,8 +147,7 @@ def _check_depth(value: Any) -> None:
     level, depth = [value], 1
     while level:
         if depth > MAX_JSON_DEPTH:
-            raise APIError(400, f"the request body is nested more than {MAX_JSON_DEPTH} levels deep",
-                           code="too_deeply_nested")
+            raise _too_deep()
         below = []
         for item in level:
             for child in item.values() if type(item) is dict else item:
