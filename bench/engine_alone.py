@@ -24,7 +24,8 @@ Its ratio to the engine alone is what any Python layer between client and engine
 this machine, measured in the same run; strata-serve's ratio to it is what strata-serve
 adds beyond that. The streams go through two more ways: a byte relay
 (:func:`bench.profile.byte_relay`, the bytes both ways as they come, no HTTP at all), what
-passing a token through a Python event loop costs here at the least; and a thread relay
+passing a token through a Python event loop costs here at the least (the 1-token requests
+go through it too: what any Python process on their path adds); and a thread relay
 (:func:`bench.profile.thread_relay`, the same done by a blocking thread each way), what a
 layer that relays a stream's bytes off its event loop could cost.
 
@@ -214,17 +215,19 @@ async def measure(model: Path, work: Path, *, streams: int, stream_tokens: int, 
 
         # A 1-token request, a new connection each (client_session closes every one); then a
         # plain one over a connection each way keeps ("kept").
-        for url in three.values():
+        # The byte relay too: what any Python process on the path adds to it here at the least.
+        ones = {**three, "bytes": bytes_url}
+        for url in ones.values():
             await _plain(kept_session, url, short)  # its connection opened before the count
         for kind in ("stream", "json", "kept"):
-            times: dict[str, list[float]] = {name: [] for name in three}
+            times: dict[str, list[float]] = {name: [] for name in ones}
             parts: list[dict[str, float]] = []  # strata-serve's plain answers, part by part
             for n in range(requests):
-                for name in in_turn(three, n):
+                for name in in_turn(ones, n):
                     if kind == "stream":
-                        times[name].append((await chat(session, three[name], short)).total_s)
+                        times[name].append((await chat(session, ones[name], short)).total_s)
                         continue
-                    times[name].append(await _plain(kept_session if kind == "kept" else session, three[name],
+                    times[name].append(await _plain(kept_session if kind == "kept" else session, ones[name],
                                                     short, parts if name == "strata" else None))
             if parts:
                 found[f"one_token_{kind}_parts_ms"] = where_it_went(parts)
@@ -232,6 +235,7 @@ async def measure(model: Path, work: Path, *, streams: int, stream_tokens: int, 
             p50 = found[f"one_token_{kind}_p50_ms"] = {name: percentile(t, 50) * 1000 for name, t in times.items()}
             found[f"one_token_{kind}_added_p50_ms"] = p50["strata"] - p50["engine"]
             found[f"relay_one_token_{kind}_added_p50_ms"] = p50["relay"] - p50["engine"]
+            found[f"bytes_one_token_{kind}_added_p50_ms"] = p50["bytes"] - p50["engine"]
             found[f"one_token_{kind}_added_interval_ms"] = added_interval(times["strata"], times["engine"])
 
         # Eight clients, each its own chat, all at once.
@@ -341,7 +345,7 @@ def report(found: dict[str, Any], model: str) -> list[str]:
         + relay(f"{cpu.get('relay', 0):.2f}") + " |",
         f"| layer CPU s per 1,000 streamed tokens | {found['cpu_s_per_1000_tokens'] or 0:.3f} | "
         + relay(f"{found.get('relay_cpu_s_per_1000_tokens') or 0:.3f}") + " |",
-    ] + _stream_ways(found) + _parts(found.get("one_token_json_parts_ms"), "on a new connection") \
+    ] + _stream_ways(found) + _bytes_one_token(found) + _parts(found.get("one_token_json_parts_ms"), "on a new connection") \
         + _parts(found.get("one_token_kept_parts_ms"), "on a kept connection")
 
 
@@ -376,6 +380,17 @@ def _stream_ways(found: dict[str, Any]) -> list[str]:
             f"{found[f'{way}_cpu_s_per_1000_tokens'] or 0:.3f} s of its CPU per 1,000 tokens: {meaning}.",
         ]
     return lines
+
+
+def _bytes_one_token(found: dict[str, Any]) -> list[str]:
+    """The 1-token requests through the byte relay (runs before it was measured lack them)."""
+    kinds = {"json": "plain on a new connection", "kept": "plain on a kept connection", "stream": "streamed"}
+    added = {how: found.get(f"bytes_one_token_{kind}_added_p50_ms") for kind, how in kinds.items()}
+    if any(value is None for value in added.values()):
+        return []
+    return ["", "The 1-token requests through the byte relay too, added p50: "
+            + ", ".join(f"{how} {value:+.2f} ms" for how, value in added.items())
+            + ": what any Python process on the path adds to a short request here at the least."]
 
 
 def _kept(found: dict[str, Any]) -> list[str]:

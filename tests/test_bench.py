@@ -88,9 +88,9 @@ async def test_quick_benchmark_writes_its_tables(tmp_path):
     assert "## Against its own engine alone, tiny model" in report and "| 8 clients, requests/s |" in report
     assert all(len(alone["stream_tps"][n]) == 2 and min(alone["stream_tps"][n]) > 0 for n in ("engine", "strata"))
     assert all(len(alone["clients_rps"][n]) == 1 for n in ("engine", "strata"))
-    # The 1-token request went all three ways, with an interval for what strata-serve added.
+    # The 1-token request went all four ways, with an interval for what strata-serve added.
     for kind in ("stream", "json", "kept"):
-        assert set(alone[f"one_token_{kind}_p50_ms"]) == {"engine", "strata", "relay"}
+        assert set(alone[f"one_token_{kind}_p50_ms"]) == {"engine", "strata", "relay", "bytes"}
         low, high = alone[f"one_token_{kind}_added_interval_ms"]
         assert low <= high
     assert "90% interval" in report
@@ -105,6 +105,11 @@ async def test_quick_benchmark_writes_its_tables(tmp_path):
     alone = results["alone"]
     assert alone["stream_tps"]["bytes"] and alone["bytes_cpu_s_per_1000_tokens"] > 0
     assert "through a byte relay" in report
+    # And the 1-token requests, each kind, with what the byte relay added to them.
+    for kind in ("stream", "json", "kept"):
+        assert len(alone[f"one_token_{kind}_ms"]["bytes"]) == alone["sizes"]["requests"], kind
+        assert isinstance(alone[f"bytes_one_token_{kind}_added_p50_ms"], float), kind
+    assert "The 1-token requests through the byte relay too" in report
     # And through the thread relay, each stream whole: its last event, which carries the
     # engine's count of tokens, came through.
     assert len(alone["stream_tps"]["threads"]) == 2 and min(alone["stream_tps"]["threads"]) > 0
