@@ -344,3 +344,23 @@ def test_agent_sim_ratios_pair_each_run_with_the_bare_run_of_its_round_and_ram_s
                                                       "load_before": (1.0, 1.0, 1.0)} for r in v]
                                                  for k, v in runs.items()}, "ratios": found}))
     assert "| strata-serve, its defaults | 145.0 (110.0-180.0) | 1.000 (0.900-1.100) | 6/6 | 12/12 |" in table
+
+
+# -- what each kind of Python server costs a short request ----------------------------------------
+
+async def test_the_http_floor_bench_asks_every_way_in_turn(tmp_path):
+    from bench import http_floor
+    from strata_serve.models import packaged_model_path
+
+    found = await http_floor.measure(Path(packaged_model_path("smollm2")), tmp_path, requests=2)
+    ways = {"engine", "strata", *http_floor.RELAYS}
+    for how in ("kept", "new"):
+        assert set(found[how]["ms"]) == ways and all(len(t) == 2 and min(t) > 0 for t in found[how]["ms"].values())
+        assert set(found[how]["cpu_ms"]) == ways - {"engine"}
+    # Every relay ran on uvloop, as the table says.
+    assert set(found["loops"]) == set(http_floor.RELAYS)
+    assert all(loop.startswith("uvloop") for loop in found["loops"].values()), found["loops"]
+    report = "\n".join(http_floor.report(found))
+    for row in ("| strata-serve, its defaults |", "| app: aiohttp web.Application", "| proto: asyncio.Protocol",
+                "| bytes: byte relay"):
+        assert row in report
