@@ -19,10 +19,12 @@ strata-serve in one run, and is given as a ratio:
 
 Every measure goes through a third way too: a bare relay
 (:func:`bench.profile.bare_relay_process`, an aiohttp server that passes each request to
-the same engine and its answer back, nothing else: no line, no hooks), in its own process.
-Its ratio to the engine alone is what any Python layer between client and engine costs on
-this machine, measured in the same run; strata-serve's ratio to it is what strata-serve
-adds beyond that. The streams go through two more ways: a byte relay
+the same engine through aiohttp's client and its answer back, nothing else: no line, no
+hooks), in its own process, on asyncio's loop. Its ratio to the engine alone is what such a
+relay between client and engine costs on this machine, measured in the same run. Its
+plain calls to the engine cost more than strata-serve's own, on uvloop:
+:mod:`bench.http_floor` sets strata-serve beside relays that call the engine as it does,
+each with another server. The streams go through two more ways: a byte relay
 (:func:`bench.profile.byte_relay`, the bytes both ways as they come, no HTTP at all), what
 passing a token through a Python event loop costs here at the least (the 1-token requests
 go through it too: what any Python process on their path adds); and a thread relay
@@ -319,7 +321,8 @@ def report(found: dict[str, Any], model: str) -> list[str]:
         "brackets: the way measured / the engine (medians), the lowest-highest ratio of strata-serve's "
         "interleaved pairs, and a 90% interval for the ratio (a bootstrap over the rounds, each round's pair "
         "kept together). A ratio is the median of the rounds' pairs: each pair ran seconds apart, the rounds "
-        "minutes. The bare relay's column is what any Python layer costs here.",
+        "minutes. The bare relay's column is what an aiohttp server and client between client and engine "
+        "cost here.",
         "",
         "| measure | strata-serve / engine alone | bare relay / engine alone |",
         "|---|---|---|",
