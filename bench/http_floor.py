@@ -89,7 +89,9 @@ async def _relay(kind: str, port: int, engine_url: str, key: str) -> None:
 
 class _Protocol(asyncio.Protocol):
     """The least HTTP server: httptools parses, each whole request is relayed in a task,
-    its answer's head written with its body in one write."""
+    its answer's head written with its body in one write. Answers go in the order they
+    come back, which is the requests' order only for a client that waits for each answer
+    before its next request (this bench's does; a pipelining one would need a queue)."""
 
     def __init__(self, kept: Any) -> None:
         import httptools
