@@ -33,14 +33,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from bench.harness import BENCH_ENGINE_KEY
-from bench.layer_cost import cpu_seconds, strata_process, until_answering
+from bench.layer_cost import cpu_seconds, plain_one, strata_process, until_answering
 from strata_serve.engine.llama_server import free_port
 
 #: The relays, in the order of the table: (name, what its server is).
@@ -51,6 +50,7 @@ RELAYS = {
     "bytes": "byte relay, no HTTP",
 }
 PATH = "/v1/chat/completions"
+#: The request every way is asked (as :func:`bench.layer_cost.plain_one` sends its messages).
 SHORT = {"messages": [{"role": "user", "content": "Say something about rivers."}], "max_tokens": 1,
          "temperature": 0}
 
@@ -156,15 +156,6 @@ async def _relays(engine_url: str, work: Path) -> Any:
             proc.wait(30)
 
 
-async def _one(session: aiohttp.ClientSession, url: str) -> float:
-    began = time.perf_counter()
-    async with session.post(url + PATH, json=SHORT) as resp:
-        await resp.read()
-        if resp.status != 200:
-            raise RuntimeError(f"{url}: HTTP {resp.status}")
-    return (time.perf_counter() - began) * 1000
-
-
 async def measure(model: Path, work: Path, requests: int) -> dict[str, Any]:
     """Each way's times (ms) on kept connections and on new ones, and each process's CPU
     (ms) a request."""
@@ -182,12 +173,12 @@ async def measure(model: Path, work: Path, requests: int) -> dict[str, Any]:
             async with aiohttp.ClientSession(connector=connector,
                                              headers={"Authorization": f"Bearer {BENCH_ENGINE_KEY}"}) as session:
                 for url in urls.values():  # warm: the prompt cached, each kept connection open
-                    await _one(session, url)
+                    await plain_one(session, url, SHORT["messages"])
                 times: dict[str, list[float]] = {name: [] for name in urls}
                 before = {name: cpu_seconds(p) for name, p in pids.items()}
                 for n in range(requests):
                     for name in names[n % len(names):] + names[:n % len(names)]:
-                        times[name].append(await _one(session, urls[name]))
+                        times[name].append((await plain_one(session, urls[name], SHORT["messages"]))[0] * 1000)
                 found[how] = {"ms": times, "cpu_ms": {name: (cpu_seconds(p) - before[name]) / requests * 1000
                                                       for name, p in pids.items()}}
     return found
