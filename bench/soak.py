@@ -929,6 +929,8 @@ class Soak:
             rss, fds = process_rss_mib(pid), open_files(pid)
         except OSError:
             return  # between a stop and the next start
+        if rss == 0 or fds == 0:
+            return  # exited, not yet reaped (a zombie has no memory and no open files)
         sessions, temporaries, size = slot_files(self.slot_dir)
         stats = self.server.stats()
         self.samples.append(Sample(time.monotonic(), pid, rss, fds, sessions, len(temporaries), size,
